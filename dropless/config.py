@@ -1,0 +1,185 @@
+"""Model and MoE configuration, named as in DeepSeek-V3's ``config.json``.
+
+:class:`ModelArgs` carries every field the model and the MoE layer read. The
+DeepSeek-V3 fields keep their published names (``hidden_size``,
+``moe_intermediate_size``, ``n_routed_experts``, ``num_experts_per_tok``,
+``n_group``, ``topk_group``, ...), so a published ``config.json`` loads as it
+is through :meth:`ModelArgs.from_json` (unknown keys are ignored with a
+notice). The fields after the DeepSeek-V3 block are this project's own
+(alignment, capacity, chunking, recompute, gemm backend); see DESIGN.md.
+
+Errors: :meth:`ModelArgs.validate` raises :class:`ConfigError` (a
+``ValueError``) naming the field that is wrong and how to fix it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names the field and the fix."""
+
+
+@dataclass
+class ModelArgs:
+    """DeepSeek-V3-shaped model configuration.
+
+    Defaults are a tiny CPU-sized model that keeps V3's structure; the
+    published 671B shape is :meth:`deepseek_v3_671b`.
+    """
+
+    # --- DeepSeek-V3 config.json names -------------------------------------
+    vocab_size: int = 256
+    hidden_size: int = 64                   # H
+    intermediate_size: int = 192            # dense-layer SwiGLU width
+    moe_intermediate_size: int = 32         # I, per routed/shared expert
+    num_hidden_layers: int = 4
+    first_k_dense_replace: int = 1          # the first k layers are dense
+    moe_layer_freq: int = 1
+    num_attention_heads: int = 4
+    q_lora_rank: int | None = 0             # 0/None: no query compression
+    kv_lora_rank: int = 32
+    qk_nope_head_dim: int = 16
+    qk_rope_head_dim: int = 8
+    v_head_dim: int = 16
+    n_routed_experts: int = 8               # E
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 2            # k
+    n_group: int = 4
+    topk_group: int = 2
+    routed_scaling_factor: float = 1.0
+    scoring_func: str = "sigmoid"           # "sigmoid" (V3) or "softmax"
+    norm_topk_prob: bool = True
+    topk_method: str = "noaux_tc"
+    aux_loss_alpha: float = 1e-4            # sequence-wise aux loss weight α; 0 turns it off
+    seq_aux: bool = True
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+
+    # --- dropless's own MoE fields -----------------------------------------
+    bias_update_speed: float = 1e-3         # γ of the aux-loss-free bias update
+    expert_alignment: int = 1               # A: each expert segment starts on a multiple of A
+    capacity_factor: float | None = None    # None = dropless; a number = old token-dropping baseline
+    num_token_chunks: int = 1               # N: split the rank's tokens into N chunks
+    recompute_swiglu: bool = False          # recompute the SwiGLU output in backward
+    recompute_fc1: bool = False             # recompute the FC1 (gate||up) output in backward
+    fold_routing_weights: bool = False      # multiply routing weights in before FC2
+    gemm: str = "torch"                     # grouped GEMM backend (dropless.ops.list_backends())
+    poison_padding: bool = False            # debug: fill padding rows of every buffer with NaN
+    seed: int = 0                           # weight-init seed, independent of the parallel layout
+
+    # ---------------------------------------------------------------------
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.moe_layer_ids())
+
+    def moe_layer_ids(self) -> list[int]:
+        """Indices of the decoder layers that hold an MoE (the rest are dense)."""
+        return [
+            i
+            for i in range(self.num_hidden_layers)
+            if i >= self.first_k_dense_replace and i % max(self.moe_layer_freq, 1) == 0
+        ]
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def validate(self, layer: str | None = None) -> "ModelArgs":
+        """Check the fields; raise :class:`ConfigError` naming the wrong one.
+
+        Args:
+            layer: optional layer name to put in the message.
+        Returns: self, for chaining.
+        """
+        where = f" (layer {layer})" if layer is not None else ""
+
+        def bad(name: str, why: str) -> None:
+            raise ConfigError(f"{name}={getattr(self, name)!r}{where}: {why}")
+
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+                     "num_hidden_layers", "num_attention_heads", "n_routed_experts",
+                     "num_experts_per_tok", "n_group", "topk_group", "kv_lora_rank",
+                     "qk_rope_head_dim", "v_head_dim", "expert_alignment", "num_token_chunks"):
+            if int(getattr(self, name)) <= 0:
+                bad(name, "must be a positive integer")
+        if self.n_shared_experts < 0:
+            bad("n_shared_experts", "must be >= 0")
+        if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
+            bad("first_k_dense_replace", f"must lie in [0, num_hidden_layers={self.num_hidden_layers}]")
+        if self.n_routed_experts % self.n_group:
+            bad("n_group", f"must divide n_routed_experts={self.n_routed_experts}; "
+                "pick n_group from its divisors")
+        if self.topk_group > self.n_group:
+            bad("topk_group", f"must be <= n_group={self.n_group}")
+        per_group = self.n_routed_experts // self.n_group
+        if self.num_experts_per_tok > self.topk_group * per_group:
+            bad("num_experts_per_tok", f"must be <= topk_group*experts_per_group = "
+                f"{self.topk_group}*{per_group}: the kept groups hold only that many experts")
+        if self.n_group > 1 and per_group < 2 and self.topk_method == "noaux_tc":
+            bad("n_group", "each group needs >= 2 experts: the group score sums its top-2")
+        if self.scoring_func not in ("sigmoid", "softmax"):
+            bad("scoring_func", "must be 'sigmoid' (DeepSeek-V3) or 'softmax'")
+        if self.routed_scaling_factor <= 0:
+            bad("routed_scaling_factor", "must be > 0")
+        if self.aux_loss_alpha < 0:
+            bad("aux_loss_alpha", "must be >= 0 (0 turns the sequence-wise aux loss off)")
+        if self.bias_update_speed < 0:
+            bad("bias_update_speed", "must be >= 0 (0 freezes the balancing bias)")
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            bad("capacity_factor", "must be > 0, or null for dropless")
+        if self.qk_nope_head_dim < 0:
+            bad("qk_nope_head_dim", "must be >= 0")
+        if self.qk_rope_head_dim % 2:
+            bad("qk_rope_head_dim", "must be even (RoPE rotates pairs)")
+        return self
+
+    # ---------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, strict: bool = False) -> "ModelArgs":
+        """Build from a mapping; unknown keys raise (strict) or are ignored with a notice."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(k for k in d if k not in known)
+        if unknown:
+            msg = f"ModelArgs: keys not used by dropless: {', '.join(unknown)}"
+            if strict:
+                raise ConfigError(msg + " (check the spelling; see dropless/config.py for the fields)")
+            warnings.warn(msg + " (ignored)", stacklevel=2)
+        kw = {k: v for k, v in d.items() if k in known}
+        if kw.get("q_lora_rank") is None and "q_lora_rank" in kw:
+            kw["q_lora_rank"] = 0
+        return cls(**kw)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "ModelArgs":
+        """Load a published DeepSeek-V3 ``config.json`` (unknown keys ignored with a notice)."""
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def deepseek_v3_671b(cls, **overrides: Any) -> "ModelArgs":
+        """The published DeepSeek-V3 shape (config.json of deepseek-ai/DeepSeek-V3)."""
+        d = dict(
+            vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+            moe_intermediate_size=2048, num_hidden_layers=61, first_k_dense_replace=3,
+            num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+            qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+            n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8,
+            n_group=8, topk_group=4, routed_scaling_factor=2.5, scoring_func="sigmoid",
+            norm_topk_prob=True, topk_method="noaux_tc", aux_loss_alpha=1e-4,
+            rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=163840,
+        )
+        d.update(overrides)
+        return cls(**d)
