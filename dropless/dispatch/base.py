@@ -1,0 +1,111 @@
+"""The dispatcher interface shared by every way tokens reach their experts.
+
+A dispatcher takes the rank's tokens and their routing and lands the rows
+for this rank's ``e`` local experts in one expert-sorted, aligned buffer with
+an :class:`~dropless.layout.ExpertLayout` (DESIGN.md "The pipeline"); after
+the experts ran, ``combine`` brings their outputs back to the original token
+order as the weighted sum over ``k``.
+
+Every dispatcher gives the same outputs and gradients as ``local`` on the
+same global batch. A routed expert index ``< 0`` means "dropped" (the
+``capacity_factor`` baseline) and is never dispatched.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dropless.layout import ExpertLayout
+
+
+@dataclass
+class Dispatched:
+    """What :meth:`Dispatcher.dispatch` returns.
+
+    Attributes:
+        rows_MH: ``[M, H]`` landed rows, expert-sorted and aligned (padding unspecified).
+        layout: their :class:`ExpertLayout` over the ``e`` local experts.
+        row_weight_M: ``[M]`` routing weight of each landed row when the weights are
+            folded into the activation (``fold_routing_weights``), else None.
+        handle: dispatcher-specific state that :meth:`Dispatcher.combine` needs
+            (integer indices, split sizes, the weights when not folded).
+    """
+
+    rows_MH: torch.Tensor
+    layout: ExpertLayout
+    row_weight_M: torch.Tensor | None
+    handle: Any
+
+
+@dataclass
+class CommStats:
+    """Bytes this rank sent and received in collectives since the last :meth:`reset` (host ints).
+
+    Counted from the shapes handed to the collectives (payload bytes, as DESIGN.md's cost
+    table counts them), forward and backward together.
+    """
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    def add(self, sent: int, received: int) -> None:
+        self.bytes_sent += int(sent)
+        self.bytes_received += int(received)
+
+    def reset(self) -> dict[str, int]:
+        out = {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received}
+        self.bytes_sent = self.bytes_received = 0
+        return out
+
+
+class Dispatcher(ABC):
+    """Base class: see the module docstring.
+
+    Attributes:
+        name: the config flag (``dispatcher=…``).
+        ep_size, ep_rank: the expert-parallel group's size and this rank's place in it.
+        comm: :class:`CommStats` of this dispatcher.
+    """
+
+    name: str = "base"
+
+    def __init__(self, num_experts: int, ep_size: int = 1, ep_rank: int = 0):
+        if num_experts <= 0:
+            raise ValueError(f"n_routed_experts={num_experts}: must be positive")
+        if num_experts % ep_size:
+            raise ValueError(
+                f"n_routed_experts={num_experts} is not divisible by the expert-parallel size "
+                f"EP={ep_size}; pick an EP that divides it")
+        self.num_experts, self.ep_size, self.ep_rank = num_experts, ep_size, ep_rank
+        self.comm = CommStats()
+
+    @property
+    def num_local_experts(self) -> int:
+        """``e = E / EP``."""
+        return self.num_experts // self.ep_size
+
+    @property
+    def expert_offset(self) -> int:
+        """Global id of local expert 0."""
+        return self.ep_rank * self.num_local_experts
+
+    @abstractmethod
+    def dispatch(self, x_TH: torch.Tensor, topk_idx_Tk: torch.Tensor, topk_weight_Tk: torch.Tensor, *,
+                 alignment: int = 1, capacity: int | None = None, fold_weights: bool = False) -> Dispatched:
+        """Land this rank's rows for its local experts.
+
+        Args:
+            x_TH: ``[T, H]`` the rank's tokens.
+            topk_idx_Tk: int64 ``[T, k]`` global expert ids (``< 0``: dropped choice).
+            topk_weight_Tk: fp32 ``[T, k]`` combine weights.
+            alignment: ``A``. capacity: static ``M`` (None: the dispatcher's exact bound).
+            fold_weights: return ``row_weight_M`` and combine as a plain sum.
+        """
+
+    @abstractmethod
+    def combine(self, y_MH: torch.Tensor, handle: Any) -> torch.Tensor:
+        """``[M, H]`` expert outputs -> ``[T, H]`` in the original token order (weighted sum over k)."""

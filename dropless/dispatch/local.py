@@ -1,0 +1,40 @@
+"""``local``: EP = 1, every expert on this rank; nothing moves, no host sync."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dropless.dispatch.base import Dispatched, Dispatcher
+from dropless.permute import combine_rows, permute_rows, sort_by_expert
+
+
+@dataclass
+class LocalHandle:
+    dest_Tk: torch.Tensor           # int64 [T, k] landed row of each choice (-1: dropped)
+    weight_Tk: torch.Tensor | None  # combine weights, None when folded into the rows
+
+
+def scatter_row_weights(weight_Nk: torch.Tensor, dest_Nk: torch.Tensor, capacity: int) -> torch.Tensor:
+    """``[M]`` weight of each landed row (0 on padding), differentiable in ``weight_Nk``."""
+    w = weight_Nk.reshape(-1)
+    d = dest_Nk.reshape(-1)
+    tgt = torch.where(d >= 0, d, torch.full_like(d, capacity))
+    return w.new_zeros(capacity + 1).scatter(0, tgt, w)[:capacity]
+
+
+class LocalDispatcher(Dispatcher):
+    name = "local"
+
+    def __init__(self, num_experts: int):
+        super().__init__(num_experts, ep_size=1, ep_rank=0)
+
+    def dispatch(self, x_TH, topk_idx_Tk, topk_weight_Tk, *, alignment=1, capacity=None, fold_weights=False):
+        layout, dest_Tk, src_M = sort_by_expert(topk_idx_Tk, self.num_experts, alignment, capacity)
+        rows_MH = permute_rows(x_TH, src_M, dest_Tk)
+        row_w = scatter_row_weights(topk_weight_Tk, dest_Tk, layout.capacity) if fold_weights else None
+        return Dispatched(rows_MH, layout, row_w, LocalHandle(dest_Tk, None if fold_weights else topk_weight_Tk))
+
+    def combine(self, y_MH, handle: LocalHandle):
+        return combine_rows(y_MH, handle.dest_Tk, handle.weight_Tk)

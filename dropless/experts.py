@@ -1,0 +1,99 @@
+"""Routed SwiGLU experts over a live-row layout (grouped GEMM gate||up, SwiGLU, down)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dropless.layout import ExpertLayout, poison_padding
+from dropless.ops import get_backend, grouped_mm
+
+
+def init_expert_weights_(w13_eHI2: torch.Tensor, w2_eIH: torch.Tensor, seed: int, layer_id: int,
+                         expert_offset: int, std: float) -> None:
+    """Initialise local experts from their GLOBAL expert index, independent of the layout.
+
+    Expert ``g`` (global id) draws from a generator seeded by ``(seed, layer_id, g)``, so the
+    same seed gives the same global expert weights whatever EP is (runs compare across
+    parallel layouts). ``w2`` is scaled by ``1/sqrt(2·num_layers)``-style depth scaling
+    only by the caller through ``std``.
+    """
+    if w13_eHI2.is_meta:
+        return
+    e = w13_eHI2.shape[0]
+    with torch.no_grad():
+        for i in range(e):
+            g = torch.Generator(device="cpu")
+            g.manual_seed((int(seed) * 1_000_003 + int(layer_id) * 10_007 + expert_offset + i) & 0x7FFF_FFFF_FFFF)
+            a = torch.empty(w13_eHI2.shape[1:], dtype=torch.float32).normal_(0.0, std, generator=g)
+            b = torch.empty(w2_eIH.shape[1:], dtype=torch.float32).normal_(0.0, std, generator=g)
+            w13_eHI2[i].copy_(a)
+            w2_eIH[i].copy_(b)
+
+
+def swiglu(h13_MI2: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` on ``[M, 2I]`` (gate = first I columns) -> ``[M, I]``."""
+    gate, up = h13_MI2.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class GroupedExperts(nn.Module):
+    """``e`` local SwiGLU experts: ``y = (silu(x W_gate) * (x W_up)) W_down`` per expert.
+
+    Parameters:
+        w13: ``[e, H, 2I]`` fused gate||up (gate in the first ``I`` columns).
+        w2: ``[e, I, H]`` down projection.
+    Args:
+        hidden_size: ``H``. moe_intermediate_size: ``I``. num_local_experts: ``e``.
+        gemm: grouped GEMM backend name (:func:`dropless.ops.list_backends`).
+        expert_offset: global id of local expert 0 (``ep_rank · e``), for layout-independent init.
+    """
+
+    def __init__(self, hidden_size: int, moe_intermediate_size: int, num_local_experts: int,
+                 gemm: str = "torch", expert_offset: int = 0):
+        super().__init__()
+        self.hidden_size, self.moe_intermediate_size = hidden_size, moe_intermediate_size
+        self.num_local_experts, self.expert_offset = num_local_experts, expert_offset
+        self.backend = get_backend(gemm)
+        self.w13 = nn.Parameter(torch.empty(num_local_experts, hidden_size, 2 * moe_intermediate_size))
+        self.w2 = nn.Parameter(torch.empty(num_local_experts, moe_intermediate_size, hidden_size))
+
+    def init_weights(self, seed: int, layer_id: int, std: float = 0.02) -> None:
+        init_expert_weights_(self.w13, self.w2, seed, layer_id, self.expert_offset, std)
+
+    def forward(self, rows_MH: torch.Tensor, layout: ExpertLayout,
+                row_weight_M: torch.Tensor | None = None, poison: bool = False) -> torch.Tensor:
+        """Run the experts on the live rows.
+
+        Args:
+            rows_MH: ``[M, H]`` landed rows (padding rows unspecified).
+            layout: their :class:`ExpertLayout` (``e`` = ``num_local_experts``).
+            row_weight_M: optional ``[M]`` routing weight per row, multiplied into the
+                SwiGLU output before FC2 (``fold_routing_weights``).
+            poison: debug: write NaN into the padding rows of every intermediate.
+        Returns:
+            ``[M, H]`` expert outputs in the compute dtype; padding rows unspecified.
+        """
+        dt = rows_MH.dtype
+        if torch.is_autocast_enabled(rows_MH.device.type):
+            dt = torch.get_autocast_dtype(rows_MH.device.type)
+        x = rows_MH.to(dt)
+        w13, w2 = self.w13.to(dt), self.w2.to(dt)
+        with torch.autocast(rows_MH.device.type, enabled=False):
+            if poison:
+                x = poison_padding(x, layout)
+            h13 = grouped_mm(x, w13, layout, self.backend)
+            if poison:
+                h13 = poison_padding(h13, layout)
+            h = swiglu(h13)
+            if row_weight_M is not None:
+                h = h * row_weight_M.to(h.dtype).unsqueeze(1)
+            if poison:
+                h = poison_padding(h, layout)
+            y = grouped_mm(h, w2, layout, self.backend)
+            if poison:
+                y = poison_padding(y, layout)
+            return y

@@ -1,0 +1,149 @@
+"""The dropless MoE layer: router -> dispatcher -> grouped-GEMM experts -> combine (+ shared experts).
+
+DESIGN.md "The pipeline"::
+
+    x_TH ─ Router ─ topk_idx_Tk, topk_weight_Tk
+         ─ Dispatcher.dispatch ─ rows_MH + ExpertLayout
+         ─ Experts: FC1 (gate||up) ─ SwiGLU ─ FC2, over live rows
+         ─ Dispatcher.combine ─ y_TH (weighted sum over k, fp32 accumulate)
+         + shared experts on x_TH
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from dropless.config import ModelArgs
+from dropless.dispatch import Dispatcher, LocalDispatcher
+from dropless.experts import GroupedExperts
+from dropless.model.mlp import FeedForward
+from dropless.routing import Router
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on ``out``; in backward, gives ``aux_loss`` a gradient of 1.
+
+    This is how the sequence-wise auxiliary loss joins the training loss without the
+    trainer adding it: its gradient rides on the layer output's backward, which also
+    works under activation recompute.
+    """
+
+    @staticmethod
+    def forward(ctx, out, aux_loss):
+        ctx.aux_shape, ctx.aux_dtype = aux_loss.shape, aux_loss.dtype
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return grad_out, torch.ones(ctx.aux_shape, dtype=ctx.aux_dtype, device=grad_out.device)
+
+
+def capacity_drop(topk_idx_Tk: torch.Tensor, num_experts: int, capacity_factor: float
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The old token-dropping baseline: each expert keeps its first ``C`` rows.
+
+    ``C = ceil(capacity_factor · T·k / E)`` (seed 003 §6); rows are kept in token order
+    (GShard / Switch convention), the rest are dropped (index set to -1). No host sync.
+
+    Returns:
+        topk_idx_Tk with dropped choices set to -1, rows dropped (0-dim int64),
+        rows padded (``E·C`` minus rows kept; 0-dim int64).
+    """
+    t, k = topk_idx_Tk.shape
+    cap = math.ceil(capacity_factor * t * k / num_experts)
+    flat = topk_idx_Tk.reshape(-1)
+    valid = flat >= 0
+    onehot = torch.nn.functional.one_hot(flat.clamp(min=0), num_experts) * valid.unsqueeze(1)
+    rank = (torch.cumsum(onehot, 0) - onehot).gather(1, flat.clamp(min=0).unsqueeze(1)).squeeze(1)
+    keep = valid & (rank < cap)
+    dropped = (valid & ~keep).sum()
+    padded = num_experts * cap - keep.sum()
+    return torch.where(keep, flat, torch.full_like(flat, -1)).view(t, k), dropped, padded
+
+
+class MoE(nn.Module):
+    """A DeepSeek-V3 MoE layer that drops no token.
+
+    Args:
+        args: the model config (DeepSeek-V3 names; see :class:`~dropless.config.ModelArgs`).
+        layer_id: decoder layer index (for error messages, stats and the weight-init seed).
+        dispatcher: how tokens reach the experts (default :class:`LocalDispatcher`, EP = 1).
+
+    Shapes: ``forward(x_BSH)`` -> ``[B, S, H]`` (or ``x_TH`` -> ``[T, H]``), same dtype as ``x``.
+
+    Attributes:
+        router: :class:`~dropless.routing.Router`.
+        experts: :class:`~dropless.experts.GroupedExperts` holding the ``e = E/EP`` local experts.
+        shared_experts: :class:`~dropless.model.mlp.FeedForward` of width
+            ``n_shared_experts · moe_intermediate_size`` on every token, or None.
+        last_stats: device tensors of the last forward: ``rows_dropped``, ``rows_padded``
+            (capacity-factor baseline; 0 when dropless), ``rows_live``, ``rows_capacity``.
+    Raises:
+        ConfigError: an invalid config field (named, with the layer).
+        ValueError: ``x`` of the wrong shape or dtype.
+    """
+
+    def __init__(self, args: ModelArgs, layer_id: int = 0, dispatcher: Dispatcher | None = None):
+        super().__init__()
+        args.validate(layer=str(layer_id))
+        self.args, self.layer_id = args, layer_id
+        self.dispatcher = dispatcher if dispatcher is not None else LocalDispatcher(args.n_routed_experts)
+        if self.dispatcher.num_experts != args.n_routed_experts:
+            raise ValueError(f"layer {layer_id}: dispatcher built for {self.dispatcher.num_experts} experts but "
+                             f"n_routed_experts={args.n_routed_experts}")
+        self.router = Router(args, layer_id)
+        self.experts = GroupedExperts(args.hidden_size, args.moe_intermediate_size,
+                                      self.dispatcher.num_local_experts, gemm=args.gemm,
+                                      expert_offset=self.dispatcher.expert_offset)
+        self.shared_experts = (FeedForward(args.hidden_size, args.n_shared_experts * args.moe_intermediate_size)
+                               if args.n_shared_experts > 0 else None)
+        self.last_stats: dict[str, torch.Tensor] = {}
+
+    def init_weights(self, seed: int | None = None) -> None:
+        """Deterministic, layout-independent init (same global weights for any EP)."""
+        seed = self.args.seed if seed is None else seed
+        std = self.args.initializer_range
+        g = torch.Generator(device="cpu")
+        g.manual_seed(seed * 7919 + self.layer_id)
+        if not self.router.weight.is_meta:
+            self.router.reset_parameters(generator=g)
+        self.experts.init_weights(seed, self.layer_id, std)
+        if self.shared_experts is not None and not self.shared_experts.w1.weight.is_meta:
+            with torch.no_grad():
+                for lin in (self.shared_experts.w1, self.shared_experts.w3, self.shared_experts.w2):
+                    w = torch.empty(lin.weight.shape, dtype=torch.float32).normal_(0.0, std, generator=g)
+                    lin.weight.copy_(w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.args
+        if x.dim() not in (2, 3) or x.shape[-1] != a.hidden_size or not x.dtype.is_floating_point:
+            raise ValueError(f"MoE layer {self.layer_id}: x must be floating [B, S, hidden_size={a.hidden_size}] "
+                             f"or [T, hidden_size]; got {tuple(x.shape)} {x.dtype}")
+        seq_len = x.shape[1] if x.dim() == 3 else None
+        x_TH = x.reshape(-1, a.hidden_size)
+        r = self.router(x_TH, seq_len=seq_len)
+        topk_idx_Tk = r.topk_idx_Tk
+        stats: dict[str, torch.Tensor] = {}
+        if a.capacity_factor is not None:
+            topk_idx_Tk, stats["rows_dropped"], stats["rows_padded"] = capacity_drop(
+                topk_idx_Tk, a.n_routed_experts, a.capacity_factor)
+        y_TH = self._routed(x_TH, topk_idx_Tk, r.topk_weight_Tk, stats)
+        if self.shared_experts is not None:
+            y_TH = y_TH + self.shared_experts(x_TH).to(y_TH.dtype)
+        if self.training and r.aux_loss.requires_grad:
+            y_TH = _AttachAuxLoss.apply(y_TH, r.aux_loss)
+        self.last_stats = stats
+        return y_TH.view(x.shape).to(x.dtype)
+
+    def _routed(self, x_TH, topk_idx_Tk, topk_weight_Tk, stats):
+        """Dispatch -> experts -> combine over ``num_token_chunks`` chunks of the rank's tokens."""
+        a = self.args
+        d = self.dispatcher.dispatch(x_TH, topk_idx_Tk, topk_weight_Tk, alignment=a.expert_alignment,
+                                     fold_weights=a.fold_routing_weights)
+        y_MH = self.experts(d.rows_MH, d.layout, d.row_weight_M, poison=a.poison_padding)
+        stats["rows_live"] = d.layout.counts.sum()
+        stats["rows_capacity"] = torch.tensor(d.layout.capacity)
+        return self.dispatcher.combine(y_MH, d.handle)

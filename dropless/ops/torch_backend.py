@@ -1,0 +1,59 @@
+"""The ``torch`` grouped GEMM backend: ``torch.nn.functional.grouped_mm``.
+
+Forward uses the layout's unaligned ends as the group offsets: group ``i``
+spans ``[end[i-1], end[i])``, i.e. the gap before expert ``i`` plus its live
+rows, so gap rows produce garbage only in gap rows of the output.
+
+The weight gradient must not see padding rows (a NaN there would poison
+``dw``; DESIGN.md rule 2). It runs ``2e`` groups with the interleaved offsets
+``[start[0], end[0], start[1], end[1], …]``: the even groups are the gaps, the
+odd groups the experts' live rows, and only the odd results are kept. An
+empty expert is forced to an exact zero (case-01: some GPU kernels leave
+garbage for empty groups).
+
+Limits (torch 2.11–2.13): on CPU fp32/bf16/fp16 operands; on CUDA bf16 on
+sm90+; every row stride a multiple of 16 bytes (K and N multiples of 8 for
+bf16, 4 for fp32).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dropless.layout import ExpertLayout
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    fn = getattr(F, "grouped_mm", None)
+    if fn is None:  # torch < 2.10
+        return torch._grouped_mm(a, b, offs=offs)
+    return fn(a, b, offs=offs)
+
+
+class TorchBackend:
+    name = "torch"
+
+    def check(self, x_MK: torch.Tensor, w_eKN: torch.Tensor) -> None:
+        ok = (torch.float32, torch.bfloat16, torch.float16) if x_MK.device.type == "cpu" else (torch.bfloat16,)
+        if x_MK.dtype not in ok:
+            raise ValueError(
+                f"gemm=torch: grouped_mm on {x_MK.device.type} takes {[str(d) for d in ok]}, got {x_MK.dtype}; "
+                "use gemm=loop for other dtypes (e.g. float64 references)")
+        esize = x_MK.element_size()
+        for name, n in (("K (input width)", x_MK.shape[1]), ("N (output width)", w_eKN.shape[2])):
+            if (n * esize) % 16:
+                raise ValueError(
+                    f"gemm=torch: {name}={n} gives a row stride of {n * esize} bytes; grouped_mm needs a "
+                    f"multiple of 16 bytes (hidden_size and moe_intermediate_size multiples of {16 // esize}); "
+                    "change the model shape or use gemm=loop")
+
+    def gmm(self, x_MK: torch.Tensor, w_eKN: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+        return _grouped_mm(x_MK, w_eKN, layout.end)
+
+    def gmm_wgrad(self, x_MK: torch.Tensor, dy_MN: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+        e = layout.num_experts
+        offs = torch.stack([layout.start, layout.end], dim=1).reshape(2 * e)
+        dw = _grouped_mm(x_MK.t(), dy_MN, offs)[1::2]
+        live = (layout.counts > 0).view(e, 1, 1)
+        return torch.where(live, dw, torch.zeros((), dtype=dw.dtype, device=dw.device))
