@@ -1,0 +1,170 @@
+"""Hydra configuration of a training run: compose ``configs/`` (+ ``recipes/``) into one DictConfig.
+
+Layout (the repository root holds both directories)::
+
+    configs/config.yaml      the primary config: the defaults list and the ``train:`` block
+    configs/<group>/*.yaml   groups: model, dispatcher, gemm, optim, data, logging
+    recipes/*.yaml           complete experiments (``# @package _global_``), selected with ``recipe=NAME``
+
+Recipes are a Hydra config group. Their directory is ``recipes/`` at the repository
+root, which is on the Hydra search path (``hydra.searchpath`` in config.yaml), so the
+group's Hydra name is ``recipes``; :func:`compose` also accepts the singular
+``recipe=NAME`` (the spelling the README uses) and rewrites it to ``recipes=NAME``.
+A recipe is applied after ``config.yaml``'s own values, and command-line overrides are
+applied after the recipe, so ``recipe=h200_single train.steps=50`` does what it reads.
+
+``cfg.model`` is typed by the :class:`~dropless.config.ModelArgs` dataclass (a Hydra
+structured-config schema, ``model/schema``): every ModelArgs field exists in every model
+config and can be overridden (``model.hidden_size=128``); a key that is not a field, or
+a value of the wrong type, is a composition error. Hydra's struct mode rejects any other
+unknown key (``foo=1``); :func:`compose` turns Hydra's errors into :class:`ConfigError`.
+
+Errors: :class:`ConfigError` (a ``ValueError``) naming the field and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+from dropless.config import ConfigError, ModelArgs
+
+__all__ = ["compose", "model_args", "repo_root", "config_dir", "recipe_dir", "list_recipes",
+           "ConfigError"]
+
+_RESOLVER = "dropless_root"
+
+
+def repo_root() -> Path:
+    """The repository root: ``dropless/train/config.py`` -> parents[2]."""
+    return Path(__file__).resolve().parents[2]
+
+
+def config_dir() -> Path:
+    """``<repo>/configs``; raises ConfigError if it is missing (e.g. a non-editable install)."""
+    d = repo_root() / "configs"
+    if not (d / "config.yaml").is_file():
+        raise ConfigError(
+            f"config directory not found: {d}/config.yaml. dropless reads its Hydra configs from the "
+            "repository checkout; install it editable from the repository root "
+            "(`pip install -e .`) and run from that checkout.")
+    return d
+
+
+def recipe_dir() -> Path:
+    """``<repo>/recipes`` (complete experiments)."""
+    return repo_root() / "recipes"
+
+
+def list_recipes() -> list[str]:
+    """Names of the recipes in ``recipes/`` (sorted)."""
+    return sorted(p.stem for p in recipe_dir().glob("*.yaml"))
+
+
+def _register() -> None:
+    """Register the ``${dropless_root:}`` resolver and the ModelArgs schema (idempotent)."""
+    if not OmegaConf.has_resolver(_RESOLVER):
+        OmegaConf.register_new_resolver(_RESOLVER, lambda: str(repo_root()))
+    from hydra.core.config_store import ConfigStore
+
+    try:  # typed schema: wrong types and unknown keys are caught at composition
+        node = OmegaConf.structured(ModelArgs)
+    except Exception:  # a field type OmegaConf cannot express: fall back to untyped defaults
+        node = OmegaConf.create(dataclasses.asdict(ModelArgs()))
+    ConfigStore.instance().store(group="model", name="schema", node=node)
+
+
+def _rewrite(overrides: Sequence[str]) -> list[str]:
+    out = []
+    for o in overrides:
+        o = str(o)
+        for pre in ("recipe=", "+recipe=", "++recipe="):
+            if o.startswith(pre):
+                o = "recipes=" + o[len(pre):]
+        out.append(o)
+    return out
+
+
+def compose(overrides: Sequence[str] = (), config_name: str = "config") -> DictConfig:
+    """Compose the run config from ``configs/`` (and ``recipes/``) with Hydra overrides.
+
+    Args:
+        overrides: Hydra override strings, e.g. ``["recipe=h200_single", "train.steps=50",
+            "dispatcher=a2a", "model.hidden_size=128"]``. ``recipe=NAME`` selects
+            ``recipes/NAME.yaml``.
+        config_name: the primary config in ``configs/`` (default ``config``).
+    Returns:
+        The composed DictConfig in struct mode (unknown keys raise on access/assignment),
+        interpolations left in place (resolve with ``OmegaConf.resolve`` / ``to_container``).
+    Raises:
+        ConfigError: the config directory is missing, an override names a key or group
+            option that does not exist (the message keeps Hydra's explanation), or a value
+            has the wrong type.
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    cdir = config_dir()
+    _register()
+    ov = _rewrite(overrides)
+    added = [o for o in ov if o.startswith("+") and not o.lstrip("+").startswith("recipes=")]
+    if added:
+        raise ConfigError(
+            f"overrides {added} add new keys: every key dropless reads already exists in configs/, "
+            "so a '+key=value' would be ignored. Drop the '+' and check the spelling "
+            "(`dropless-train --cfg` prints the resolved config).")
+    gh = GlobalHydra.instance()
+    was = gh.is_initialized()
+    if was:  # compose inside someone else's Hydra context: use our own, then give it back
+        saved = gh.hydra
+        gh.clear()
+    try:
+        with initialize_config_dir(config_dir=str(cdir), version_base=None, job_name="dropless"):
+            cfg = hydra_compose(config_name=config_name, overrides=ov)
+    except (HydraException, OmegaConfBaseException) as e:
+        msg = str(e).strip()
+        cause = e.__cause__
+        while cause is not None:  # Hydra wraps the OmegaConf error that names the type problem
+            msg += "\n" + str(cause).strip()
+            cause = cause.__cause__
+        hint = ""
+        if "Could not override" in msg or "not in struct" in msg.lower() or "Key '" in msg:
+            hint = ("\nEvery config key already exists in configs/; check the spelling "
+                    "(print the resolved config with `dropless-train --cfg`).")
+        if "recipes" in msg:
+            hint += f"\nAvailable recipes (recipe=NAME): {', '.join(list_recipes())}"
+        raise ConfigError(f"config composition failed for overrides {list(overrides)}:\n{msg}{hint}") from e
+    finally:
+        if was:
+            gh.clear()
+            gh.initialize(saved)
+    OmegaConf.set_struct(cfg, True)
+    return cfg
+
+
+def model_args(cfg: DictConfig) -> ModelArgs:
+    """Build and validate :class:`ModelArgs` from ``cfg.model`` (strict).
+
+    Args:
+        cfg: a composed config (or any mapping with a ``model`` entry).
+    Returns: validated ModelArgs.
+    Raises:
+        ConfigError: ``cfg.model`` holds a key that is not a ModelArgs field, or
+            :meth:`ModelArgs.validate` rejects a value (the message names the field).
+    """
+    node = cfg["model"] if not isinstance(cfg, DictConfig) else cfg.model
+    d = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+    try:
+        args = ModelArgs.from_dict(d, strict=True)
+    except TypeError as e:
+        raise ConfigError(f"model config: {e}") from e
+    try:
+        return args.validate()
+    except ConfigError as e:
+        raise ConfigError(f"model.{e} (override it on the command line: model.<field>=<value>)") from e
