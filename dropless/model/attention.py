@@ -1,0 +1,156 @@
+"""Multi-head Latent Attention (MLA), DeepSeek-V2 paper section 2.1 / DeepSeek-V3.
+
+Training form (keys and values are materialised per head; no KV cache):
+
+```
+q   = wq(x)                             if q_lora_rank == 0
+    = wq_b(q_norm(wq_a(x)))             otherwise            [B, S, N*Dq]
+q   = [q_nope (Dn) | q_pe (Dr)] per head; q_pe <- RoPE(q_pe)
+c, k_pe = split(wkv_a(x), [C, Dr])                             c: [B,S,C]; k_pe: [B,S,Dr]
+k_pe <- RoPE(k_pe)                      one rope key shared by all N heads
+[k_nope (Dn) | v (Dv)] per head = wkv_b(kv_norm(c))
+k   = [k_nope | k_pe]                   per head
+o   = causal softmax(q k^T / sqrt(Dq)) v                        [B, S, N, Dv]
+out = wo(o)                                                     [B, S, H]
+```
+
+Shape letters: B batch, S sequence, H ``hidden_size``, N ``num_attention_heads``,
+Dn ``qk_nope_head_dim``, Dr ``qk_rope_head_dim``, Dq = Dn + Dr (``qk_head_dim``),
+Dv ``v_head_dim``, C ``kv_lora_rank``, Q ``q_lora_rank``.
+
+The softmax scale is ``Dq ** -0.5``. DeepSeek-V3 multiplies it by
+``mscale**2`` only when YaRN ``rope_scaling`` extends the context; dropless
+uses plain RoPE and therefore no mscale (see :mod:`dropless.model.rope`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dropless.config import ModelArgs
+from dropless.model.norm import RMSNorm
+from dropless.model.rope import apply_rope
+
+
+class MLA(nn.Module):
+    """Multi-head Latent Attention with causal masking.
+
+    Args:
+        args: model config; reads ``hidden_size``, ``num_attention_heads``,
+            ``q_lora_rank`` (0 / None: a direct ``wq``), ``kv_lora_rank``,
+            ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, ``rms_norm_eps``.
+
+    Parameters (all ``nn.Linear`` without bias; weight shape is [out, in]):
+        wq:    [N*Dq, H]                (only when q_lora_rank == 0)
+        wq_a:  [Q, H], q_norm: RMSNorm(Q), wq_b: [N*Dq, Q]   (q_lora_rank > 0)
+        wkv_a: [C + Dr, H], kv_norm: RMSNorm(C), wkv_b: [N*(Dn+Dv), C]
+        wo:    [H, N*Dv]
+
+    Raises:
+        ValueError: a dimension is not positive, or ``qk_rope_head_dim`` is odd.
+    """
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.dim = args.hidden_size
+        self.n_heads = args.num_attention_heads
+        self.q_lora_rank = int(args.q_lora_rank or 0)
+        self.kv_lora_rank = args.kv_lora_rank
+        self.qk_nope_head_dim = args.qk_nope_head_dim
+        self.qk_rope_head_dim = args.qk_rope_head_dim
+        self.qk_head_dim = args.qk_nope_head_dim + args.qk_rope_head_dim
+        self.v_head_dim = args.v_head_dim
+        for name, value in (("hidden_size", self.dim), ("num_attention_heads", self.n_heads),
+                            ("kv_lora_rank", self.kv_lora_rank),
+                            ("qk_rope_head_dim", self.qk_rope_head_dim),
+                            ("v_head_dim", self.v_head_dim)):
+            if value <= 0:
+                raise ValueError(f"MLA: {name}={value} must be positive")
+        if self.q_lora_rank < 0:
+            raise ValueError(f"MLA: q_lora_rank={self.q_lora_rank} must be >= 0 "
+                             "(0 or null: no query compression)")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"MLA: qk_rope_head_dim={self.qk_rope_head_dim} must be even")
+        self.softmax_scale = self.qk_head_dim ** -0.5
+
+        if self.q_lora_rank == 0:
+            self.wq = nn.Linear(self.dim, self.n_heads * self.qk_head_dim, bias=False)
+        else:
+            self.wq_a = nn.Linear(self.dim, self.q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(self.q_lora_rank, eps=args.rms_norm_eps)
+            self.wq_b = nn.Linear(self.q_lora_rank, self.n_heads * self.qk_head_dim, bias=False)
+        self.wkv_a = nn.Linear(self.dim, self.kv_lora_rank + self.qk_rope_head_dim, bias=False)
+        self.kv_norm = RMSNorm(self.kv_lora_rank, eps=args.rms_norm_eps)
+        self.wkv_b = nn.Linear(self.kv_lora_rank,
+                               self.n_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
+        self.wo = nn.Linear(self.n_heads * self.v_head_dim, self.dim, bias=False)
+
+    def forward(self, x_BSH: torch.Tensor, rope_cos_SP: torch.Tensor,
+                rope_sin_SP: torch.Tensor) -> torch.Tensor:
+        """Causal MLA over the whole sequence.
+
+        Args:
+            x_BSH: [B, S, H] normalised hidden states.
+            rope_cos_SP, rope_sin_SP: [S, Dr/2] tables from
+                :func:`dropless.model.rope.rope_cos_sin`.
+
+        Returns:
+            [B, S, H] in ``x``'s dtype.
+        """
+        B, S, _ = x_BSH.shape
+        N, Dn, Dr, Dv = self.n_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+
+        # Queries: [B, S, N, Dq] = nope part | rope part.
+        if self.q_lora_rank == 0:
+            q_BSX = self.wq(x_BSH)
+        else:
+            q_BSX = self.wq_b(self.q_norm(self.wq_a(x_BSH)))
+        q_BSND = q_BSX.view(B, S, N, self.qk_head_dim)
+        q_nope_BSNn, q_pe_BSNr = torch.split(q_BSND, [Dn, Dr], dim=-1)
+        q_pe_BSNr = apply_rope(q_pe_BSNr, rope_cos_SP, rope_sin_SP)
+
+        # Compressed KV latent c [B, S, C] and the shared rope key k_pe [B, S, 1, Dr].
+        kv_BSX = self.wkv_a(x_BSH)
+        c_BSC, k_pe_BSr = torch.split(kv_BSX, [self.kv_lora_rank, Dr], dim=-1)
+        k_pe_BS1r = apply_rope(k_pe_BSr.unsqueeze(2), rope_cos_SP, rope_sin_SP)
+
+        # Per-head keys and values up-projected from the normalised latent.
+        kv_BSNX = self.wkv_b(self.kv_norm(c_BSC)).view(B, S, N, Dn + Dv)
+        k_nope_BSNn, v_BSNv = torch.split(kv_BSNX, [Dn, Dv], dim=-1)
+
+        q_BSND = torch.cat([q_nope_BSNn, q_pe_BSNr], dim=-1)
+        k_BSND = torch.cat([k_nope_BSNn, k_pe_BS1r.expand(B, S, N, Dr)], dim=-1)
+
+        # SDPA wants [B, N, S, D].
+        o_BNSv = F.scaled_dot_product_attention(
+            q_BSND.transpose(1, 2), k_BSND.transpose(1, 2), v_BSNv.transpose(1, 2),
+            is_causal=True, scale=self.softmax_scale,
+        )
+        o_BSX = o_BNSv.transpose(1, 2).reshape(B, S, N * Dv)
+        return self.wo(o_BSX)
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
+        """Normal(0, std) on every projection, ones on ``q_norm`` / ``kv_norm``."""
+        for lin in self.linears():
+            lin.weight.normal_(0.0, std, generator=generator)
+        for norm in self.norms():
+            norm.init_weights()
+
+    def linears(self) -> list[nn.Linear]:
+        """The projections in forward order (``wq`` or ``wq_a``/``wq_b``, ``wkv_a``, ``wkv_b``, ``wo``)."""
+        q = [self.wq] if self.q_lora_rank == 0 else [self.wq_a, self.wq_b]
+        return q + [self.wkv_a, self.wkv_b, self.wo]
+
+    def norms(self) -> list[RMSNorm]:
+        return ([] if self.q_lora_rank == 0 else [self.q_norm]) + [self.kv_norm]
+
+    def extra_repr(self) -> str:
+        return (f"n_heads={self.n_heads}, q_lora_rank={self.q_lora_rank}, "
+                f"kv_lora_rank={self.kv_lora_rank}, qk_nope={self.qk_nope_head_dim}, "
+                f"qk_rope={self.qk_rope_head_dim}, v={self.v_head_dim}")
+
+
+Attention = MLA

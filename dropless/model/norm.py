@@ -1,0 +1,55 @@
+"""RMSNorm (Zhang & Sennrich, "Root Mean Square Layer Normalization", 2019).
+
+``y = x / sqrt(mean(x^2) + eps) * weight``, computed in at least fp32 and cast
+back to the input dtype, as DeepSeek-V3 does for its ``attention_norm``,
+``ffn_norm``, the final norm and MLA's ``q_norm`` / ``kv_norm``
+(``rms_norm_eps`` of config.json).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm over the last dimension.
+
+    Args:
+        dim: size of the normalised (last) dimension.
+        eps: ``rms_norm_eps``; added to the mean square before the rsqrt.
+
+    Parameters:
+        weight: [dim], initialised to ones.
+
+    Shapes: ``x_xD`` [..., dim] -> [..., dim], same dtype as ``x``. The
+    computation runs in ``promote_types(x.dtype, float32)`` (fp32 for bf16/fp16
+    inputs, fp64 for fp64 inputs), weight included.
+
+    Raises:
+        ValueError: ``dim`` not positive.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        if int(dim) <= 0:
+            raise ValueError(f"RMSNorm(dim={dim}): dim must be positive")
+        self.dim = int(dim)
+        self.eps = float(eps)
+        self.weight = nn.Parameter(torch.ones(self.dim))
+
+    def forward(self, x_xD: torch.Tensor) -> torch.Tensor:
+        compute_dtype = torch.promote_types(x_xD.dtype, torch.float32)
+        y_xD = F.rms_norm(
+            x_xD.to(compute_dtype), (self.dim,), self.weight.to(compute_dtype), self.eps
+        )
+        return y_xD.to(x_xD.dtype)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Weight back to ones (the identity scale)."""
+        self.weight.fill_(1.0)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, eps={self.eps}"

@@ -1,0 +1,95 @@
+"""Rotary position embedding (Su et al., "RoFormer", 2021) for MLA's rope part.
+
+DeepSeek-V3 applies RoPE only to the ``qk_rope_head_dim`` slice of each query
+head and to the single shared key ``k_pe`` (DeepSeek-V2 paper, section 2.1.3,
+"decoupled RoPE"). Pairs are *interleaved*: features ``(2i, 2i+1)`` form one
+complex number ``x[2i] + j*x[2i+1]`` that is rotated by the angle
+``pos * theta^(-2i/d)``, ``d = qk_rope_head_dim``, ``theta = rope_theta`` —
+the convention of DeepSeek-V3's inference ``model.py`` (``view_as_complex`` on
+the last dim split into pairs).
+
+Plain RoPE only: the YaRN ``rope_scaling`` block of the published config.json
+(and the attention ``mscale`` that goes with it) is not applied; a
+``rope_scaling`` key is ignored by :meth:`dropless.config.ModelArgs.from_json`.
+
+Shape letters: S sequence positions, R = ``qk_rope_head_dim``, P = R / 2 pairs.
+The tables are real ``cos_SP`` / ``sin_SP`` tensors (no complex dtype), so they
+work under bf16 autocast, FSDP and ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rope_inv_freq(rope_head_dim: int, rope_theta: float, *, device=None,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse frequencies ``theta^(-2i/d)``, i = 0..d/2-1 -> [P].
+
+    Raises:
+        ValueError: ``rope_head_dim`` not positive and even, or ``rope_theta`` <= 0.
+    """
+    if rope_head_dim <= 0 or rope_head_dim % 2:
+        raise ValueError(f"qk_rope_head_dim={rope_head_dim}: must be positive and even "
+                         "(RoPE rotates pairs of features)")
+    if rope_theta <= 0:
+        raise ValueError(f"rope_theta={rope_theta}: must be > 0 (DeepSeek-V3 uses 10000)")
+    exponent_P = torch.arange(0, rope_head_dim, 2, device=device, dtype=dtype) / rope_head_dim
+    return torch.pow(torch.tensor(float(rope_theta), device=device, dtype=dtype), -exponent_P)
+
+
+def rope_cos_sin(seq_len: int, rope_head_dim: int, rope_theta: float, *,
+                 max_position_embeddings: int | None = None, device=None,
+                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotation tables for positions ``0..seq_len-1``.
+
+    Args:
+        seq_len: S.
+        rope_head_dim: R = ``qk_rope_head_dim``.
+        rope_theta: base ``rope_theta``.
+        max_position_embeddings: if given, ``seq_len`` must not exceed it.
+        device, dtype: where and in which precision to build the angles
+            (fp32 as in DeepSeek-V3; fp64 for float64 reference runs).
+
+    Returns:
+        ``(cos_SP, sin_SP)``, each [S, R/2] in ``dtype``.
+
+    Raises:
+        ValueError: ``seq_len`` < 1 or > ``max_position_embeddings``.
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len={seq_len}: must be >= 1")
+    if max_position_embeddings is not None and seq_len > max_position_embeddings:
+        raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings="
+                         f"{max_position_embeddings}; shorten the sequence or raise "
+                         "max_position_embeddings")
+    inv_freq_P = rope_inv_freq(rope_head_dim, rope_theta, device=device, dtype=dtype)
+    pos_S = torch.arange(seq_len, device=device, dtype=dtype)
+    angle_SP = torch.outer(pos_S, inv_freq_P)
+    return torch.cos(angle_SP), torch.sin(angle_SP)
+
+
+def apply_rope(x_BSNR: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved feature pairs of ``x`` by the position angles.
+
+    Args:
+        x_BSNR: [B, S, N, R] (N heads; N = 1 for the shared key ``k_pe``).
+        cos_SP, sin_SP: [S, R/2] from :func:`rope_cos_sin`.
+
+    Returns:
+        [B, S, N, R] in ``x``'s dtype; computed in ``promote_types(x.dtype, cos.dtype)``
+        (at least fp32), i.e. ``(a + jb) * (cos + j sin)`` on each pair ``(a, b)``.
+    """
+    B, S, N, R = x_BSNR.shape
+    if cos_SP.shape != (S, R // 2) or sin_SP.shape != (S, R // 2):
+        raise ValueError(f"apply_rope: tables {tuple(cos_SP.shape)} do not match x "
+                         f"{tuple(x_BSNR.shape)}; expected [{S}, {R // 2}]")
+    compute = torch.promote_types(torch.promote_types(x_BSNR.dtype, cos_SP.dtype), torch.float32)
+    x_BSNP2 = x_BSNR.to(compute).unflatten(-1, (R // 2, 2))
+    a_BSNP, b_BSNP = x_BSNP2[..., 0], x_BSNP2[..., 1]
+    cos_1S1P = cos_SP.to(compute)[None, :, None, :]
+    sin_1S1P = sin_SP.to(compute)[None, :, None, :]
+    out_BSNP2 = torch.stack(
+        (a_BSNP * cos_1S1P - b_BSNP * sin_1S1P, a_BSNP * sin_1S1P + b_BSNP * cos_1S1P), dim=-1
+    )
+    return out_BSNP2.flatten(-2).to(x_BSNR.dtype)

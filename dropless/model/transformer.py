@@ -1,0 +1,251 @@
+"""The DeepSeek-V3-shaped decoder: embedding, MLA + (dense | MoE) blocks, head.
+
+```
+tokens_BS ─ tok_embeddings ─ h_BSH
+  for each layer i:  h += attention(attention_norm(h))
+                     h += (moe if i in args.moe_layer_ids() else feed_forward)(ffn_norm(h))
+  ─ norm ─ output ─ logits_BSV (fp32)
+```
+
+Layers ``0 .. first_k_dense_replace-1`` are dense SwiGLU (``intermediate_size``);
+the rest (every ``moe_layer_freq``-th) hold :class:`dropless.moe.MoE`
+(DeepSeek-V3 technical report, section 2). The output head is untied from the
+embedding (``tie_word_embeddings`` false, as published). No multi-token
+prediction module.
+
+Shape letters: B batch, S sequence, H ``hidden_size``, V ``vocab_size``.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from dropless.config import ConfigError, ModelArgs
+from dropless.model.attention import MLA
+from dropless.model.mlp import FeedForward
+from dropless.model.norm import RMSNorm
+from dropless.model.rope import rope_cos_sin
+
+
+class Block(nn.Module):
+    """One decoder layer: pre-norm MLA and pre-norm FFN, each with a residual.
+
+    Args:
+        args: model config.
+        layer_id: index of this layer in the stack (decides dense vs MoE through
+            ``args.moe_layer_ids()``).
+        dispatcher: the MoE layer's dispatcher (None = local); ignored by a
+            dense layer.
+
+    Submodules: ``attention_norm``, ``attention`` (:class:`MLA`), ``ffn_norm``,
+    and either ``moe`` (:class:`dropless.moe.MoE`, ``moe_enabled`` True) or
+    ``feed_forward`` (:class:`FeedForward` of width ``intermediate_size``).
+    """
+
+    def __init__(self, args: ModelArgs, layer_id: int, dispatcher=None) -> None:
+        super().__init__()
+        self.layer_id = int(layer_id)
+        self.attention_norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.attention = MLA(args)
+        self.ffn_norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.moe_enabled = self.layer_id in args.moe_layer_ids()
+        if self.moe_enabled:
+            # Imported here: dropless.moe imports dropless.model.mlp.
+            from dropless.moe import MoE
+
+            self.moe = MoE(args, self.layer_id, dispatcher)
+        else:
+            self.feed_forward = FeedForward(args.hidden_size, args.intermediate_size)
+
+    def forward(self, x_BSH: torch.Tensor, rope_cos_SP: torch.Tensor,
+                rope_sin_SP: torch.Tensor) -> torch.Tensor:
+        """[B, S, H] -> [B, S, H]; ``rope_*_SP`` [S, qk_rope_head_dim/2]."""
+        h_BSH = x_BSH + self.attention(self.attention_norm(x_BSH), rope_cos_SP, rope_sin_SP)
+        ffn = self.moe if self.moe_enabled else self.feed_forward
+        return h_BSH + ffn(self.ffn_norm(h_BSH))
+
+
+class Transformer(nn.Module):
+    """DeepSeek-V3-shaped causal language model.
+
+    Args:
+        args: model config (validated here; :class:`ConfigError` on a bad field).
+        dispatcher_factory: ``dispatcher_factory(layer_id) -> Dispatcher`` builds
+            each MoE layer's dispatcher; None gives every MoE layer its default
+            (local, EP = 1). Called only for MoE layers, in layer order.
+        activation_checkpointing: recompute each block in backward
+            (``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``);
+            may be toggled later through the attribute of the same name.
+
+    Submodules: ``tok_embeddings`` [V, H], ``layers`` (``nn.ModuleDict`` keyed
+    ``"0" .. str(L-1)``), ``norm``, ``output`` (``nn.Linear(H, V)``, no bias).
+
+    Builds on the meta device (``with torch.device("meta"): Transformer(args)``)
+    without allocating; materialise with ``to_empty(device=...)`` and then
+    :meth:`init_weights`.
+
+    Raises:
+        ConfigError: ``args`` fails :meth:`ModelArgs.validate`, or
+            ``tie_word_embeddings`` is true (DeepSeek-V3's head is untied; tying
+            is not supported).
+    """
+
+    def __init__(self, args: ModelArgs,
+                 dispatcher_factory: Callable[[int], object] | None = None,
+                 activation_checkpointing: bool = False) -> None:
+        super().__init__()
+        args.validate()
+        if args.tie_word_embeddings:
+            raise ConfigError("tie_word_embeddings=True: dropless builds DeepSeek-V3's untied "
+                              "output head; set tie_word_embeddings to false")
+        self.args = args
+        self.activation_checkpointing = bool(activation_checkpointing)
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
+        moe_ids = set(args.moe_layer_ids())
+        self.layers = nn.ModuleDict()
+        for layer_id in range(args.num_hidden_layers):
+            dispatcher = None
+            if layer_id in moe_ids and dispatcher_factory is not None:
+                dispatcher = dispatcher_factory(layer_id)
+            self.layers[str(layer_id)] = Block(args, layer_id, dispatcher)
+        self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.output = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        """Next-token logits.
+
+        Args:
+            tokens_BS: [B, S] int64 token ids in ``[0, vocab_size)``.
+
+        Returns:
+            logits_BSV: [B, S, V] float32 (float64 if the model runs in float64).
+
+        Raises:
+            ValueError: ``tokens_BS`` is not 2-D, or S > ``max_position_embeddings``.
+        """
+        if tokens_BS.dim() != 2:
+            raise ValueError(f"Transformer.forward: tokens must be [batch, seq], "
+                             f"got shape {tuple(tokens_BS.shape)}")
+        seq_len = tokens_BS.shape[1]
+        h_BSH = self.tok_embeddings(tokens_BS)
+        rope_dtype = torch.float64 if h_BSH.dtype == torch.float64 else torch.float32
+        cos_SP, sin_SP = rope_cos_sin(
+            seq_len, self.args.qk_rope_head_dim, self.args.rope_theta,
+            max_position_embeddings=self.args.max_position_embeddings,
+            device=h_BSH.device, dtype=rope_dtype,
+        )
+        recompute = self.activation_checkpointing and torch.is_grad_enabled()
+        for block in self.layers.values():
+            if recompute:
+                h_BSH = checkpoint(block, h_BSH, cos_SP, sin_SP, use_reentrant=False)
+            else:
+                h_BSH = block(h_BSH, cos_SP, sin_SP)
+        logits_BSV = self.output(self.norm(h_BSH))
+        return logits_BSV.to(torch.promote_types(logits_BSV.dtype, torch.float32))
+
+    # ------------------------------------------------------------ parameters
+    def moe_layers(self) -> list[nn.Module]:
+        """The :class:`dropless.moe.MoE` modules, in layer order."""
+        return [block.moe for block in self.layers.values() if block.moe_enabled]
+
+    def expert_parameters(self) -> list[nn.Parameter]:
+        """Parameters of the routed experts (``MoE.experts`` of every MoE layer)."""
+        params: list[nn.Parameter] = []
+        seen: set[int] = set()
+        for moe in self.moe_layers():
+            for p in moe.experts.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+        return params
+
+    def non_expert_parameters(self) -> list[nn.Parameter]:
+        """Every parameter not in :meth:`expert_parameters` (attention, norms,
+        dense FFNs, routers, shared experts, embedding, head)."""
+        expert_ids = {id(p) for p in self.expert_parameters()}
+        return [p for p in self.parameters() if id(p) not in expert_ids]
+
+    # ------------------------------------------------------------------- init
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Initialise every weight deterministically.
+
+        Linear weights and the embedding: Normal(0, ``initializer_range``);
+        RMSNorm weights: ones (the DeepSeek-V3 / HF ``_init_weights`` scheme).
+        Each tensor draws from its own CPU generator seeded from ``(seed, its
+        qualified name)``, in fp32, and is then copied to the parameter's
+        device and dtype: the values do not depend on the device, the dtype
+        (up to rounding), the order of initialisation or FSDP2 sharding
+        (a DTensor gets its local shard of the same full tensor). MoE layers
+        initialise themselves through ``MoE.init_weights(layer_seed)``, with
+        ``layer_seed`` derived from ``(seed, "layers.<i>.moe")``.
+        Parameters on the meta device are left alone.
+
+        Args:
+            seed: base seed; None uses ``args.seed``.
+        """
+        seed = self.args.seed if seed is None else int(seed)
+        std = self.args.initializer_range
+        moe_param_ids: set[int] = set()
+        for block in self.layers.values():
+            if block.moe_enabled:
+                moe_param_ids.update(id(p) for p in block.moe.parameters())
+                block.moe.init_weights(derive_seed(seed, f"layers.{block.layer_id}.moe"))
+        norm_param_ids = {id(m.weight) for m in self.modules() if isinstance(m, RMSNorm)}
+        for name, param in self.named_parameters():
+            if id(param) in moe_param_ids:
+                continue
+            if id(param) in norm_param_ids:
+                param.fill_(1.0)
+                continue
+            _fill_normal_(param, std, derive_seed(seed, _canonical_name(name)))
+
+    def extra_repr(self) -> str:
+        a = self.args
+        return (f"layers={a.num_hidden_layers}, moe_layers={a.num_moe_layers}, "
+                f"hidden={a.hidden_size}, vocab={a.vocab_size}, "
+                f"activation_checkpointing={self.activation_checkpointing}")
+
+
+# ---------------------------------------------------------------------- helpers
+def derive_seed(seed: int, name: str) -> int:
+    """A 63-bit seed from a base seed and a name (CRC32 of the name; stable
+    across processes and Python versions, unlike ``hash``)."""
+    return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
+
+
+def _canonical_name(name: str) -> str:
+    """Drop wrapper prefixes that ``torch.compile`` / checkpoint wrappers insert."""
+    for wrapper in ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module."):
+        name = name.replace(wrapper, "")
+    return name
+
+
+def _fill_normal_(param: torch.Tensor, std: float, seed: int) -> None:
+    """Fill ``param`` with Normal(0, std) drawn on the CPU from ``seed``."""
+    if param.is_meta:
+        return
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    full = torch.empty(tuple(param.shape), dtype=torch.float32).normal_(0.0, std, generator=gen)
+    _copy_full_(param, full)
+
+
+def _copy_full_(param: torch.Tensor, full_cpu: torch.Tensor) -> None:
+    """Copy a full (unsharded) CPU tensor into ``param``, which may be a DTensor."""
+    try:
+        from torch.distributed.tensor import DTensor, distribute_tensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        DTensor = None
+    if DTensor is not None and isinstance(param, DTensor):
+        mesh = param.device_mesh
+        full = full_cpu.to(device=mesh.device_type, dtype=param.dtype)
+        # Every rank holds the same full tensor: take the local shard, no communication.
+        param.copy_(distribute_tensor(full, mesh, param.placements, src_data_rank=None))
+    else:
+        param.copy_(full_cpu.to(device=param.device, dtype=param.dtype))
