@@ -1,0 +1,420 @@
+"""DeepSeek-V3 router: sigmoid scores, bias-for-selection, group-limited top-k,
+aux-loss-free bias balancing and the sequence-wise auxiliary loss.
+
+Sources of the formulas (DESIGN.md "Router (DeepSeek-V3)"):
+
+* Scores, selection bias, combine weights: DeepSeek-V3 technical report
+  (arXiv:2412.19437) §2.1.2, eq. 12-16 — ``s = sigmoid(u·e)``, the bias
+  ``b_i`` is added to ``s`` for the top-k choice only, the gate values are the
+  unbiased ``s`` of the chosen experts normalised over the k of them.
+  ``routed_scaling_factor`` (2.5 for V3) is the ``config.json`` field that the
+  published model multiplies into the weights once.
+* Group-limited (node-limited) routing, ``topk_method = "noaux_tc"``: the
+  E experts are split into ``n_group`` groups; a group's score is the sum of
+  its two highest biased scores; the ``topk_group`` best groups are kept and
+  the others masked to -inf before the top-k (report §2.1.2 "node-limited
+  routing"; config fields of the published model).
+* Aux-loss-free balancing: report §2.1.2, ``b_i += γ·sign(mean load − load_i)``
+  after each step, γ = ``bias_update_speed``.
+* Sequence-wise auxiliary loss: report eq. 17-20,
+  ``L = α Σ_i f_i P_i``, ``f_i = E/(k·T_seq) Σ_t 1[i ∈ topk_t]``,
+  ``P_i = 1/T_seq Σ_t s'_{i,t}``, ``s' = s / Σ_j s_j`` over ALL E experts.
+
+Shape letters as in DESIGN.md: T tokens, H hidden, E routed experts, k experts
+per token.
+
+Counting rule (case-07): each forward in training mode adds its per-expert row
+counts into the buffer ``tokens_per_expert``, except a forward that runs
+inside the autograd engine's backward, which is the recompute of activation
+checkpointing (both ``use_reentrant=False``, whose recompute runs in a
+saved-tensor hook, and ``use_reentrant=True``, whose recompute runs in the
+checkpoint Function's backward). Grad mode is *not* the signal: the reentrant
+checkpoint runs its first forward under ``no_grad``. An evaluation pass must
+therefore put the model in ``eval()`` mode (the usual rule) to not be counted.
+
+No host syncs in :meth:`Router.forward`: the finite check is
+``torch._assert_async``, counts stay on the device. :meth:`Router.stats` and
+:func:`update_router_biases` convert to Python numbers (once per step, for
+logging) and say so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from dropless.config import ConfigError, ModelArgs
+
+__all__ = ["Router", "RouterOutput", "update_router_biases", "in_backward_recompute"]
+
+# Guard of the top-k normalisation denominator (as DeepSeek's MoEGate): only
+# matters if every chosen score underflows to 0.
+_NORM_EPS = 1e-20
+_TOPK_METHODS = ("noaux_tc", "group_limited_greedy", "greedy")
+
+
+@dataclass
+class RouterOutput:
+    """What :meth:`Router.forward` returns.
+
+    Attributes:
+        topk_idx_Tk: int64 [T, k], global expert ids of each token's choices,
+            ordered by descending biased score.
+        topk_weight_Tk: fp32 [T, k], combine weights (unbiased scores of the
+            chosen experts, normalised over k if ``norm_topk_prob``, times
+            ``routed_scaling_factor``); differentiable wrt ``x`` and ``weight``.
+        scores_TE: fp32 [T, E], unbiased scores (sigmoid or softmax).
+        aux_loss: fp32 0-dim, α-weighted sequence-wise balance loss (exact 0 in
+            eval mode or when ``aux_loss_alpha == 0``).
+        counts_E: fp32 [E], routed rows per expert in this call, padding tokens
+            excluded (whole numbers; these are balancing counts — a
+            dispatcher that also moves padding tokens counts its own rows).
+    """
+
+    topk_idx_Tk: torch.Tensor
+    topk_weight_Tk: torch.Tensor
+    scores_TE: torch.Tensor
+    aux_loss: torch.Tensor
+    counts_E: torch.Tensor
+
+
+def in_backward_recompute() -> bool:
+    """True while the autograd engine runs a backward graph task on this thread.
+
+    That is where activation checkpointing re-runs a forward (both
+    ``use_reentrant`` modes of ``torch.utils.checkpoint``). A plain forward, even
+    under ``torch.no_grad()``, returns False. Host-only (no device work).
+    """
+    return torch._C._current_graph_task_id() != -1
+
+
+class Router(nn.Module):
+    """DeepSeek-V3 gate of one MoE layer.
+
+    Args:
+        args: model config; reads ``hidden_size``, ``n_routed_experts`` (E),
+            ``num_experts_per_tok`` (k), ``n_group``, ``topk_group``,
+            ``topk_method``, ``scoring_func``, ``norm_topk_prob``,
+            ``routed_scaling_factor``, ``aux_loss_alpha``, ``bias_update_speed``,
+            ``initializer_range``.
+        layer_id: decoder layer index; named in every error and the stats key.
+
+    Parameters / buffers:
+        weight: Parameter [E, H] (dtype of the model; logits are computed in fp32).
+        e_score_correction_bias: fp32 [E] buffer, persistent (checkpointed),
+            zeros at init; added to the scores for selection only.
+        tokens_per_expert: fp32 [E] buffer, persistent (so a resumed step keeps
+            its partial counts); rows routed since the last :meth:`update_bias`.
+        Both buffers stay fp32 under ``module.to(dtype)`` / ``.half()``.
+
+    Raises:
+        ConfigError: from ``args.validate(layer=...)`` (E % n_group, topk_group >
+            n_group, k larger than the kept groups hold, ...), or an unknown
+            ``topk_method``.
+    """
+
+    _FP32_BUFFERS = ("e_score_correction_bias", "tokens_per_expert")
+
+    def __init__(self, args: ModelArgs, layer_id: int = 0) -> None:
+        super().__init__()
+        self.layer_name = f"layer {layer_id}"
+        args.validate(layer=str(layer_id))
+        if args.topk_method not in _TOPK_METHODS:
+            raise ConfigError(
+                f"topk_method={args.topk_method!r} (layer {layer_id}): must be one of "
+                f"{_TOPK_METHODS} ('noaux_tc' is DeepSeek-V3's)"
+            )
+        self.layer_id = int(layer_id)
+        self.dim = int(args.hidden_size)
+        self.n_experts = int(args.n_routed_experts)
+        self.topk = int(args.num_experts_per_tok)
+        self.n_group = int(args.n_group)
+        self.topk_group = int(args.topk_group)
+        self.topk_method = args.topk_method
+        self.scoring_func = args.scoring_func
+        self.norm_topk_prob = bool(args.norm_topk_prob)
+        self.routed_scaling_factor = float(args.routed_scaling_factor)
+        self.aux_loss_alpha = float(args.aux_loss_alpha)
+        self.bias_update_speed = float(args.bias_update_speed)
+        self.init_std = float(args.initializer_range)
+
+        self.weight = nn.Parameter(torch.empty(self.n_experts, self.dim))
+        self.register_buffer("e_score_correction_bias", torch.zeros(self.n_experts), persistent=True)
+        self.register_buffer("tokens_per_expert", torch.zeros(self.n_experts), persistent=True)
+        # last forward's device tensors, read by stats() (not model state)
+        self._last_counts_E: torch.Tensor | None = None
+        self._last_aux_loss: torch.Tensor | None = None
+        self.reset_parameters()
+
+    # ------------------------------------------------------------------ init
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """``weight ~ Normal(0, initializer_range)``; bias and counters to zero."""
+        if self.weight.is_meta:
+            return
+        self.weight.normal_(0.0, self.init_std, generator=generator)
+        self.e_score_correction_bias.zero_()
+        self.tokens_per_expert.zero_()
+
+    init_weights = reset_parameters
+
+    def _apply(self, fn, recurse=True):  # keep the balancing buffers fp32
+        saved = {n: self._buffers[n] for n in self._FP32_BUFFERS}
+        super()._apply(fn, recurse)
+        for n, old in saved.items():
+            new = self._buffers[n]
+            if new is not None and new.dtype != torch.float32:
+                if old.is_meta or new.is_meta:
+                    self._buffers[n] = torch.zeros(old.shape, dtype=torch.float32, device=new.device)
+                else:  # re-derive from the fp32 value, not the down-cast one
+                    self._buffers[n] = old.to(device=new.device, dtype=torch.float32)
+        return self
+
+    # --------------------------------------------------------------- checks
+    def _check_inputs(self, x_TH: torch.Tensor, seq_len: int | None,
+                      token_mask_T: torch.Tensor | None) -> int:
+        """Shape/dtype checks (host-side only). Returns the sequence length."""
+        where = f"Router ({self.layer_name})"
+        if not isinstance(x_TH, torch.Tensor) or x_TH.dim() != 2:
+            shape = tuple(x_TH.shape) if isinstance(x_TH, torch.Tensor) else type(x_TH).__name__
+            raise ValueError(f"{where}: x_TH must be 2-D [T, H={self.dim}], got {shape}; "
+                             "flatten batch and sequence first (x.view(-1, hidden_size))")
+        T, H = x_TH.shape
+        if H != self.dim:
+            raise ValueError(f"{where}: x_TH has H={H} but hidden_size={self.dim}; "
+                             "the router's hidden_size must match the model's")
+        if not x_TH.is_floating_point():
+            raise ValueError(f"{where}: x_TH must be a floating dtype, got {x_TH.dtype}")
+        if seq_len is None:
+            seq_len = T
+        else:
+            seq_len = int(seq_len)
+            if seq_len <= 0 or (T and T % seq_len):
+                raise ValueError(f"{where}: seq_len={seq_len} must be positive and divide "
+                                 f"T={T} (T = batch * seq_len)")
+        if token_mask_T is not None:
+            if token_mask_T.shape != (T,) or token_mask_T.dtype != torch.bool:
+                raise ValueError(f"{where}: token_mask_T must be bool [T={T}], got "
+                                 f"{token_mask_T.dtype} {tuple(token_mask_T.shape)}")
+            if token_mask_T.device != x_TH.device:
+                raise ValueError(f"{where}: token_mask_T on {token_mask_T.device}, "
+                                 f"x_TH on {x_TH.device}; put both on one device")
+        return max(seq_len, 1)
+
+    # -------------------------------------------------------------- forward
+    def _select(self, scores_TE: torch.Tensor) -> torch.Tensor:
+        """Biased, group-limited top-k. Returns int64 [T, k]. No grad."""
+        with torch.no_grad():
+            biased_TE = scores_TE.detach() + self.e_score_correction_bias.to(scores_TE.dtype)
+            if self.n_group > 1 and self.topk_method != "greedy":
+                T = biased_TE.shape[0]
+                per_group = self.n_experts // self.n_group
+                biased_TGe = biased_TE.view(T, self.n_group, per_group)
+                if self.topk_method == "noaux_tc":
+                    group_score_TG = biased_TGe.topk(2, dim=-1).values.sum(dim=-1)
+                else:  # DeepSeek-V2's group_limited_greedy: best expert of the group
+                    group_score_TG = biased_TGe.amax(dim=-1)
+                keep_idx = group_score_TG.topk(self.topk_group, dim=-1).indices
+                keep_TG = torch.zeros_like(group_score_TG, dtype=torch.bool)
+                keep_TG.scatter_(1, keep_idx, True)
+                biased_TE = biased_TGe.masked_fill(~keep_TG.unsqueeze(-1), float("-inf")).view(T, -1)
+            return biased_TE.topk(self.topk, dim=-1).indices
+
+    def forward(self, x_TH: torch.Tensor, seq_len: int | None = None,
+                token_mask_T: torch.Tensor | None = None) -> RouterOutput:
+        """Route T tokens.
+
+        Args:
+            x_TH: [T, H] floating, any dtype (upcast to fp32 for the logits).
+            seq_len: tokens per sequence for the sequence-wise aux loss
+                (T = batch * seq_len); None = the T tokens are one sequence.
+            token_mask_T: optional bool [T], False for padding tokens: they are
+                still routed (their rows are well defined) but are left out of
+                the aux loss and of the balancing counts.
+
+        Returns: :class:`RouterOutput`.
+
+        Raises:
+            ValueError: bad shape/dtype of ``x_TH``, ``seq_len`` or ``token_mask_T``
+                (before any state changes).
+            RuntimeError: non-finite router logits (``torch._assert_async``:
+                raised at once on CPU, a device-side assert on GPU), before
+                ``tokens_per_expert`` is touched.
+        """
+        seq_len = self._check_inputs(x_TH, seq_len, token_mask_T)
+        T = x_TH.shape[0]
+        E, k = self.n_experts, self.topk
+
+        with torch.autocast(device_type=x_TH.device.type, enabled=False):  # fp32 logits
+            logits_TE = F.linear(x_TH.float(), self.weight.float())
+        torch._assert_async(
+            torch.isfinite(logits_TE).all(),
+            f"Router ({self.layer_name}): non-finite router logits (NaN/Inf) — the "
+            "input hidden states or the gate weight hold NaN/Inf; check the previous "
+            "layer's output, the learning rate and the loss scale",
+        )
+        if self.scoring_func == "sigmoid":
+            scores_TE = logits_TE.sigmoid()
+        else:
+            scores_TE = logits_TE.softmax(dim=-1)
+
+        topk_idx_Tk = self._select(scores_TE)
+        weight_Tk = scores_TE.gather(1, topk_idx_Tk)
+        if self.norm_topk_prob:
+            weight_Tk = weight_Tk / (weight_Tk.sum(dim=-1, keepdim=True) + _NORM_EPS)
+        topk_weight_Tk = weight_Tk * self.routed_scaling_factor
+
+        # selection one-hot summed over k, padding tokens zeroed: [T, E]
+        with torch.no_grad():
+            chosen_TE = torch.zeros(T, E, dtype=torch.float32, device=x_TH.device)
+            chosen_TE.scatter_(1, topk_idx_Tk, 1.0)
+            if token_mask_T is not None:
+                chosen_TE.mul_(token_mask_T.unsqueeze(1).to(torch.float32))
+            counts_E = chosen_TE.sum(dim=0)
+
+        if self.training and self.aux_loss_alpha > 0 and T > 0:
+            aux_loss = self._seq_aux_loss(scores_TE, chosen_TE, seq_len, token_mask_T)
+        else:
+            aux_loss = torch.zeros((), dtype=torch.float32, device=x_TH.device)
+
+        if not in_backward_recompute():
+            if self.training:
+                self.tokens_per_expert.add_(counts_E)
+            self._last_counts_E = counts_E
+            self._last_aux_loss = aux_loss.detach()
+        return RouterOutput(topk_idx_Tk, topk_weight_Tk, scores_TE, aux_loss, counts_E)
+
+    def _seq_aux_loss(self, scores_TE: torch.Tensor, chosen_TE: torch.Tensor, seq_len: int,
+                      token_mask_T: torch.Tensor | None) -> torch.Tensor:
+        """DeepSeek-V3 eq. 17-20, averaged over the sequences with >= 1 real token.
+
+        ``chosen_TE`` is already zero on padding tokens. fp32 0-dim; the gradient
+        flows through P (the normalised scores), f is a count.
+        """
+        T, E = scores_TE.shape
+        B = T // seq_len
+        probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)   # s' over all E
+        if token_mask_T is None:
+            n_tok_B = torch.full((B,), float(seq_len), device=scores_TE.device)
+        else:
+            m_T = token_mask_T.to(torch.float32)
+            probs_TE = probs_TE * m_T.unsqueeze(1)
+            n_tok_B = m_T.view(B, seq_len).sum(dim=1)
+        denom_B1 = n_tok_B.clamp_min(1.0).unsqueeze(1)
+        f_BE = chosen_TE.view(B, seq_len, E).sum(dim=1) * (E / self.topk) / denom_B1
+        P_BE = probs_TE.view(B, seq_len, E).sum(dim=1) / denom_B1
+        has_tok_B = (n_tok_B > 0).to(torch.float32)
+        loss_B = (f_BE * P_BE).sum(dim=1) * has_tok_B
+        return self.aux_loss_alpha * loss_B.sum() / has_tok_B.sum().clamp_min(1.0)
+
+    # ------------------------------------------------------------ balancing
+    @torch.no_grad()
+    def update_bias(self, counts_E: torch.Tensor | None = None) -> torch.Tensor:
+        """Aux-loss-free balancing step: ``bias += γ·sign(mean(load) − load)``.
+
+        Args:
+            counts_E: the whole optimizer step's per-expert rows (summed over
+                micro-batches and data-parallel ranks); default: this router's
+                ``tokens_per_expert`` (local only — use
+                :func:`update_router_biases` to sum over ranks).
+        Returns: the fp32 [E] load that was used (a copy, on the device).
+        Resets ``tokens_per_expert`` to 0. No host sync.
+        """
+        load_E = (self.tokens_per_expert if counts_E is None else counts_E).detach()
+        load_E = load_E.to(device=self.e_score_correction_bias.device, dtype=torch.float32).clone()
+        if load_E.shape != (self.n_experts,):
+            raise ValueError(f"Router ({self.layer_name}).update_bias: counts_E must be "
+                             f"[E={self.n_experts}], got {tuple(load_E.shape)}")
+        self.e_score_correction_bias.add_(torch.sign(load_E.mean() - load_E), alpha=self.bias_update_speed)
+        self.tokens_per_expert.zero_()
+        return load_E
+
+    def stats(self) -> dict[str, float]:
+        """Statistics of the last (non-recompute) forward of this layer.
+
+        Keys: ``max_over_mean``, ``min_over_mean`` (per-expert rows over their
+        mean; E and 0 at full imbalance, 1 when balanced), ``empty_experts``,
+        ``tokens`` (routed rows), ``aux_loss``. Empty dict before any forward.
+        Converts to Python floats: a host sync, for logging outside the hot path.
+        """
+        if self._last_counts_E is None:
+            return {}
+        out = _load_stats(self._last_counts_E.detach().to("cpu", torch.float64))
+        out["aux_loss"] = float(self._last_aux_loss) if self._last_aux_loss is not None else 0.0
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"layer_id={self.layer_id}, dim={self.dim}, n_experts={self.n_experts}, "
+                f"topk={self.topk}, n_group={self.n_group}, topk_group={self.topk_group}, "
+                f"scoring_func={self.scoring_func}")
+
+
+def _load_stats(counts_E: torch.Tensor) -> dict[str, float]:
+    """Load statistics of one layer from a CPU count vector."""
+    total = float(counts_E.sum())
+    mean = total / max(counts_E.numel(), 1)
+    return {
+        "max_over_mean": float(counts_E.max()) / mean if mean > 0 else 0.0,
+        "min_over_mean": float(counts_E.min()) / mean if mean > 0 else 0.0,
+        "empty_experts": float((counts_E == 0).sum()),
+        "tokens": total,
+    }
+
+
+@torch.no_grad()
+def update_router_biases(model: nn.Module, group: Any = None) -> dict[str, dict]:
+    """Once per optimizer step: sum the counts over ranks, move every bias once, reset.
+
+    Finds every :class:`Router` in ``model``; all-reduces (SUM) all their
+    ``tokens_per_expert`` in ONE flattened collective over ``group`` (when
+    ``torch.distributed`` is initialised and the group has > 1 rank; pass the
+    group over which the routers see different tokens — normally all ranks);
+    applies :meth:`Router.update_bias` with the summed counts; resets the
+    counters. Every rank must call it (the same model on every rank).
+
+    Returns: ``{"layer{layer_id}": {"counts": [E floats], "max_over_mean",
+    "min_over_mean", "empty_experts", "tokens", "aux_loss"}}`` — the step's
+    counts summed over micro-batches and ranks, and this rank's last aux loss.
+    Host sync: one device-to-host copy of all layers' counts, for logging.
+
+    Raises:
+        ValueError: two routers share a ``layer_id`` (the stats would collide).
+    """
+    routers: list[tuple[str, Router]] = [(n, m) for n, m in model.named_modules() if isinstance(m, Router)]
+    if not routers:
+        return {}
+    seen: dict[int, str] = {}
+    for name, r in routers:
+        if r.layer_id in seen:
+            raise ValueError(f"update_router_biases: routers {seen[r.layer_id]!r} and {name!r} both have "
+                             f"layer_id={r.layer_id}; give each MoE layer its own layer_id")
+        seen[r.layer_id] = name
+
+    flat = torch.cat([r.tokens_per_expert.to(torch.float32) for _, r in routers])
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    loads = []
+    aux = []
+    for (_, r), load_E in zip(routers, flat.split([r.n_experts for _, r in routers])):
+        loads.append(r.update_bias(load_E))
+        aux.append(r._last_aux_loss if r._last_aux_loss is not None
+                   else torch.zeros((), device=load_E.device))
+    # one host copy for all layers
+    host = torch.cat([torch.cat(loads), torch.stack([a.to(loads[0].device, torch.float32) for a in aux])])
+    host = host.to("cpu", torch.float64)
+    n_loads = sum(l.numel() for l in loads)
+    out: dict[str, dict] = {}
+    offset = 0
+    for i, (_, r) in enumerate(routers):
+        c = host[offset: offset + r.n_experts]
+        offset += r.n_experts
+        s = _load_stats(c)
+        s["counts"] = c.tolist()
+        s["aux_loss"] = float(host[n_loads + i])
+        out[f"layer{r.layer_id}"] = s
+    return out
