@@ -99,7 +99,8 @@ class _CombineRows(torch.autograd.Function):
         weight_Nk = saved[1] if len(saved) > 1 else None
         grad_NH = grad_NH.contiguous()
         n, k = dest_Nk.shape
-        g32 = grad_NH.float()
+        acc_dt = torch.promote_types(grad_NH.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+        g32 = grad_NH.to(acc_dt)
         # padding rows of the gradient stay unwritten: nothing downstream reads them.
         # One scratch row at index M takes the writes of choices routed elsewhere (dest < 0).
         m = ctx.num_rows_M
@@ -107,7 +108,7 @@ class _CombineRows(torch.autograd.Function):
         for j in range(k):
             idx = dest_Nk[:, j]
             tgt = torch.where(idx >= 0, idx, torch.full_like(idx, m))
-            src = grad_NH if weight_Nk is None else (g32 * weight_Nk[:, j : j + 1].float()).to(grad_NH.dtype)
+            src = grad_NH if weight_Nk is None else (g32 * weight_Nk[:, j : j + 1].to(acc_dt)).to(grad_NH.dtype)
             grad_ext.index_copy_(0, tgt, src)
         grad_y = grad_ext[:m]
         grad_w = None
@@ -116,7 +117,7 @@ class _CombineRows(torch.autograd.Function):
             cols = []
             for j in range(k):
                 idx = dest_Nk[:, j]
-                yj = y_MH.index_select(0, idx.clamp(min=0)).float()
+                yj = y_MH.index_select(0, idx.clamp(min=0)).to(acc_dt)
                 dot = (g32 * yj).sum(-1)
                 cols.append(torch.where(idx >= 0, dot, torch.zeros_like(dot)))
             grad_w = torch.stack(cols, 1).to(weight_Nk.dtype)
@@ -124,19 +125,20 @@ class _CombineRows(torch.autograd.Function):
 
 
 def gather_sum(rows_MH: torch.Tensor, dest_Nk: torch.Tensor, weight_Nk: torch.Tensor | None) -> torch.Tensor:
-    """``out[n] = Σ_j w[n, j] · rows[dest[n, j]]`` over ``j = 0 … k-1`` in fp32, fixed order.
+    """``out[n] = Σ_j w[n, j] · rows[dest[n, j]]`` over ``j = 0 … k-1`` in fp32 (fp64 for fp64 rows), fixed order.
 
     Choices with ``dest < 0`` contribute nothing (their rows are not even read as data:
     a masked select, since ``0 · NaN = NaN``). Returns ``rows_MH``'s dtype, ``[N, H]``.
     """
     n, k = dest_Nk.shape
-    acc = torch.zeros(n, rows_MH.shape[1], dtype=torch.float32, device=rows_MH.device)
+    acc_dt = torch.promote_types(rows_MH.dtype, torch.float32)  # fp32, or fp64 for fp64 rows
+    acc = torch.zeros(n, rows_MH.shape[1], dtype=acc_dt, device=rows_MH.device)
     for j in range(k):
         idx = dest_Nk[:, j]
         live = (idx >= 0).unsqueeze(1)
-        r = rows_MH.index_select(0, idx.clamp(min=0)).float()
+        r = rows_MH.index_select(0, idx.clamp(min=0)).to(acc_dt)
         if weight_Nk is not None:
-            r = r * weight_Nk[:, j : j + 1].float()
+            r = r * weight_Nk[:, j : j + 1].to(acc_dt)
         acc += torch.where(live, r, torch.zeros((), device=r.device))
     return acc.to(rows_MH.dtype)
 
