@@ -154,10 +154,16 @@ class Router(nn.Module):
     # ------------------------------------------------------------------ init
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        """``weight ~ Normal(0, initializer_range)``; bias and counters to zero."""
+        """``weight ~ Normal(0, initializer_range)``; bias and counters to zero.
+
+        The draw is made in fp32 on the CPU (``generator`` is a CPU generator;
+        None = the global CPU RNG) and copied in, so the values do not depend on
+        the weight's dtype or device. No-op on the meta device.
+        """
         if self.weight.is_meta:
             return
-        self.weight.normal_(0.0, self.init_std, generator=generator)
+        w = torch.empty(self.weight.shape, dtype=torch.float32).normal_(0.0, self.init_std, generator=generator)
+        self.weight.copy_(w)
         self.e_score_correction_bias.zero_()
         self.tokens_per_expert.zero_()
 

@@ -220,6 +220,20 @@ def test_logits_fp32_for_bf16_weights_and_buffers_stay_fp32():
     assert {"weight", "e_score_correction_bias", "tokens_per_expert"} <= set(sd)
 
 
+def test_reset_parameters_seeded_and_dtype_independent():
+    args = small_args(initializer_range=0.02)
+    a, b = Router(args), Router(args).to(torch.bfloat16)
+    a.reset_parameters(torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        b.e_score_correction_bias.fill_(1.0)
+        b.tokens_per_expert.fill_(3.0)
+    b.reset_parameters(torch.Generator().manual_seed(4))
+    assert torch.equal(b.weight, a.weight.to(torch.bfloat16))
+    assert a.weight.std().item() == pytest.approx(0.02, rel=0.1)
+    assert torch.equal(b.e_score_correction_bias, torch.zeros(16))
+    assert torch.equal(b.tokens_per_expert, torch.zeros(16))
+
+
 def test_gradients_reach_gate_weight_and_input():
     r = make_router(small_args(), seed=1, std=0.3)
     x = torch.randn(16, 32, requires_grad=True)
