@@ -1050,10 +1050,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = plan(shape, counts, cfs, ns.tile, ns.fp8_dispatch, args=args, seq_len=seq_len)
     except ValueError as exc:
         parser.exit(2, f"dropless-plan: error: {exc}\n")
-    if ns.json:
-        print(json.dumps(result, indent=2))
-    else:
-        print(format_plan(result))
+    text = json.dumps(result, indent=2) if ns.json else format_plan(result)
+    try:
+        print(text)
+    except BrokenPipeError:  # `dropless-plan | head`: the reader left; not an error
+        sys.stdout = open(os.devnull, "w")
     return 0
 
 
