@@ -19,7 +19,7 @@ Shape letters: B batch, S sequence, H ``hidden_size``, V ``vocab_size``.
 from __future__ import annotations
 
 import zlib
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 from torch import nn
