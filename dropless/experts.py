@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dropless.layout import ExpertLayout, poison_padding
-from dropless.ops import get_backend, grouped_mm
+from dropless.ops import get_backend, grouped_mm, use_triton
 
 
 def init_expert_weights_(w13_eHI2: torch.Tensor, w2_eIH: torch.Tensor, seed: int, layer_id: int,
@@ -34,8 +34,34 @@ def init_expert_weights_(w13_eHI2: torch.Tensor, w2_eIH: torch.Tensor, seed: int
             w2_eIH[i].copy_(b)
 
 
-def swiglu(h13_MI2: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` on ``[M, 2I]`` (gate = first I columns) -> ``[M, I]``."""
+class _SwiGLULive(torch.autograd.Function):
+    """SwiGLU over live rows with the Triton kernels (saves ``h13`` only)."""
+
+    @staticmethod
+    def forward(ctx, h13_MI2, layout):
+        from dropless.ops import triton_kernels
+
+        tiles = triton_kernels.swiglu_tiles(layout)
+        ctx.layout, ctx.tiles = layout, tiles
+        ctx.save_for_backward(h13_MI2)
+        return triton_kernels.swiglu_fwd(h13_MI2, layout, tiles)
+
+    @staticmethod
+    def backward(ctx, dout_MI):
+        from dropless.ops import triton_kernels
+
+        (h13_MI2,) = ctx.saved_tensors
+        return triton_kernels.swiglu_bwd(h13_MI2, dout_MI, ctx.layout, ctx.tiles), None
+
+
+def swiglu(h13_MI2: torch.Tensor, layout: ExpertLayout | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` on ``[M, 2I]`` (gate = first I columns) -> ``[M, I]``.
+
+    On CUDA with Triton and a ``layout``, only live rows are computed (DESIGN.md rule 3)
+    and padding rows of the result (and of its gradient) stay unwritten.
+    """
+    if layout is not None and use_triton(h13_MI2):
+        return _SwiGLULive.apply(h13_MI2, layout)
     gate, up = h13_MI2.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -88,7 +114,7 @@ class GroupedExperts(nn.Module):
             h13 = grouped_mm(x, w13, layout, self.backend)
             if poison:
                 h13 = poison_padding(h13, layout)
-            h = swiglu(h13)
+            h = swiglu(h13, layout)
             if row_weight_M is not None:
                 h = h * row_weight_M.to(h.dtype).unsqueeze(1)
             if poison:

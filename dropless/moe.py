@@ -106,16 +106,17 @@ class MoE(nn.Module):
         """Deterministic, layout-independent init (same global weights for any EP)."""
         seed = self.args.seed if seed is None else seed
         std = self.args.initializer_range
-        g = torch.Generator(device="cpu")
+        g = torch.Generator(device="cpu")  # drawn on the CPU, so every device gets the same weights
         g.manual_seed(seed * 7919 + self.layer_id)
-        if not self.router.weight.is_meta:
-            self.router.reset_parameters(generator=g)
+        self.router.reset_parameters(generator=g)  # weight from g; balancing bias and counters zeroed
+        dense = []
+        if self.shared_experts is not None:
+            dense += [lin.weight for lin in (self.shared_experts.w1, self.shared_experts.w3, self.shared_experts.w2)]
+        with torch.no_grad():
+            for w in dense:
+                if not w.is_meta:
+                    w.copy_(torch.empty(w.shape, dtype=torch.float32).normal_(0.0, std, generator=g))
         self.experts.init_weights(seed, self.layer_id, std)
-        if self.shared_experts is not None and not self.shared_experts.w1.weight.is_meta:
-            with torch.no_grad():
-                for lin in (self.shared_experts.w1, self.shared_experts.w3, self.shared_experts.w2):
-                    w = torch.empty(lin.weight.shape, dtype=torch.float32).normal_(0.0, std, generator=g)
-                    lin.weight.copy_(w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self.args

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from dropless.layout import ExpertLayout
+from dropless.ops import use_triton
 
 
 def sort_by_expert(expert_idx_Nk: torch.Tensor, num_experts: int, alignment: int = 1,
@@ -99,6 +100,14 @@ class _CombineRows(torch.autograd.Function):
         weight_Nk = saved[1] if len(saved) > 1 else None
         grad_NH = grad_NH.contiguous()
         n, k = dest_Nk.shape
+        if use_triton(grad_NH):
+            from dropless.ops import triton_kernels
+
+            w = weight_Nk if weight_Nk is not None else torch.ones(n, k, device=grad_NH.device)
+            need_gw = weight_Nk is not None and ctx.needs_input_grad[2]
+            grad_y, grad_w = triton_kernels.combine_bwd(grad_NH, saved[2] if need_gw else None, dest_Nk, w,
+                                                        ctx.num_rows_M, need_gw)
+            return grad_y, None, (grad_w.to(weight_Nk.dtype) if grad_w is not None else None)
         acc_dt = torch.promote_types(grad_NH.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
         g32 = grad_NH.to(acc_dt)
         # padding rows of the gradient stay unwritten: nothing downstream reads them.

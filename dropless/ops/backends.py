@@ -64,10 +64,3 @@ def _ensure_builtin() -> None:
 
     _REGISTRY.setdefault("torch", TorchBackend)
     _REGISTRY.setdefault("loop", LoopBackend)
-    try:  # GPU live-row Triton kernels, where triton and CUDA are present
-        from dropless.ops.triton_backend import TritonBackend, triton_available
-
-        if triton_available():
-            _REGISTRY.setdefault("triton", TritonBackend)
-    except ImportError:
-        pass

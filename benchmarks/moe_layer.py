@@ -1,0 +1,156 @@
+"""MoE layer benchmark on one GPU (issue 2): one JSON line per result.
+
+(a) experts only at the seed's per-rank shape (seed 003 §1): 4 local experts with live rows
+    [21733, 15004, 17982, 10817], H 7168, I 2048, bf16; forward and forward+backward TFLOP/s
+    counted on live FLOPs (6·R·H·I forward, 3× that forward+backward).
+(b) the whole layer: T 8192, H 7168, I 2048, E 32, k 8, n_group 8, topk_group 4, one shared
+    expert, bf16; forward+backward ms, TFLOP/s on live FLOPs (routed + shared + router), peak memory.
+The dense bf16 GEMM ceiling is measured in the same run (an 8192×8192×8192 matmul, and one at the
+experts' shape).
+
+Usage: ``python benchmarks/moe_layer.py [--gemm torch] [--quick]``. Needs CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+
+def bench(fn, warmup: int = 5, iters: int = 20) -> float:
+    """Median milliseconds of ``fn()`` measured with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def emit(**kw) -> None:
+    print(json.dumps(kw), flush=True)
+
+
+def dense_ceiling(m: int, n: int, k: int) -> float:
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+    ms = bench(lambda: a @ b)
+    return 2 * m * n * k / ms / 1e9
+
+
+def build_experts(gemm: str, counts=(21733, 15004, 17982, 10817), H: int = 7168, I: int = 2048, A: int = 1):
+    """(forward, forward+backward) closures of the experts alone at the seed's per-rank shape."""
+    from dropless.experts import GroupedExperts
+    from dropless.layout import ExpertLayout
+
+    layout = ExpertLayout.from_counts(torch.tensor(list(counts), device="cuda"), A, num_rows=sum(counts))
+    ex = GroupedExperts(H, I, len(counts), gemm=gemm)
+    ex.init_weights(0, 0)
+    ex = ex.cuda().to(torch.bfloat16)
+    x = torch.randn(layout.capacity, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn(layout.capacity, H, device="cuda", dtype=torch.bfloat16)
+    params = [x, *ex.parameters()]
+
+    def fwd():
+        with torch.no_grad():
+            ex(x, layout)
+
+    def fwdbwd():
+        for p in params:  # fresh gradients each step, as after optimizer.zero_grad(set_to_none=True)
+            p.grad = None
+        ex(x, layout).backward(gy)
+
+    return fwd, fwdbwd
+
+
+def build_layer(gemm: str, T: int = 8192, H: int = 7168, I: int = 2048, E: int = 32, k: int = 8, A: int = 1, **extra):
+    """The whole-layer forward+backward closure at issue 2's shape (b)."""
+    from dropless import ModelArgs
+    from dropless.moe import MoE
+
+    args = ModelArgs(hidden_size=H, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=k,
+                     n_group=8, topk_group=4, n_shared_experts=1, routed_scaling_factor=2.5,
+                     aux_loss_alpha=1e-4, expert_alignment=A, gemm=gemm, **extra)
+    moe = MoE(args, 0)
+    moe.init_weights(0)
+    moe = moe.cuda().to(torch.bfloat16).train()
+    x = torch.randn(1, T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn(1, T, H, device="cuda", dtype=torch.bfloat16)
+    params = [x, *moe.parameters()]
+
+    def fwdbwd():
+        for p in params:
+            p.grad = None
+        moe(x).backward(gy)
+
+    return fwdbwd
+
+
+def experts_only(gemm: str, counts: list[int], H: int, I: int, A: int) -> None:
+    fwd, fwdbwd = build_experts(gemm, counts, H, I, A)
+    R = sum(counts)
+    flops_fwd = 6 * R * H * I
+    ms_f = bench(fwd)
+    ms_fb = bench(fwdbwd)
+    emit(bench="experts_only", gemm=gemm, counts=counts, H=H, I=I, alignment=A, rows=R,
+         fwd_ms=round(ms_f, 3), fwd_tflops=round(flops_fwd / ms_f / 1e9, 1),
+         fwdbwd_ms=round(ms_fb, 3), fwdbwd_tflops=round(3 * flops_fwd / ms_fb / 1e9, 1))
+
+
+def whole_layer(gemm: str, T: int, H: int, I: int, E: int, k: int, A: int, **extra) -> None:
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    fwdbwd = build_layer(gemm, T, H, I, E, k, A, **extra)
+    fwdbwd()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fwdbwd()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    ms = bench(fwdbwd, warmup=3, iters=10)
+    # live FLOPs: routed rows (T·k) through 3 GEMMs, shared expert (T rows), router (T·E·H)
+    fwd = 6 * T * k * H * I + 6 * T * H * I + 2 * T * E * H
+    emit(bench="whole_layer", gemm=gemm, T=T, H=H, I=I, E=E, k=k, alignment=A, **extra,
+         fwdbwd_ms=round(ms, 3), fwdbwd_tflops=round(3 * fwd / ms / 1e9, 1),
+         peak_gib=round(peak / 2**30, 2), resident_before_gib=round(base / 2**30, 2),
+         activation_peak_gib=round((peak - base) / 2**30, 2))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gemm", default="torch")
+    p.add_argument("--quick", action="store_true", help="smaller shapes (smoke test)")
+    p.add_argument("--only", choices=["ceiling", "experts", "layer"], default=None)
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/moe_layer.py needs a CUDA device", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    H, I = (1024, 512) if a.quick else (7168, 2048)
+    counts = [21733, 15004, 17982, 10817]
+    if a.only in (None, "ceiling"):
+        emit(bench="dense_ceiling", shape="8192x8192x8192", tflops=round(dense_ceiling(8192, 8192, 8192), 1))
+        emit(bench="dense_ceiling", shape=f"{sum(counts)}x{2 * I}x{H}",
+             tflops=round(dense_ceiling(sum(counts), 2 * I, H), 1))
+    if a.only in (None, "experts"):
+        for A in (1, 128):
+            experts_only(a.gemm, counts, H, I, A)
+    if a.only in (None, "layer"):
+        for A in (1, 128):
+            whole_layer(a.gemm, 8192, H, I, 32, 8, A)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

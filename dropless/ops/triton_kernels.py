@@ -1,0 +1,179 @@
+"""Triton kernels for the memory-bound steps of the MoE path (CUDA only).
+
+* :func:`swiglu_fwd` / :func:`swiglu_bwd` — ``silu(gate) * up`` over LIVE rows only:
+  the grid walks the layout's row tiles (:meth:`ExpertLayout.tiles`), so the work is
+  bounded by live rows, not by ``M`` (DESIGN.md rule 3; seed 000 §2-3), and padding
+  rows of the outputs stay unwritten. The backward writes ``d(gate)||d(up)`` straight
+  into one ``[M, 2I]`` buffer (no concatenation copy).
+* :func:`gather_sum` — ``out[n] = Σ_j w[n, j] · rows[dest[n, j]]`` with an fp32
+  accumulator in registers, ``j = 0 … k-1`` in fixed order (the combine's forward and
+  the permutation's backward). Choices with ``dest < 0`` are skipped, never read.
+* :func:`combine_bwd` — for each choice, ``grad_rows[dest] = w · grad_out`` and
+  ``grad_w = <grad_out, rows[dest]>`` in one pass.
+
+Each is one launch with no host sync. Used by :mod:`dropless.permute` and
+:mod:`dropless.experts` when the tensors are on CUDA and Triton imports.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _swiglu_fwd_kernel(h13_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, end_ptr, I,
+                       stride_h, stride_o, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    tile = tl.program_id(0)
+    ex = tl.load(tile_expert_ptr + tile)
+    if ex < 0:
+        return
+    row0 = tl.load(tile_row_ptr + tile)
+    row_end = tl.load(end_ptr + ex)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < row_end) & (cols[None, :] < I)
+    base = h13_ptr + rows[:, None].to(tl.int64) * stride_h + cols[None, :]
+    g = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(base + I, mask=mask, other=0.0).to(tl.float32)
+    y = g * tl.sigmoid(g) * u
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_o + cols[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(h13_ptr, dout_ptr, dh13_ptr, tile_expert_ptr, tile_row_ptr, end_ptr, I,
+                       stride_h, stride_do, stride_dh, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    tile = tl.program_id(0)
+    ex = tl.load(tile_expert_ptr + tile)
+    if ex < 0:
+        return
+    row0 = tl.load(tile_row_ptr + tile)
+    row_end = tl.load(end_ptr + ex)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < row_end) & (cols[None, :] < I)
+    r64 = rows[:, None].to(tl.int64)
+    base = h13_ptr + r64 * stride_h + cols[None, :]
+    g = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(base + I, mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(dout_ptr + r64 * stride_do + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    s = tl.sigmoid(g)
+    dg = do * u * s * (1.0 + g * (1.0 - s))
+    du = do * g * s
+    dbase = dh13_ptr + r64 * stride_dh + cols[None, :]
+    tl.store(dbase, dg.to(dh13_ptr.dtype.element_ty), mask=mask)
+    tl.store(dbase + I, du.to(dh13_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gather_sum_kernel(rows_ptr, dest_ptr, w_ptr, out_ptr, H, stride_r, stride_o,
+                       K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_H: tl.constexpr):
+    n = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    cmask = cols < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(K):
+        d = tl.load(dest_ptr + n * K + j)
+        live = d >= 0  # a choice routed elsewhere is masked: its row is never read
+        r = tl.load(rows_ptr + tl.maximum(d, 0).to(tl.int64) * stride_r + cols, mask=cmask & live,
+                    other=0.0).to(tl.float32)
+        if HAS_W:
+            r = r * tl.load(w_ptr + n * K + j).to(tl.float32)
+        acc += r
+    tl.store(out_ptr + n.to(tl.int64) * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
+def _combine_bwd_kernel(grad_ptr, rows_ptr, dest_ptr, w_ptr, grad_rows_ptr, grad_w_ptr, H,
+                        stride_g, stride_r, stride_gr, K: tl.constexpr, NEED_GW: tl.constexpr,
+                        BLOCK_H: tl.constexpr, NUM_HB: tl.constexpr):
+    n = tl.program_id(0)
+    for j in tl.static_range(K):
+        d = tl.load(dest_ptr + n * K + j)
+        live = d >= 0
+        d64 = tl.maximum(d, 0).to(tl.int64)
+        w = tl.load(w_ptr + n * K + j).to(tl.float32)
+        dot = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for hb in tl.static_range(NUM_HB):
+            cols = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+            m = (cols < H) & live
+            g = tl.load(grad_ptr + n.to(tl.int64) * stride_g + cols, mask=m, other=0.0).to(tl.float32)
+            tl.store(grad_rows_ptr + d64 * stride_gr + cols, (g * w).to(grad_rows_ptr.dtype.element_ty), mask=m)
+            if NEED_GW:
+                y = tl.load(rows_ptr + d64 * stride_r + cols, mask=m, other=0.0).to(tl.float32)
+                dot += g * y
+        if NEED_GW:
+            tl.store(grad_w_ptr + n * K + j, tl.sum(dot, axis=0))
+
+
+# ---------------------------------------------------------------------------- wrappers
+_SWIGLU_BLOCK_M = 64
+_SWIGLU_BLOCK_N = 128
+
+
+def swiglu_tiles(layout):
+    """The layout's row tiles for the SwiGLU kernels (computed once per layout)."""
+    return layout.tiles(_SWIGLU_BLOCK_M)
+
+
+def swiglu_fwd(h13_MI2: torch.Tensor, layout, tiles=None) -> torch.Tensor:
+    """``[M, 2I]`` -> ``[M, I]`` = ``silu(gate) * up`` on live rows (padding rows unwritten)."""
+    m, i2 = h13_MI2.shape
+    i = i2 // 2
+    h13_MI2 = h13_MI2.contiguous()
+    out = h13_MI2.new_empty(m, i)
+    tile_expert, tile_row, n_tiles = tiles if tiles is not None else swiglu_tiles(layout)
+    grid = (n_tiles, triton.cdiv(i, _SWIGLU_BLOCK_N))
+    _swiglu_fwd_kernel[grid](h13_MI2, out, tile_expert, tile_row, layout.end, i, h13_MI2.stride(0),
+                             out.stride(0), BLOCK_M=_SWIGLU_BLOCK_M, BLOCK_N=_SWIGLU_BLOCK_N)
+    return out
+
+
+def swiglu_bwd(h13_MI2: torch.Tensor, dout_MI: torch.Tensor, layout, tiles=None) -> torch.Tensor:
+    """Gradient ``[M, 2I]`` (d gate || d up) of :func:`swiglu_fwd` on live rows."""
+    m, i2 = h13_MI2.shape
+    i = i2 // 2
+    h13_MI2, dout_MI = h13_MI2.contiguous(), dout_MI.contiguous()
+    dh13 = h13_MI2.new_empty(m, i2)
+    tile_expert, tile_row, n_tiles = tiles if tiles is not None else swiglu_tiles(layout)
+    grid = (n_tiles, triton.cdiv(i, _SWIGLU_BLOCK_N))
+    _swiglu_bwd_kernel[grid](h13_MI2, dout_MI, dh13, tile_expert, tile_row, layout.end, i,
+                             h13_MI2.stride(0), dout_MI.stride(0), dh13.stride(0),
+                             BLOCK_M=_SWIGLU_BLOCK_M, BLOCK_N=_SWIGLU_BLOCK_N)
+    return dh13
+
+
+def gather_sum(rows_MH: torch.Tensor, dest_Nk: torch.Tensor, weight_Nk: torch.Tensor | None) -> torch.Tensor:
+    """See :func:`dropless.permute.gather_sum` (same contract; one launch, fp32 in registers)."""
+    n, k = dest_Nk.shape
+    h = rows_MH.shape[1]
+    rows_MH = rows_MH.contiguous()
+    dest = dest_Nk.contiguous()
+    out = rows_MH.new_empty(n, h)
+    if n == 0:
+        return out
+    block_h = min(1024, triton.next_power_of_2(h))
+    w = weight_Nk.contiguous() if weight_Nk is not None else dest
+    _gather_sum_kernel[(n, triton.cdiv(h, block_h))](rows_MH, dest, w, out, h, rows_MH.stride(0), out.stride(0),
+                                                     K=k, HAS_W=weight_Nk is not None, BLOCK_H=block_h)
+    return out
+
+
+def combine_bwd(grad_NH: torch.Tensor, y_MH: torch.Tensor | None, dest_Nk: torch.Tensor,
+                weight_Nk: torch.Tensor, num_rows_M: int, need_grad_w: bool):
+    """Backward of the weighted combine: ``(grad_y [M, H] (padding unwritten), grad_w [N, k] fp32 or None)``."""
+    n, k = dest_Nk.shape
+    h = grad_NH.shape[1]
+    grad_NH = grad_NH.contiguous()
+    grad_y = grad_NH.new_empty(num_rows_M, h)
+    grad_w = torch.empty(n, k, dtype=torch.float32, device=grad_NH.device) if need_grad_w else None
+    if n == 0:
+        return grad_y, grad_w
+    y = y_MH.contiguous() if need_grad_w else grad_y
+    _combine_bwd_kernel[(n,)](grad_NH, y, dest_Nk.contiguous(), weight_Nk.contiguous(), grad_y,
+                              grad_w if need_grad_w else grad_y, h, grad_NH.stride(0), y.stride(0),
+                              grad_y.stride(0), K=k, NEED_GW=need_grad_w, BLOCK_H=1024,
+                              NUM_HB=triton.cdiv(h, 1024))
+    return grad_y, grad_w

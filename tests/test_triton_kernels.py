@@ -1,0 +1,79 @@
+"""The live-row Triton kernels against plain torch (float64 references).
+
+Runs on CUDA, or on the CPU under Triton's interpreter (``TRITON_INTERPRET=1`` set before
+triton is imported, as ``tests/conftest.py`` does when ``DROPLESS_TRITON_INTERPRET=1``);
+skipped where triton is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+from dropless.layout import ExpertLayout  # noqa: E402
+from dropless.ops import triton_kernels as tk  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no CUDA and Triton's interpreter is off", allow_module_level=True)
+DT = torch.bfloat16 if DEV == "cuda" else torch.float32
+TOL = 1e-2 if DT == torch.bfloat16 else 1e-5
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("counts,A", [([96, 0, 129, 1], 128), ([128, 130, 65], 64), ([5, 0, 0, 70], 1)])
+def test_swiglu_live_rows_only(counts, A):
+    torch.manual_seed(0)
+    lay = ExpertLayout.from_counts(torch.tensor(counts, device=DEV), A, num_rows=sum(counts) + 40)
+    M, I = lay.capacity, 160
+    live = lay.live_mask()
+    h13 = torch.randn(M, 2 * I, device=DEV, dtype=DT)
+    h13[~live] = float("nan")
+    out = tk.swiglu_fwd(h13, lay)
+    ref = torch.nn.functional.silu(h13[:, :I].double()) * h13[:, I:].double()
+    assert rel(out[live], ref[live]) < TOL
+    dout = torch.randn(M, I, device=DEV, dtype=DT)
+    dout[~live] = float("nan")
+    dh = tk.swiglu_bwd(h13, dout, lay)
+    x = h13.double().requires_grad_()
+    (torch.nn.functional.silu(x[:, :I]) * x[:, I:]).backward(dout.double())
+    assert rel(dh[live], x.grad[live]) < TOL
+    assert torch.isfinite(dh[live]).all() and torch.isfinite(out[live]).all()
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+def test_gather_sum_and_combine_bwd(weighted):
+    torch.manual_seed(1)
+    N, k, M, H = 37, 3, 140, 200
+    dest = torch.randperm(M, device=DEV)[: N * k].view(N, k)
+    dest[5, 1] = -1  # a dropped choice
+    rows = torch.randn(M, H, device=DEV, dtype=DT)
+    used = torch.zeros(M, dtype=torch.bool, device=DEV)
+    used[dest[dest >= 0]] = True
+    rows[~used] = float("nan")
+    w = torch.rand(N, k, device=DEV) if weighted else None
+    out = tk.gather_sum(rows, dest, w)
+    r = rows.double()
+    ref = torch.zeros(N, H, dtype=torch.float64, device=DEV)
+    for j in range(k):
+        d = dest[:, j]
+        contrib = r[d.clamp(min=0)] * (w[:, j : j + 1].double() if weighted else 1.0)
+        ref += torch.where((d >= 0).unsqueeze(1), contrib, torch.zeros_like(contrib))
+    assert rel(out, ref) < TOL
+    g = torch.randn(N, H, device=DEV, dtype=DT)
+    wt = w if weighted else torch.ones(N, k, device=DEV)
+    gy, gw = tk.combine_bwd(g, rows, dest, wt, M, need_grad_w=weighted)
+    for j in range(k):
+        d = dest[:, j]
+        ok = d >= 0
+        assert rel(gy[d[ok]], g[ok].double() * wt[ok, j : j + 1].double()) < TOL
+        if weighted:
+            exp = (g[ok].double() * r[d[ok]]).sum(-1)
+            assert rel(gw[ok, j], exp) < TOL
+            assert (gw[~ok, j] == 0).all()
