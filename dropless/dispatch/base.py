@@ -62,6 +62,24 @@ class CommStats:
         return out
 
 
+class Pending:
+    """The second half of a two-phase call: :meth:`wait` returns the result.
+
+    :meth:`Dispatcher.dispatch_async` / :meth:`Dispatcher.combine_async` return one. A
+    dispatcher whose collectives run asynchronously returns after issuing them, and
+    ``wait()`` blocks on them and finishes the work; one with nothing to wait for (``local``)
+    returns an already-finished ``Pending``. ``wait()`` may be called once.
+    """
+
+    def __init__(self, finish: Any = None, *, value: Any = None):
+        self._finish, self._value, self._done = finish, value, finish is None
+
+    def wait(self) -> Any:
+        if not self._done:
+            self._value, self._finish, self._done = self._finish(), None, True
+        return self._value
+
+
 class Dispatcher(ABC):
     """Base class: see the module docstring.
 
@@ -109,3 +127,27 @@ class Dispatcher(ABC):
     @abstractmethod
     def combine(self, y_MH: torch.Tensor, handle: Any) -> torch.Tensor:
         """``[M, H]`` expert outputs -> ``[T, H]`` in the original token order (weighted sum over k)."""
+
+    # -- two-phase API (overlap); the defaults run the one-phase call eagerly -------------
+    def dispatch_async(self, x_TH: torch.Tensor, topk_idx_Tk: torch.Tensor, topk_weight_Tk: torch.Tensor, *,
+                       alignment: int = 1, capacity: int | None = None, fold_weights: bool = False) -> Pending:
+        """Issue the dispatch; ``.wait()`` on the result gives the :class:`Dispatched`.
+
+        Work placed between the two (e.g. the previous chunk's experts) overlaps the
+        dispatcher's collectives. Same arguments as :meth:`dispatch`.
+        """
+        return Pending(value=self.dispatch(x_TH, topk_idx_Tk, topk_weight_Tk, alignment=alignment,
+                                           capacity=capacity, fold_weights=fold_weights))
+
+    def combine_async(self, y_MH: torch.Tensor, handle: Any) -> Pending:
+        """Issue the combine; ``.wait()`` gives ``y_TH``. Same arguments as :meth:`combine`."""
+        return Pending(value=self.combine(y_MH, handle))
+
+    def comm_stats(self, reset: bool = True) -> dict[str, int]:
+        """Bytes sent/received since the last reset (forward and backward); reset them if asked.
+
+        Call once per optimizer step, after backward, for the step's traffic.
+        """
+        if reset:
+            return self.comm.reset()
+        return {"bytes_sent": self.comm.bytes_sent, "bytes_received": self.comm.bytes_received}

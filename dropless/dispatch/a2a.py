@@ -1,0 +1,172 @@
+"""``a2a``: tokens go to the expert-parallel ranks that own their experts (all-to-all).
+
+Expert ``g`` (global id) lives on EP rank ``g // e`` (``e = E / EP``), as local expert ``g % e``.
+
+One layer call, on each rank (DESIGN.md "The pipeline", dispatcher table)::
+
+    sort the rank's (token, choice) pairs by global expert      -> send buffer [T·k, H]
+      (rows grouped by destination rank, within it by expert; direct gather from x_TH)
+    all_to_all_single of the per-expert counts [EP, e]          (device, async)
+    ONE host copy: rows to send to / receive from each rank      (split sizes for the next collective)
+    all_to_all_single of the rows  (async, differentiable)      -> received [R, H], grouped by source rank
+    sort the received rows by local expert, aligned to A         -> rows_MH + ExpertLayout
+    ... experts ...
+    gather each received row's output back into received order -> [R, H]
+    all_to_all_single back (reversed splits)                    -> [n_send, H] in send order
+    weighted sum over k at the source, fp32, j = 0 … k-1          -> y_TH   (same formula as ``local``)
+
+Host synchronisation: exactly one per :meth:`dispatch` — ``all_to_all_single`` takes its
+split sizes as host integers, so after the (device) count exchange the 2·EP row totals
+(sent to / received from each rank) are copied to the host once, in one ``.tolist()``
+(in :meth:`A2ADispatcher.dispatch_async`). Combine and both backwards reuse them. With a
+static ``capacity`` the landed buffer has a fixed ``M``; without, ``M`` is the exact bound
+of the received rows (:func:`dropless.layout.aligned_capacity`).
+
+Routing weights stay at the source and are applied in the source-side combine, unless
+``fold_weights`` (then they travel with the rows, fp32, and the combine is a plain sum).
+Row order inside each expert segment is (source rank, token, choice) — the order ``local``
+gives the global batch laid out rank after rank.
+
+Asynchrony: :meth:`A2ADispatcher.dispatch_async` issues the count exchange, builds the send
+buffer while it is in flight, makes the host copy, issues the row all-to-all and computes the
+landing indices while the rows travel; ``.wait()`` blocks on the rows and lands them.
+:meth:`A2ADispatcher.combine_async` issues the return all-to-all; ``.wait()`` does the
+weighted sum. Backward overlaps the same way (see :mod:`dropless.dispatch.collectives`).
+
+Bytes counted per call (``self.comm``): rows (and folded weights) that leave / enter the
+rank in each all-to-all, forward and backward, plus the count matrix (``(EP-1)·e`` int32
+each way). A row is ``H·itemsize`` bytes; the rank's own rows are not counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dropless.dispatch.base import Dispatched, Dispatcher, Pending
+from dropless.dispatch.collectives import CollOp, checked, group_rank, group_size, start, wait
+from dropless.dispatch.local import scatter_row_weights
+from dropless.permute import combine_rows, permute_rows, sort_by_expert
+
+import torch.distributed as dist
+
+
+def land_rows(rows_NH: torch.Tensor, src_M: torch.Tensor, dest_Nk: torch.Tensor) -> torch.Tensor:
+    """:func:`~dropless.permute.permute_rows`, also when ``rows_NH`` has no row at all.
+
+    ``permute_rows`` reads row 0 for padding rows, which an empty buffer (a rank that received
+    nothing) does not have; then one zero row (with ``dest = -1``, so no gradient reaches it)
+    is appended, keeping the result connected to ``rows_NH`` in the autograd graph — every rank
+    must run the same backward collectives. Decided on the host shape: no sync.
+    (Proposed fix in ``permute.py``: let ``_PermuteRows.forward`` return an empty-filled
+    ``[M, H]`` buffer when ``x_NH`` has 0 rows.)
+    """
+    if rows_NH.shape[0] == 0 and src_M.numel() > 0:
+        rows_NH = torch.cat([rows_NH, rows_NH.new_zeros(1, *rows_NH.shape[1:])])
+        dest_Nk = torch.cat([dest_Nk, dest_Nk.new_full((1, dest_Nk.shape[1]), -1)])
+    return permute_rows(rows_NH, src_M, dest_Nk)
+
+
+@dataclass
+class A2AHandle:
+    """State the a2a combine needs (integer indices and host split sizes only).
+
+    Attributes:
+        send_dest_Tk: int64 ``[T, k]`` row of each choice in the send buffer (-1: dropped).
+        weight_Tk: fp32 ``[T, k]`` combine weights at the source; None when folded.
+        recv_dest_R1: int64 ``[R, 1]`` landed row of each received row.
+        send_splits, recv_splits: rows sent to / received from each EP rank (host ints).
+    """
+
+    send_dest_Tk: torch.Tensor
+    weight_Tk: torch.Tensor | None
+    recv_dest_R1: torch.Tensor
+    send_splits: list[int]
+    recv_splits: list[int]
+
+
+class A2ADispatcher(Dispatcher):
+    """All-to-all dispatch over the expert-parallel group (see the module docstring).
+
+    Args:
+        num_experts: ``E`` (``n_routed_experts``).
+        group: the EP process group (None: the default group; without torch.distributed,
+            EP = 1 and nothing moves).
+    Raises:
+        ValueError: ``E`` not divisible by the group size.
+        CollectiveError: a collective failed or timed out (a peer died or stopped taking part).
+    """
+
+    name = "a2a"
+
+    def __init__(self, num_experts: int, group: Any = None):
+        super().__init__(num_experts, ep_size=group_size(group), ep_rank=group_rank(group))
+        self.group = group
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch_async(self, x_TH, topk_idx_Tk, topk_weight_Tk, *, alignment=1, capacity=None,
+                       fold_weights=False) -> Pending:
+        ep, e = self.ep_size, self.num_local_experts
+        t, k = topk_idx_Tk.shape
+        what = f"{self.name} dispatcher (EP rank {self.ep_rank}/{ep})"
+        # 1. sort by global expert -> send order (grouped by destination rank, then expert)
+        send_layout, send_dest_Tk, send_src = sort_by_expert(topk_idx_Tk, self.num_experts, 1)
+        counts_E = send_layout.counts  # int32 [E]
+        counts_op = CollOp("a2a", self.group, what + ": count all-to-all", [e] * ep, [e] * ep, self.comm)
+        recv_counts = start(counts_E, counts_op)
+        # 2. while the counts travel: gather the send buffer straight from x_TH
+        send_NH = permute_rows(x_TH, send_src, send_dest_Tk)
+        send_w = scatter_row_weights(topk_weight_Tk, send_dest_Tk, send_src.numel()) if fold_weights else None
+        recv_counts_Ee = wait(recv_counts, counts_op).view(ep, e)
+        # 3. THE host copy of this layer call: per-rank row totals for the split sizes
+        totals = torch.cat([counts_E.view(ep, e).sum(1), recv_counts_Ee.sum(1)]).tolist()
+        send_splits, recv_splits = [int(v) for v in totals[:ep]], [int(v) for v in totals[ep:]]
+        n_send, n_recv = sum(send_splits), sum(recv_splits)
+        # 4. issue the rows (and folded weights)
+        rows_op = CollOp("a2a", self.group, what + ": row all-to-all", recv_splits, send_splits, self.comm)
+        recv_RH = start(send_NH[:n_send], rows_op)
+        w_op = recv_w = None
+        if fold_weights:
+            w_op = CollOp("a2a", self.group, what + ": weight all-to-all", recv_splits, send_splits, self.comm)
+            recv_w = start(send_w[:n_send].unsqueeze(1), w_op)
+        # 5. while the rows travel: each received row's local expert, and where it lands
+        local_ids = torch.arange(e, device=counts_E.device).repeat(ep)
+        recv_expert_R = torch.repeat_interleave(local_ids, recv_counts_Ee.reshape(-1).to(torch.int64),
+                                                output_size=n_recv)
+        layout, recv_dest_R1, src_M = sort_by_expert(recv_expert_R.unsqueeze(1), e, alignment, capacity,
+                                                     num_rows=n_recv)
+        weight_Tk = None if fold_weights else topk_weight_Tk
+        handle = A2AHandle(send_dest_Tk, weight_Tk, recv_dest_R1, send_splits, recv_splits)
+
+        def finish() -> Dispatched:
+            rows_in = wait(recv_RH, rows_op)
+            rows_MH = land_rows(rows_in, src_M, recv_dest_R1)
+            row_w = None
+            if fold_weights:
+                w_in = wait(recv_w, w_op).squeeze(1)
+                row_w = scatter_row_weights(w_in.unsqueeze(1), recv_dest_R1, layout.capacity)
+            return Dispatched(rows_MH, layout, row_w, handle)
+
+        return Pending(finish)
+
+    def dispatch(self, x_TH, topk_idx_Tk, topk_weight_Tk, *, alignment=1, capacity=None, fold_weights=False):
+        return self.dispatch_async(x_TH, topk_idx_Tk, topk_weight_Tk, alignment=alignment, capacity=capacity,
+                                   fold_weights=fold_weights).wait()
+
+    # ------------------------------------------------------------------- combine
+    def combine_async(self, y_MH, handle: A2AHandle) -> Pending:
+        what = f"{self.name} dispatcher (EP rank {self.ep_rank}/{self.ep_size}): combine all-to-all"
+        back_RH = combine_rows(y_MH, handle.recv_dest_R1, None)  # received order, live rows only
+        op = CollOp("a2a", self.group, what, handle.send_splits, handle.recv_splits, self.comm)
+        sent = start(back_RH, op)
+
+        def finish() -> torch.Tensor:
+            back_NH = wait(sent, op)
+            return combine_rows(back_NH, handle.send_dest_Tk, handle.weight_Tk)
+
+        return Pending(finish)
+
+    def combine(self, y_MH, handle: A2AHandle):
+        return self.combine_async(y_MH, handle).wait()

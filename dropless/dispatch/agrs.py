@@ -1,0 +1,120 @@
+"""``agrs``: every token to every EP rank (all-gather), partial outputs back (reduce-scatter).
+
+One layer call, on each of the ``EP`` ranks of the group (DESIGN.md dispatcher table)::
+
+    all_gather_into_tensor  x_TH, topk_idx_Tk, topk_weight_Tk  -> [EP·T, H], [EP·T, k], [EP·T, k]
+    select the gathered choices whose expert is local (ids outside [offset, offset+e) are
+      "not here"), sort them by local expert, aligned to A      -> rows_MH + ExpertLayout
+    ... experts ...
+    partial[n] = Σ_{j local} w[n, j]·y[dest[n, j]]  (fp32, j = 0 … k-1) for ALL EP·T tokens
+    reduce_scatter_tensor (SUM)                                  -> y_TH
+
+No host synchronisation and static shapes: ``M`` is the static bound
+``aligned_capacity(EP·T·min(k, e), e, A)`` (a token meets each local expert at most once),
+or the ``capacity`` given. Every EP rank must pass the same ``T`` (``all_gather_into_tensor``
+needs equal chunks); otherwise the collective fails with a :class:`CollectiveError`.
+
+Backward: the all-gather's VJP is a reduce-scatter (SUM) of the gathered gradients, so each
+rank's ``dx_TH`` is the sum over EVERY rank's experts — not only the gradient through its
+own experts — and likewise for the routing weights; the reduce-scatter's VJP is an all-gather.
+
+Precision: each rank sums its local choices in fp32 and rounds to ``y``'s dtype before the
+reduce-scatter, which then adds the EP partials in that dtype (exact match to ``local``
+within fp32 rounding for fp32; one extra rounding per rank for bf16).
+
+Bytes counted per call (``self.comm``, forward + backward), with ``b`` the activation bytes:
+all-gather of ``x``: ``(EP-1)·T·H·b`` sent and received; of the routing: ``(EP-1)·T·k·(8 + 4)``;
+reduce-scatter of the partial outputs: ``(EP-1)·T·H·b`` each way. Backward repeats the ``x`` and
+output terms (reduce-scatter of ``dx``, all-gather of ``dy``) and the weights' ``(EP-1)·T·k·4``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dropless.dispatch.base import Dispatched, Dispatcher, Pending
+from dropless.dispatch.collectives import CollOp, group_rank, group_size, start, wait
+from dropless.dispatch.local import scatter_row_weights
+from dropless.layout import aligned_capacity
+from dropless.permute import combine_rows, permute_rows, sort_by_expert
+
+
+@dataclass
+class AGRSHandle:
+    """State the agrs combine needs.
+
+    Attributes:
+        dest_Nk: int64 ``[EP·T, k]`` landed row of each gathered choice (-1: not local).
+        weight_Nk: fp32 ``[EP·T, k]`` gathered combine weights; None when folded.
+    """
+
+    dest_Nk: torch.Tensor
+    weight_Nk: torch.Tensor | None
+
+
+class AGRSDispatcher(Dispatcher):
+    """All-gather / reduce-scatter dispatch over the EP group (see the module docstring).
+
+    Args:
+        num_experts: ``E``.
+        group: the EP process group (None: the default group; without torch.distributed,
+            EP = 1 and nothing moves).
+    """
+
+    name = "agrs"
+
+    def __init__(self, num_experts: int, group: Any = None):
+        super().__init__(num_experts, ep_size=group_size(group), ep_rank=group_rank(group))
+        self.group = group
+
+    def static_capacity(self, num_tokens: int, k: int, alignment: int) -> int:
+        """``M = aligned_capacity(EP·T·min(k, e), e, A)``: the most rows a rank can receive."""
+        e = self.num_local_experts
+        return aligned_capacity(self.ep_size * num_tokens * min(k, e), e, alignment)
+
+    def dispatch_async(self, x_TH, topk_idx_Tk, topk_weight_Tk, *, alignment=1, capacity=None,
+                       fold_weights=False) -> Pending:
+        t, k = topk_idx_Tk.shape
+        e = self.num_local_experts
+        what = f"{self.name} dispatcher (EP rank {self.ep_rank}/{self.ep_size})"
+        x_op = CollOp("ag", self.group, what + ": token all-gather", comm=self.comm)
+        i_op = CollOp("ag", self.group, what + ": expert-id all-gather", comm=self.comm)
+        w_op = CollOp("ag", self.group, what + ": weight all-gather", comm=self.comm)
+        xg = start(x_TH, x_op)
+        ig = start(topk_idx_Tk.to(torch.int64), i_op)
+        wg = start(topk_weight_Tk, w_op)
+        idx_Nk = wait(ig, i_op)
+        # ids of other ranks' experts fall outside [0, e): sort_by_expert leaves them out
+        local_Nk = idx_Nk - self.expert_offset
+        local_Nk = torch.where(idx_Nk >= 0, local_Nk, torch.full_like(local_Nk, -1))
+        if capacity is None:
+            layout, dest_Nk, src_M = sort_by_expert(local_Nk, e, alignment, None,
+                                                    num_rows=self.ep_size * t * min(k, e))
+        else:
+            layout, dest_Nk, src_M = sort_by_expert(local_Nk, e, alignment, capacity)
+
+        def finish() -> Dispatched:
+            x_NH = wait(xg, x_op)
+            w_Nk = wait(wg, w_op)
+            rows_MH = permute_rows(x_NH, src_M, dest_Nk)
+            row_w = scatter_row_weights(w_Nk, dest_Nk, layout.capacity) if fold_weights else None
+            return Dispatched(rows_MH, layout, row_w, AGRSHandle(dest_Nk, None if fold_weights else w_Nk))
+
+        return Pending(finish)
+
+    def dispatch(self, x_TH, topk_idx_Tk, topk_weight_Tk, *, alignment=1, capacity=None, fold_weights=False):
+        return self.dispatch_async(x_TH, topk_idx_Tk, topk_weight_Tk, alignment=alignment, capacity=capacity,
+                                   fold_weights=fold_weights).wait()
+
+    def combine_async(self, y_MH, handle: AGRSHandle) -> Pending:
+        what = f"{self.name} dispatcher (EP rank {self.ep_rank}/{self.ep_size}): output reduce-scatter"
+        partial_NH = combine_rows(y_MH, handle.dest_Nk, handle.weight_Nk)  # [EP·T, H], local choices only
+        op = CollOp("rs", self.group, what, comm=self.comm)
+        out = start(partial_NH, op)
+        return Pending(lambda: wait(out, op))
+
+    def combine(self, y_MH, handle: AGRSHandle):
+        return self.combine_async(y_MH, handle).wait()

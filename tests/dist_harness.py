@@ -1,0 +1,243 @@
+"""Multi-process (gloo, CPU) harness for the dispatcher tests.
+
+:func:`run_world` starts ``world`` processes with ``torch.multiprocessing`` (spawn), each in a
+gloo process group with a short timeout, runs a worker function of THIS module by name and
+returns each rank's result (``torch.save``-able) to the test. A worker that raises fails the
+test with its traceback; a world that outlives ``deadline_s`` is killed and fails the test,
+so a bug never hangs the suite.
+
+Workers build the MoE layer under test and report tensors; the tests compute the
+single-process ``local`` reference themselves (:func:`reference`) on the same global batch.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dropless.config import ModelArgs
+
+# small DeepSeek-V3-shaped MoE: H, I multiples of 4 (fp32 grouped_mm strides), E=8, k=2, 4 groups keep 2
+BASE = dict(hidden_size=16, moe_intermediate_size=8, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+            topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5, aux_loss_alpha=0.0, seed=3)
+SEQS_PER_RANK, SEQ_LEN = 2, 6
+LAYER_ID = 1
+
+
+def model_args(**over) -> ModelArgs:
+    d = dict(BASE)
+    d.update(over)
+    return ModelArgs(**d)
+
+
+def global_batch(world: int, args: ModelArgs, seed: int = 11):
+    """``X [W·B, S, H]`` and the cotangent ``G`` of the same shape (rank r owns rows r·B … r·B+B-1)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(world * SEQS_PER_RANK, SEQ_LEN, args.hidden_size, generator=g)
+    cot = torch.randn(world * SEQS_PER_RANK, SEQ_LEN, args.hidden_size, generator=g)
+    return x, cot
+
+
+def bias_to_rank0(moe, world: int) -> None:
+    """Make every token pick rank 0's experts (ids 0 … E/W − 1): a large selection bias."""
+    e0 = moe.args.n_routed_experts // world
+    with torch.no_grad():
+        moe.router.e_score_correction_bias[:e0] += 10.0
+
+
+def reference(world: int, args: ModelArgs, biased: bool = False) -> dict:
+    """Single-process ``local`` MoE on the global batch: output, all gradients, routing."""
+    from dropless.moe import MoE
+
+    moe = MoE(args, LAYER_ID)
+    moe.init_weights()
+    if biased:
+        bias_to_rank0(moe, world)
+    x, cot = global_batch(world, args)
+    x = x.clone().requires_grad_()
+    y = moe(x)
+    (y * cot).sum().backward()
+    sh = moe.shared_experts
+    return dict(y=y.detach(), x_grad=x.grad, router_grad=moe.router.weight.grad,
+                w13=moe.experts.w13.detach(), w2=moe.experts.w2.detach(),
+                w13_grad=moe.experts.w13.grad, w2_grad=moe.experts.w2.grad,
+                shared_grads=[sh.w1.weight.grad, sh.w3.weight.grad, sh.w2.weight.grad])
+
+
+# ------------------------------------------------------------------------------ launching
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, port, fn_name, out_dir, args, pg_timeout_s):
+    torch.set_num_threads(1)
+    out = Path(out_dir) / f"rank{rank}.pt"
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=pg_timeout_s))
+        res = globals()[fn_name](rank, world, *args)
+        torch.save(res, out)
+    except BaseException:
+        torch.save({"error": traceback.format_exc()}, out)
+        raise
+    if fn_name.startswith("timeout_"):
+        os._exit(0)  # a broken group may block in destroy/atexit: leave at once
+    dist.destroy_process_group()
+
+
+def run_world(fn_name: str, world: int, *args, pg_timeout_s: float = 30.0, deadline_s: float = 120.0,
+              allow_fail: bool = False) -> list:
+    """Run ``fn_name(rank, world, *args)`` on ``world`` gloo ranks; return the per-rank results."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.start_processes(_entry, args=(world, _free_port(), fn_name, tmp, args, pg_timeout_s),
+                                 nprocs=world, join=False, start_method="spawn")
+        t0 = time.monotonic()
+        try:
+            while not ctx.join(timeout=1.0):
+                if time.monotonic() - t0 > deadline_s:
+                    raise TimeoutError(f"{fn_name} on {world} ranks did not finish in {deadline_s} s")
+        except mp.ProcessRaisedException:
+            if not allow_fail:
+                raise
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+        results = []
+        for r in range(world):
+            f = Path(tmp) / f"rank{r}.pt"
+            results.append(torch.load(f, weights_only=False) if f.exists() else None)
+        return results
+
+
+# ------------------------------------------------------------------------------ workers
+def _full_expert(t_local: torch.Tensor) -> torch.Tensor:
+    """All-gather the EP ranks' local expert tensors ``[e, ...]`` into ``[E, ...]``."""
+    parts = [torch.empty_like(t_local) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t_local.contiguous())
+    return torch.cat(parts)
+
+
+def _sum_ranks(t: torch.Tensor) -> torch.Tensor:
+    t = t.clone()
+    dist.all_reduce(t)
+    return t
+
+
+def layer_worker(rank, world, scenarios):
+    """For each scenario dict(name, dispatcher, alignment, fold, biased): MoE on this rank's slice."""
+    from dropless.dispatch import build_dispatcher
+    from dropless.dispatch.fsdp import apply_fsdp
+    from dropless.dispatch.mesh import build_mesh
+    from dropless.moe import MoE
+
+    mesh_ep = build_mesh(world, world, "cpu")
+    mesh_dp = build_mesh(world, 1, "cpu")
+    out = {}
+    for sc in scenarios:
+        args = model_args(expert_alignment=sc["alignment"], fold_routing_weights=sc["fold"])
+        name = sc["dispatcher"]
+        disp = build_dispatcher(name, args, None if name == "fsdp" else mesh_ep)
+        moe = MoE(args, LAYER_ID, disp)
+        moe.init_weights()
+        if sc.get("biased"):
+            bias_to_rank0(moe, world)
+        w13_init, w2_init = moe.experts.w13.detach().clone(), moe.experts.w2.detach().clone()
+        if name == "fsdp":
+            apply_fsdp(moe, mesh_dp)
+        x_all, cot_all = global_batch(world, args)
+        sl = slice(rank * SEQS_PER_RANK, (rank + 1) * SEQS_PER_RANK)
+        x = x_all[sl].clone().requires_grad_()
+        with torch.no_grad():
+            topk = moe.router(x.detach().reshape(-1, args.hidden_size)).topk_idx_Tk
+        moe.router.tokens_per_expert.zero_()
+        y = moe(x)
+        rows_live = int(moe.last_stats["rows_live"])
+        fwd_bytes = disp.comm_stats(reset=False)
+        (y * cot_all[sl]).sum().backward()
+        step_bytes = disp.comm_stats()
+        sh = moe.shared_experts
+        r = dict(y=y.detach(), x_grad=x.grad, topk=topk, rows_live=rows_live, fwd_bytes=fwd_bytes,
+                 step_bytes=step_bytes, router_grad=_sum_ranks(moe.router.weight.grad),
+                 shared_grads=[_sum_ranks(p.grad) for p in (sh.w1.weight, sh.w3.weight, sh.w2.weight)])
+        if name == "fsdp":
+            r["w13"], r["w2"] = w13_init, w2_init
+            r["w13_grad"] = moe.experts.w13.grad.full_tensor()
+            r["w2_grad"] = moe.experts.w2.grad.full_tensor()
+        else:
+            r["w13"], r["w2"] = _full_expert(w13_init), _full_expert(w2_init)
+            r["w13_grad"], r["w2_grad"] = _full_expert(moe.experts.w13.grad), _full_expert(moe.experts.w2.grad)
+        out[sc["name"]] = r
+    return out
+
+
+def overlap_worker(rank, world, name, alignment):
+    """Two chunks in flight at once through dispatch_async/combine_async, vs one-phase calls."""
+    from dropless.dispatch import build_dispatcher
+    from dropless.moe import MoE
+
+    args = model_args(expert_alignment=alignment)
+    disp = build_dispatcher(name, args)
+    moe = MoE(args, LAYER_ID, disp)
+    moe.init_weights()
+    x_all, cot_all = global_batch(world, args)
+    sl = slice(rank * SEQS_PER_RANK, (rank + 1) * SEQS_PER_RANK)
+    res = {}
+    for mode in ("two_phase", "one_phase"):
+        moe.zero_grad()
+        x = x_all[sl].reshape(-1, args.hidden_size).clone().requires_grad_()
+        r = moe.router(x)
+        chunks = [slice(0, SEQ_LEN), slice(SEQ_LEN, 2 * SEQ_LEN)]
+        if mode == "two_phase":
+            pend = [disp.dispatch_async(x[c], r.topk_idx_Tk[c], r.topk_weight_Tk[c], alignment=alignment)
+                    for c in chunks]                       # chunk 1 issued before chunk 0 landed
+            ds = [p.wait() for p in pend]
+            ys = [moe.experts(d.rows_MH, d.layout) for d in ds]
+            pc = [disp.combine_async(yy, d.handle) for yy, d in zip(ys, ds)]
+            outs = [p.wait() for p in pc]
+        else:
+            outs = []
+            for c in chunks:
+                d = disp.dispatch(x[c], r.topk_idx_Tk[c], r.topk_weight_Tk[c], alignment=alignment)
+                outs.append(disp.combine(moe.experts(d.rows_MH, d.layout), d.handle))
+        y = torch.cat(outs)
+        (y * cot_all[sl].reshape(-1, args.hidden_size)).sum().backward()
+        res[mode] = dict(y=y.detach(), x_grad=x.grad, router_grad=moe.router.weight.grad.clone(),
+                         w13_grad=moe.experts.w13.grad.clone())
+    return res
+
+
+def timeout_worker(rank, world, name, how):
+    """Rank 1 leaves (``exit``) or stops taking part (``hang``); rank 0 runs the layer and must raise."""
+    from dropless.dispatch import build_dispatcher
+    from dropless.moe import MoE
+
+    args = model_args()
+    if rank == 1:
+        if how == "hang":
+            time.sleep(30)
+        return {"left": True}
+    disp = build_dispatcher(name, args)
+    moe = MoE(args, LAYER_ID, disp)
+    moe.init_weights()
+    x = global_batch(world, args)[0][:SEQS_PER_RANK]
+    if how == "exit":
+        time.sleep(1.0)  # let rank 1 be gone
+    t0 = time.monotonic()
+    try:
+        moe(x).sum().backward()
+    except Exception as err:  # noqa: BLE001 - the test checks the type and message
+        return {"raised": type(err).__name__, "message": str(err), "elapsed": time.monotonic() - t0,
+                "is_collective_error": type(err).__name__ == "CollectiveError"}
+    return {"raised": None, "elapsed": time.monotonic() - t0}
