@@ -1,0 +1,74 @@
+"""``dropless-train`` / ``python -m dropless.train``: train from Hydra overrides.
+
+Usage::
+
+    dropless-train [KEY=VALUE ...] [recipe=NAME] [--cfg] [--help]
+
+    dropless-train                                   # CPU default: tiny MoE on the stdlib's text
+    dropless-train train.steps=20 run_dir=runs/try   # fewer steps, a chosen run directory
+    dropless-train recipe=h200_single                # a complete experiment from recipes/
+    torchrun --nproc_per_node 4 -m dropless.train dispatcher=a2a
+    dropless-train resume=true run_dir=runs/try      # continue from the newest checkpoint
+
+``--cfg`` prints the resolved config and exits. Exit status: 0 done, 2 bad config or data
+(the message names the field), 130 stopped by Ctrl-C after saving a checkpoint.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+__all__ = ["main"]
+
+
+def _usage() -> str:
+    from dropless.train.config import list_recipes
+
+    return (__doc__ or "") + "\nRecipes: " + ", ".join(list_recipes()) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point. ``argv``: Hydra overrides (default ``sys.argv[1:]``). Returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(_usage())
+        return 0
+    show_cfg = "--cfg" in argv
+    bad = [a for a in argv if a.startswith("-") and a != "--cfg"]
+    if bad:
+        print(f"dropless-train: unknown option(s) {bad}; arguments are Hydra overrides key=value "
+              "(see --help)", file=sys.stderr)
+        return 2
+    overrides = [a for a in argv if a != "--cfg"]
+
+    import os
+
+    from omegaconf import OmegaConf
+
+    from dropless.config import ConfigError
+    from dropless.train.config import compose
+
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        cfg = compose(overrides)
+        if show_cfg:
+            print(OmegaConf.to_yaml(cfg, resolve=True), end="")
+            return 0
+        if rank == 0:
+            print("[dropless] resolved config:\n" + OmegaConf.to_yaml(cfg, resolve=True), flush=True)
+        from dropless.train.trainer import Trainer
+
+        trainer = Trainer(cfg)
+    except ConfigError as e:
+        print(f"dropless-train: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        summary = trainer.train()
+    finally:
+        trainer.close()
+    return 130 if summary["interrupted"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

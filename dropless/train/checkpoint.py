@@ -1,0 +1,175 @@
+"""Checkpoints with ``torch.distributed.checkpoint`` (DCP): model, optimizer, step, data, RNG.
+
+Layout: ``<run_dir>/checkpoints/step_00000300/`` is one DCP checkpoint (``.metadata`` plus
+one ``__<rank>_0.distcp`` file per writing rank). DCP writes ``.metadata`` last, so a
+directory with it is complete; :func:`latest_checkpoint` returns the newest complete one.
+
+State saved (one dict, every rank calls :func:`save` collectively):
+
+* ``model``, ``optim``: :func:`torch.distributed.checkpoint.state_dict.get_state_dict`
+  (FQN-keyed; FSDP2 DTensors stay DTensors). With expert parallelism (``ep > 1``) the
+  expert weights on a rank are its ``E/EP`` experts under the same names as on every other
+  rank, so they are wrapped as DTensors ``[Replicate() over dp, Shard(0) over ep]`` of the
+  full ``[E, ...]`` tensor: DCP then stores every expert once, as one global tensor
+  (their AdamW moments too).
+* ``trainer``: ``step`` (optimizer steps done) and the data loader's position (the same on
+  every rank).
+* ``rng``: ``rank{r}`` -> this rank's torch CPU (and CUDA) generator state.
+
+Errors: :class:`FileNotFoundError` for a checkpoint directory without ``.metadata``.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+__all__ = ["checkpoint_dir", "latest_checkpoint", "list_checkpoints", "save", "load", "prune"]
+
+_STEP_RE = re.compile(r"^step_(\d+)$")
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step_{int(step):08d}"
+
+
+def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints in ``run_dir`` as ``(step, path)``, oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    out = []
+    if root.is_dir():
+        for p in root.iterdir():
+            m = _STEP_RE.match(p.name)
+            if m and (p / ".metadata").is_file():
+                out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
+    """The newest complete checkpoint ``(step, path)`` in ``run_dir``, or None."""
+    ck = list_checkpoints(run_dir)
+    return ck[-1] if ck else None
+
+
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    st = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        st["cuda"] = torch.cuda.get_rng_state(device)
+    return st
+
+
+def _set_rng_state(st: dict[str, torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(st["cpu"].cpu())
+    if device.type == "cuda" and "cuda" in st:
+        torch.cuda.set_rng_state(st["cuda"].cpu(), device)
+
+
+def _wrap_experts(model_sd: dict, optim_sd: dict, expert_fqns: set[str], mesh: Any) -> list[tuple[Any, torch.Tensor]]:
+    """Replace expert tensors by DTensors ``[Replicate(), Shard(0)]`` on the (dp, ep) mesh.
+
+    Returns ``(dtensor, original)`` pairs so that a load can copy the loaded shard back.
+    """
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    pairs = []
+
+    def wrap(t: torch.Tensor):
+        if isinstance(t, DTensor) or t.dim() == 0:
+            return t
+        d = DTensor.from_local(t, mesh, [Replicate(), Shard(0)], run_check=False)
+        pairs.append((d, t))
+        return d
+
+    for k in list(model_sd):
+        if k in expert_fqns:
+            model_sd[k] = wrap(model_sd[k])
+    for k, st in optim_sd.get("state", {}).items():
+        if k in expert_fqns:
+            for name in list(st):
+                if isinstance(st[name], torch.Tensor):
+                    st[name] = wrap(st[name])
+    return pairs
+
+
+def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainer: dict, env: Any,
+           expert_fqns: set[str]):
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    pairs = []
+    if env.ep_size > 1 and env.mesh is not None:
+        pairs = _wrap_experts(model_sd, optim_sd, expert_fqns, env.mesh)
+    state = {"model": model_sd, "optim": optim_sd, "trainer": dict(trainer),
+             "rng": {f"rank{env.rank}": _rng_state(env.device)}}
+    return state, pairs
+
+
+def _quiet():
+    ctx = warnings.catch_warnings()
+    ctx.__enter__()
+    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+    warnings.filterwarnings("ignore", message=".*assuming the intent.*")
+    return ctx
+
+
+def save(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainer: dict, env: Any,
+         expert_fqns: set[str]) -> Path:
+    """Save a checkpoint to ``path`` (collective: every rank calls it). Returns ``path``."""
+    state, _ = _state(model, optimizer, trainer, env, expert_fqns)
+    ctx = _quiet()
+    try:
+        dcp.save(state, checkpoint_id=str(path))
+    finally:
+        ctx.__exit__(None, None, None)
+    if env.world_size > 1:
+        dist.barrier()
+    return Path(path)
+
+
+def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainer: dict, env: Any,
+         expert_fqns: set[str]) -> dict:
+    """Load ``path`` into ``model`` and ``optimizer`` in place (collective).
+
+    Args:
+        trainer: a template of the ``trainer`` entry (same keys as saved); returned filled.
+    Returns: the loaded ``trainer`` dict (``step``, data position).
+    Raises:
+        FileNotFoundError: ``path`` holds no complete checkpoint.
+    """
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        raise FileNotFoundError(f"{path}: not a complete checkpoint (no .metadata)")
+    state, pairs = _state(model, optimizer, trainer, env, expert_fqns)
+    ctx = _quiet()
+    try:
+        dcp.load(state, checkpoint_id=str(path),
+                 planner=dcp.DefaultLoadPlanner(allow_partial_load=True))  # rng of ranks not saved
+    finally:
+        ctx.__exit__(None, None, None)
+    with torch.no_grad():  # DCP loads in place; make sure the expert shards reached the originals
+        for d, t in pairs:
+            local = d.to_local()
+            if local.data_ptr() != t.data_ptr():
+                t.copy_(local)
+    model_sd, optim_sd = state["model"], state["optim"]
+    if pairs:  # set_state_dict wants the plain local tensors, now holding the loaded values
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    rng = state["rng"].get(f"rank{env.rank}")
+    if rng is not None:
+        _set_rng_state(rng, env.device)
+    return dict(state["trainer"])
+
+
+def prune(run_dir: Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` complete checkpoints (call on one rank); keep <= 0: keep all."""
+    if keep <= 0:
+        return
+    for _, p in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(p, ignore_errors=True)

@@ -1,0 +1,285 @@
+"""Training data: byte-level text or a memory-mapped ``.bin`` of token ids, sharded over ranks.
+
+Two sources (``cfg.data.kind``):
+
+* ``text`` (``configs/data/stdlib.yaml``): every file matching ``data.glob`` under
+  ``data.path`` (recursive, sorted by relative path, so the order is the same on every
+  machine), concatenated as raw bytes: token id = byte value, vocab 256. The default
+  ``data.path: null`` is the Python standard library's own source
+  (``sysconfig.get_paths()["stdlib"]``, ``*.py``; ``site-packages``/``dist-packages``
+  excluded), real text that is on every machine.
+* ``bin`` (``configs/data/bin.yaml``): a flat file of ``uint16``/``uint32`` token ids
+  (nanoGPT's ``train.bin`` format), memory-mapped, with its ``data.vocab_size``. Every id
+  is checked ``< vocab_size`` before training, in chunks of :data:`CHECK_CHUNK` ids
+  (vectorised ``max`` per chunk; the file is never loaded whole).
+
+Split: the last ``val_fraction`` of the token stream is held out for validation (or a
+separate ``data.val_path`` for ``bin``). Both streams are cut into windows of
+``seq_len + 1`` tokens at multiples of ``seq_len`` (window ``i`` = tokens
+``[i·S, i·S + S + 1)``: inputs ``[:-1]``, targets ``[1:]``).
+
+Sharding: window ``i`` of the training stream belongs to rank ``i % world_size``; every
+rank keeps the same number of windows (``n // world_size``), so no window is seen by
+two ranks and all ranks turn an epoch at the same step. Each epoch visits a rank's
+windows in a permutation drawn from ``(seed, epoch)``. The position (``epoch``,
+``offset``) is the loader's whole state (:meth:`ShardedLoader.state_dict`).
+
+Validation: rank ``r`` takes ``val_batches · micro_batch_size`` windows spread evenly
+over its share of the validation windows, the same ones at every evaluation.
+
+Errors (:class:`~dropless.config.ConfigError`, raised before training): a missing path,
+a directory with no matching file or no bytes, a ``.bin`` whose size is not a multiple of
+the dtype, an id ``>= vocab_size``, a data vocabulary larger than the model's, too few
+tokens for one batch per rank.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dropless.config import ConfigError
+
+__all__ = ["TokenData", "ShardedLoader", "load_tokens", "stdlib_dir", "text_files",
+           "check_token_ids", "val_windows", "CHECK_CHUNK"]
+
+#: ids per chunk of the ``id < vocab_size`` check of a ``.bin`` (64 Mi ids: 128 MiB of uint16).
+CHECK_CHUNK = 1 << 26
+_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+_EXCLUDED_DIRS = ("site-packages", "dist-packages", "__pycache__")
+
+
+@dataclass
+class TokenData:
+    """The token streams of a run.
+
+    Attributes:
+        train: 1-D array of token ids (uint8 for text, a ``np.memmap`` for ``.bin``).
+        val: 1-D array of held-out token ids.
+        vocab_size: the data's vocabulary size (256 for bytes).
+        source: a human-readable description (path, files, tokens).
+    """
+
+    train: np.ndarray
+    val: np.ndarray
+    vocab_size: int
+    source: str
+
+
+def stdlib_dir() -> Path:
+    """The Python standard library's source directory (``sysconfig`` ``stdlib``)."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def text_files(root: Path, glob: str) -> list[Path]:
+    """Files matching ``glob`` under ``root`` (recursive), sorted by relative posix path.
+
+    ``site-packages``, ``dist-packages`` and ``__pycache__`` directories are skipped, so
+    the standard library's text does not depend on what is installed.
+    """
+    files = [p for p in root.rglob(glob)
+             if p.is_file() and not any(d in _EXCLUDED_DIRS for d in p.relative_to(root).parts[:-1])]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def check_token_ids(ids: np.ndarray, vocab_size: int, name: str = "data", chunk: int = CHECK_CHUNK) -> None:
+    """Raise ConfigError if any id is ``>= vocab_size``; reads ``ids`` in chunks (memmap-friendly).
+
+    The message gives the first offending position and value.
+    """
+    n = len(ids)
+    for lo in range(0, n, chunk):
+        part = np.asarray(ids[lo:lo + chunk])
+        if part.size and int(part.max()) >= vocab_size:
+            pos = lo + int(np.argmax(part >= vocab_size))
+            raise ConfigError(
+                f"{name}: token id {int(ids[pos])} at position {pos} is >= data.vocab_size={vocab_size}. "
+                "Set data.vocab_size to the tokenizer's vocabulary size (larger than every id), or check "
+                "data.dtype (uint16 vs uint32) matches how the file was written.")
+
+
+def _load_bin(path: Path, dtype: str, vocab_size: int, what: str) -> np.ndarray:
+    if not path.exists():
+        raise ConfigError(f"{what}={str(path)!r}: no such file. Point it at a flat .bin of token ids.")
+    if path.is_dir():
+        raise ConfigError(f"{what}={str(path)!r} is a directory; data=bin needs a .bin file "
+                          "(for a directory of text files use data=stdlib data.path=DIR)")
+    np_dtype = _DTYPES[dtype]
+    size = path.stat().st_size
+    item = np.dtype(np_dtype).itemsize
+    if size == 0:
+        raise ConfigError(f"{what}={str(path)!r} is empty (0 bytes)")
+    if size % item:
+        raise ConfigError(f"{what}={str(path)!r}: {size} bytes is not a multiple of {item} "
+                          f"(data.dtype={dtype}); is the dtype right?")
+    ids = np.memmap(path, dtype=np_dtype, mode="r")
+    check_token_ids(ids, vocab_size, name=f"{what}={str(path)!r}")
+    return ids
+
+
+def load_tokens(data_cfg: Any, model_vocab_size: int | None = None) -> TokenData:
+    """Load and check the token streams described by ``cfg.data``.
+
+    Args:
+        data_cfg: the ``data`` config node (``kind``, ``path``, ``vocab_size``,
+            ``val_fraction``; ``glob`` for text; ``dtype``, ``val_path`` for bin).
+        model_vocab_size: the model's ``vocab_size``; the data's must not exceed it.
+    Returns: :class:`TokenData`.
+    Raises:
+        ConfigError: see the module docstring.
+    """
+    kind = str(data_cfg.kind)
+    vocab = data_cfg.get("vocab_size")
+    frac = float(data_cfg.get("val_fraction", 0.01))
+    if not 0.0 < frac < 1.0 and not (kind == "bin" and data_cfg.get("val_path")):
+        raise ConfigError(f"data.val_fraction={frac}: must lie in (0, 1)")
+    if kind == "text":
+        vocab = 256 if vocab is None else int(vocab)
+        if vocab != 256:
+            raise ConfigError(f"data.vocab_size={vocab}: byte-level text has 256 token ids; set it to 256")
+        root = stdlib_dir() if data_cfg.path in (None, "") else Path(str(data_cfg.path)).expanduser()
+        if not root.exists():
+            raise ConfigError(f"data.path={str(root)!r}: no such file or directory. Pass a directory "
+                              "of text files (data.path=DIR data.glob='*.txt'), or leave data.path "
+                              "null for the Python standard library.")
+        glob = str(data_cfg.get("glob", "*.py"))
+        files = [root] if root.is_file() else text_files(root, glob)
+        if not files:
+            raise ConfigError(f"data.path={str(root)!r}: no file matches data.glob={glob!r} "
+                              "(searched recursively). Put text files there or change data.glob.")
+        blob = b"".join(f.read_bytes() for f in files)
+        if not blob:
+            raise ConfigError(f"data.path={str(root)!r}: the {len(files)} files matching "
+                              f"{glob!r} are all empty")
+        ids = np.frombuffer(blob, dtype=np.uint8)
+        n_val = max(1, int(len(ids) * frac))
+        train, val = ids[:-n_val], ids[-n_val:]
+        source = f"{len(files)} files matching {glob!r} under {root} ({len(ids):,} bytes)"
+    elif kind == "bin":
+        if data_cfg.get("path") in (None, "", "???"):
+            raise ConfigError("data.path is required for data=bin: data.path=/path/train.bin")
+        dtype = str(data_cfg.get("dtype", "uint16"))
+        if dtype not in _DTYPES:
+            raise ConfigError(f"data.dtype={dtype!r}: must be one of {sorted(_DTYPES)}")
+        if vocab is None:
+            raise ConfigError("data.vocab_size is required for data=bin (the tokenizer's vocabulary size)")
+        vocab = int(vocab)
+        if vocab <= 0 or vocab > np.iinfo(_DTYPES[dtype]).max + 1:
+            raise ConfigError(f"data.vocab_size={vocab}: must lie in [1, {np.iinfo(_DTYPES[dtype]).max + 1}] "
+                              f"for data.dtype={dtype}")
+        path = Path(str(data_cfg.path)).expanduser()
+        ids = _load_bin(path, dtype, vocab, "data.path")
+        if data_cfg.get("val_path"):
+            train = ids
+            val = _load_bin(Path(str(data_cfg.val_path)).expanduser(), dtype, vocab, "data.val_path")
+        else:
+            n_val = max(1, int(len(ids) * frac))
+            train, val = ids[:-n_val], ids[-n_val:]
+        source = f"{path} ({len(ids):,} {dtype} tokens, vocab {vocab})"
+    else:
+        raise ConfigError(f"data.kind={kind!r}: must be 'text' (data=stdlib) or 'bin' (data=bin)")
+    if model_vocab_size is not None and vocab > int(model_vocab_size):
+        raise ConfigError(f"data.vocab_size={vocab} > model.vocab_size={model_vocab_size}: the model's "
+                          "embedding cannot hold every token id. Set model.vocab_size to at least "
+                          f"{vocab}.")
+    return TokenData(train=train, val=val, vocab_size=vocab, source=source)
+
+
+def _windows(ids: np.ndarray, idx: np.ndarray, seq_len: int) -> torch.Tensor:
+    """Windows ``[i·S, i·S + S + 1)`` for each ``i`` in ``idx`` -> int64 [len(idx), S + 1]."""
+    out = np.empty((len(idx), seq_len + 1), dtype=np.int64)
+    for j, i in enumerate(idx):
+        lo = int(i) * seq_len
+        out[j] = ids[lo:lo + seq_len + 1]
+    return torch.from_numpy(out)
+
+
+def num_windows(n_tokens: int, seq_len: int) -> int:
+    """Windows of ``seq_len + 1`` tokens at multiples of ``seq_len`` in a stream of ``n_tokens``."""
+    return max(0, (n_tokens - 1) // seq_len)
+
+
+class ShardedLoader:
+    """Micro-batches of one rank's shard of the training windows, in a seeded order per epoch.
+
+    Args:
+        ids: the training token stream (1-D array or memmap).
+        seq_len: S, tokens per sequence.
+        batch_size: sequences per micro-batch.
+        rank, world_size: this rank's place among all ranks that read different data.
+        seed: base seed of the per-epoch permutation.
+    Yields (``next_batch``): ``(inputs_BS, targets_BS)`` int64 CPU tensors.
+    Raises:
+        ConfigError: the shard holds fewer windows than one micro-batch.
+    """
+
+    def __init__(self, ids: np.ndarray, seq_len: int, batch_size: int, rank: int = 0,
+                 world_size: int = 1, seed: int = 0):
+        self.ids, self.seq_len, self.batch_size = ids, int(seq_len), int(batch_size)
+        self.rank, self.world_size, self.seed = int(rank), int(world_size), int(seed)
+        n = num_windows(len(ids), self.seq_len)
+        self.per_rank = n // self.world_size
+        if self.per_rank < self.batch_size:
+            raise ConfigError(
+                f"data: {len(ids):,} training tokens make {n} windows of train.seq_len+1={self.seq_len + 1}, "
+                f"{self.per_rank} per rank over {self.world_size} ranks, fewer than "
+                f"train.micro_batch_size={self.batch_size}. Use more data or a smaller seq_len/batch.")
+        self.epoch, self.offset = 0, 0
+        self._perm = self._permutation(0)
+
+    def shard_indices(self) -> np.ndarray:
+        """This rank's window indices (before shuffling): ``rank, rank + W, ...``."""
+        return self.rank + self.world_size * np.arange(self.per_rank, dtype=np.int64)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, epoch, 0x64726F70])
+        return self.shard_indices()[rng.permutation(self.per_rank)]
+
+    def next_indices(self) -> np.ndarray:
+        """Window indices of the next micro-batch (advances the position)."""
+        if self.offset + self.batch_size > self.per_rank:  # drop the ragged tail of the epoch
+            self.epoch, self.offset = self.epoch + 1, 0
+            self._perm = self._permutation(self.epoch)
+        idx = self._perm[self.offset:self.offset + self.batch_size]
+        self.offset += self.batch_size
+        return idx
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(inputs_BS, targets_BS)``, int64 CPU tensors [batch_size, seq_len]."""
+        w = _windows(self.ids, self.next_indices(), self.seq_len)
+        return w[:, :-1], w[:, 1:]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "offset": self.offset}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        self.epoch, self.offset = int(sd["epoch"]), int(sd["offset"])
+        self._perm = self._permutation(self.epoch)
+
+
+def val_windows(ids: np.ndarray, seq_len: int, batch_size: int, num_batches: int, rank: int = 0,
+                world_size: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The fixed validation micro-batches of one rank.
+
+    Rank ``r``'s share is the validation windows ``r, r + W, ...``; it takes
+    ``num_batches · batch_size`` of them spread evenly over the share.
+    Raises ConfigError if the share holds fewer windows than one micro-batch.
+    """
+    n = num_windows(len(ids), seq_len)
+    per_rank = n // world_size
+    want = num_batches * batch_size
+    if per_rank < batch_size:
+        raise ConfigError(
+            f"data: the validation split ({len(ids):,} tokens) has {per_rank} windows of "
+            f"train.seq_len+1={seq_len + 1} per rank, fewer than train.micro_batch_size={batch_size}. "
+            "Raise data.val_fraction (or give data.val_path), or lower train.seq_len.")
+    take = min(want, per_rank - per_rank % batch_size)
+    pos = np.linspace(0, per_rank - 1, take).round().astype(np.int64)
+    idx = rank + world_size * pos
+    w = _windows(ids, idx, seq_len)
+    return [(w[i:i + batch_size, :-1], w[i:i + batch_size, 1:]) for i in range(0, take, batch_size)]

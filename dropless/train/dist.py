@@ -1,0 +1,169 @@
+"""Process group, device and the dp × ep mesh of a training run.
+
+One process (no ``torchrun`` environment): world size 1, no process group. Under
+``torchrun`` (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` set):
+``init_process_group`` from the environment, ``gloo`` on CPU and ``nccl`` on CUDA (one
+GPU per local rank), with ``train.dist_timeout_s`` so a dead rank makes the others fail
+instead of hang.
+
+Mesh: ``ep = dispatcher.ep_size`` (null: the world size for ``a2a``/``agrs``/``deepep``,
+1 for ``local``/``fsdp``), ``dp = world / ep``; built by
+:func:`dropless.dispatch.mesh.build_mesh` with dims ``("dp", "ep")``. Every rank reads
+different data (the EP ranks too), so data is sharded over all ``world`` ranks.
+
+Errors (:class:`~dropless.config.ConfigError`, before the model is built): the world size
+is not a multiple of ``ep_size``; ``n_routed_experts`` is not a multiple of ``ep_size``;
+``device=cuda`` without CUDA.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dropless.config import ConfigError
+
+__all__ = ["DistEnv", "resolve_ep_size", "check_mesh", "init_distributed", "default_num_threads"]
+
+_EP_DEFAULT_WORLD = ("a2a", "agrs", "deepep")
+
+
+@dataclass
+class DistEnv:
+    """Where this process stands.
+
+    Attributes:
+        rank, world_size, local_rank, local_world_size: from torchrun (0, 1, 0, 1 alone).
+        device: this process's device.
+        ep_size, dp_size: the mesh shape (ep_size · dp_size = world_size).
+        mesh: the ``("dp", "ep")`` DeviceMesh, or None in one process.
+        ep_group: process group of this rank's EP peers (None when ep_size == 1).
+        dp_group: process group of the ranks holding the same experts (None alone).
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    ep_size: int
+    dp_size: int
+    mesh: Any = None
+    ep_group: Any = None
+    dp_group: Any = None
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank % self.ep_size
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+
+def resolve_ep_size(dispatcher_cfg: Any, world_size: int) -> int:
+    """``dispatcher.ep_size``, with null meaning the world size (a2a/agrs/deepep) or 1."""
+    ep = dispatcher_cfg.get("ep_size")
+    name = str(dispatcher_cfg.name)
+    if ep is None:
+        return world_size if name in _EP_DEFAULT_WORLD else 1
+    ep = int(ep)
+    if ep <= 0:
+        raise ConfigError(f"dispatcher.ep_size={ep}: must be a positive integer (or null)")
+    if name in ("local", "fsdp") and ep != 1:
+        raise ConfigError(f"dispatcher.ep_size={ep} with dispatcher={name}: {name} keeps every expert "
+                          "on every rank (EP = 1); use dispatcher=a2a or agrs for expert parallelism")
+    return ep
+
+
+def check_mesh(world_size: int, ep_size: int, n_routed_experts: int) -> int:
+    """Check that the world fits the dp × ep mesh; returns dp_size.
+
+    Raises:
+        ConfigError: ``world_size % ep_size`` or ``n_routed_experts % ep_size`` is not 0.
+    """
+    if world_size % ep_size:
+        raise ConfigError(
+            f"world size {world_size} does not fit the mesh: dispatcher.ep_size={ep_size} must divide "
+            f"the number of processes (dp = world / ep). Launch a multiple of {ep_size} processes "
+            f"(torchrun --nproc_per_node ...) or set dispatcher.ep_size to a divisor of {world_size}.")
+    if n_routed_experts % ep_size:
+        raise ConfigError(
+            f"dispatcher.ep_size={ep_size} does not divide model.n_routed_experts={n_routed_experts}: "
+            "each EP rank holds n_routed_experts / ep_size experts. Pick ep_size from its divisors.")
+    return world_size // ep_size
+
+
+def default_num_threads(local_world_size: int) -> int:
+    """CPU threads per process: the cores this process may use, shared by the local ranks."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, local_world_size))
+
+
+def _device(device_cfg: str, local_rank: int) -> torch.device:
+    want = str(device_cfg)
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("device=cuda but torch sees no CUDA device; set device=cpu (or auto)")
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    if want != "cpu":
+        raise ConfigError(f"device={device_cfg!r}: must be auto, cpu or cuda")
+    return torch.device("cpu")
+
+
+def init_distributed(cfg: Any, n_routed_experts: int) -> DistEnv:
+    """Set up the process group (under torchrun), the device and the mesh.
+
+    The mesh shape is checked before any collective is made, so a world size that does
+    not fit fails at once on every rank with the same :class:`ConfigError`.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    ep = resolve_ep_size(cfg.dispatcher, world)
+    dp = check_mesh(world, ep, n_routed_experts)
+    device = _device(cfg.get("device", "auto"), local_rank)
+    threads = cfg.get("num_threads")
+    torch.set_num_threads(int(threads) if threads else default_num_threads(local_world))
+    env = DistEnv(rank, world, local_rank, local_world, device, ep, dp)
+    if world == 1:
+        return env
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        timeout = datetime.timedelta(seconds=float(cfg.train.get("dist_timeout_s", 600)))
+        kw = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend=backend, timeout=timeout, **kw)
+    try:
+        from dropless.dispatch.mesh import build_mesh
+    except ImportError:
+        build_mesh = None
+    if build_mesh is not None:
+        env.mesh = build_mesh(world, ep, device.type)
+        env.ep_group = env.mesh.get_group("ep") if ep > 1 else None
+        env.dp_group = env.mesh.get_group("dp")
+    else:  # plain data parallel until the dispatch package provides the mesh
+        if ep > 1:
+            raise ConfigError(f"dispatcher.ep_size={ep}: expert parallelism needs "
+                              "dropless.dispatch.mesh.build_mesh, which this checkout lacks")
+        env.dp_group = dist.group.WORLD
+    return env

@@ -1,0 +1,186 @@
+"""Training metrics: one record per step to ``<run_dir>/metrics.jsonl`` and to wandb.
+
+Every record is a flat JSON object with ``step`` (optimizer steps done) and these keys
+(units in the name or below):
+
+==============================  ==============================================================
+``loss``                        training cross-entropy, nats per token, mean over the step's
+                                micro-batches and all ranks (without the aux loss)
+``val_loss``                    validation cross-entropy (nats per token), on validation steps
+``aux_loss``                    sequence-wise aux loss summed over MoE layers (last micro-batch,
+                                mean over ranks)
+``lr``                          learning rate of the step
+``grad_norm``                   global L2 norm of the gradients before clipping
+``tokens_per_s``                training tokens per second over all ranks (step wall time)
+``tflops``                      achieved model TFLOP/s per device (FLOPs/token × tokens/s/device)
+``mfu``                         tflops / the device's peak (see :func:`peak_flops`)
+``peak_mem_gib``                CUDA max allocated, or the process's peak RSS on CPU (GiB)
+``expert_load/layer{i}/max_over_mean``, ``.../min_over_mean``, ``.../empty_experts``
+                                routed rows per expert over the whole step (all micro-batches,
+                                all ranks) divided by their mean; experts that got no row
+``rows_dropped``                routed rows dropped by a capacity factor, summed over layers
+                                and ranks (0 when dropless)
+``dispatch_bytes_sent``, ``dispatch_bytes_received``
+                                bytes this rank's dispatchers sent/received (all MoE layers,
+                                forward and backward); 0 for ``local``
+==============================  ==============================================================
+
+Every ``logging.histogram_every`` steps the per-expert counts of each layer go to wandb as
+``expert_load_hist/layer{i}`` (:class:`wandb.Histogram`) and to the jsonl record as
+``expert_load/layer{i}/counts`` (a list). wandb writes under ``<run_dir>/wandb`` (offline
+by default: ``wandb sync <run_dir>/wandb/offline-run-*`` uploads it later). Only rank 0
+writes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+__all__ = ["MetricsLogger", "peak_flops", "peak_memory_gib", "load_metrics", "PEAK_FLOPS_BF16",
+           "REQUIRED_KEYS"]
+
+#: Dense bf16 peak FLOP/s per device (vendor data sheets, without sparsity).
+PEAK_FLOPS_BF16 = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "H800": 989e12,
+    "A100": 312e12,
+    "A800": 312e12,
+}
+
+#: Keys every training record carries (``val_loss`` on validation steps only).
+REQUIRED_KEYS = ("loss", "aux_loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "peak_mem_gib",
+                 "rows_dropped", "dispatch_bytes_sent", "dispatch_bytes_received")
+
+
+def peak_flops(device: torch.device, logging_cfg: Mapping[str, Any]) -> float | None:
+    """Peak FLOP/s of one device for MFU.
+
+    ``logging.peak_flops`` wins when set; else the table :data:`PEAK_FLOPS_BF16` by CUDA
+    device name; on CPU ``logging.cpu_peak_flops``. None for an unknown GPU without a
+    configured value (MFU is then logged as null).
+    """
+    if logging_cfg.get("peak_flops"):
+        return float(logging_cfg["peak_flops"])
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, value in PEAK_FLOPS_BF16.items():
+            if key in name:
+                return value
+        return None
+    return float(logging_cfg.get("cpu_peak_flops") or 1e12)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """CUDA max allocated bytes on ``device``, else this process's peak RSS, in GiB."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+def load_metrics(router_stats: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
+    """Flatten :func:`dropless.routing.update_router_biases`'s per-layer dict into metric keys.
+
+    Computes max/mean, min/mean and the empty experts from each layer's step counts.
+    """
+    out: dict[str, float] = {}
+    for layer, st in router_stats.items():
+        counts = [float(c) for c in st["counts"]]
+        mean = sum(counts) / max(len(counts), 1)
+        out[f"expert_load/{layer}/max_over_mean"] = max(counts) / mean if mean > 0 else 0.0
+        out[f"expert_load/{layer}/min_over_mean"] = min(counts) / mean if mean > 0 else 0.0
+        out[f"expert_load/{layer}/empty_experts"] = float(sum(c == 0 for c in counts))
+    return out
+
+
+def _clean(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+class MetricsLogger:
+    """Writes records to ``metrics.jsonl`` and wandb (rank 0 only; other ranks no-op).
+
+    Args:
+        run_dir: the run directory (exists).
+        logging_cfg: ``cfg.logging`` (``mode``: offline | online | disabled, ``project``,
+            ``entity``, ``name``).
+        config: the resolved config, stored with the wandb run.
+        enabled: False on ranks other than 0.
+        resume: reuse the wandb run id stored in ``<run_dir>/wandb_run_id`` (and append to
+            ``metrics.jsonl``, which is always opened for appending).
+    Raises:
+        ValueError: ``logging.mode`` is not offline/online/disabled.
+    """
+
+    def __init__(self, run_dir: Path, logging_cfg: Mapping[str, Any], config: Mapping[str, Any] | None = None,
+                 enabled: bool = True, resume: bool = False):
+        self.enabled = enabled
+        self.wandb_run = None
+        self._wandb = None
+        mode = str(logging_cfg.get("mode", "offline"))
+        if mode not in ("offline", "online", "disabled"):
+            raise ValueError(f"logging.mode={mode!r}: must be offline, online or disabled")
+        self.mode = mode
+        if not enabled:
+            self._f = None
+            return
+        run_dir = Path(run_dir)
+        self.path = run_dir / "metrics.jsonl"
+        self._f = open(self.path, "a", buffering=1)
+        if mode == "disabled":
+            return
+        import wandb
+
+        self._wandb = wandb
+        id_file = run_dir / "wandb_run_id"
+        run_id = id_file.read_text().strip() if resume and id_file.exists() else None
+        os.environ.setdefault("WANDB_SILENT", "true")
+        self.wandb_run = wandb.init(
+            project=logging_cfg.get("project") or "dropless", entity=logging_cfg.get("entity"),
+            name=logging_cfg.get("name") or run_dir.name, dir=str(run_dir), mode=mode,
+            config=dict(config) if config is not None else None, id=run_id,
+            resume="allow" if run_id else None,
+            settings=wandb.Settings(console="off", silent=True),
+        )
+        id_file.write_text(self.wandb_run.id)
+
+    def log(self, step: int, record: Mapping[str, Any], hist_counts: Mapping[str, Any] | None = None) -> None:
+        """Append ``{"step": step, **record}`` to metrics.jsonl and log ``record`` to wandb.
+
+        ``hist_counts`` (``{"layer{i}": [rows per expert]}``, optional): the per-layer expert
+        loads, added to the jsonl record as ``expert_load/layer{i}/counts`` and logged to
+        wandb as ``expert_load_hist/layer{i}``, a histogram with one bin per expert (bin
+        height = the expert's routed rows in the step).
+        """
+        if not self.enabled:
+            return
+        rec: dict[str, Any] = {"step": int(step)}
+        rec.update({k: _clean(v) for k, v in record.items()})
+        wb = {k: v for k, v in record.items() if v is not None}
+        for layer, c_E in (hist_counts or {}).items():
+            c = [float(v) for v in c_E]
+            rec[f"expert_load/{layer}/counts"] = c
+            if self._wandb is not None:
+                wb[f"expert_load_hist/{layer}"] = self._wandb.Histogram(np_histogram=(c, list(range(len(c) + 1))))
+        self._f.write(json.dumps(rec) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log(wb, step=int(step))
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None

@@ -1,0 +1,144 @@
+"""Hydra configs and recipes: composition, overrides, strict keys, the mesh check, the LR schedule."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+from omegaconf import OmegaConf
+
+from dropless.config import ConfigError, ModelArgs
+from dropless.train.config import compose, list_recipes, model_args
+from dropless.train.dist import check_mesh, init_distributed, resolve_ep_size
+from dropless.train.trainer import check_train_config, lr_at
+
+V3_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+             "first_k_dense_replace", "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+             "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "n_shared_experts", "num_experts_per_tok",
+             "n_group", "topk_group", "routed_scaling_factor", "scoring_func", "norm_topk_prob", "topk_method",
+             "max_position_embeddings")
+
+
+def test_default_config_and_cpu_recipe_agree():
+    cfg = compose()
+    rec = compose(["recipe=cpu_default"])
+    assert rec.recipe == "cpu_default" and cfg.recipe is None
+    a, b = OmegaConf.to_container(cfg, resolve=True), OmegaConf.to_container(rec, resolve=True)
+    a.pop("recipe"), b.pop("recipe")
+    assert a == b
+    args = model_args(cfg)
+    assert args.num_moe_layers >= 1 and args.n_routed_experts == 8 and args.num_experts_per_tok == 2
+    assert args.vocab_size == 256 and cfg.data.kind == "text" and cfg.dispatcher.name == "local"
+    assert cfg.logging.mode == "offline" and cfg.run_dir is None and cfg.resume is False
+
+
+def test_every_model_field_is_in_every_model_config():
+    names = {f.name for f in dataclasses.fields(ModelArgs)}
+    for m in ("tiny", "h200_single", "deepseek_v3_671b"):
+        cfg = compose([f"model={m}"])
+        assert set(cfg.model.keys()) == names, m
+        model_args(cfg)  # validates
+
+
+def test_overrides_reach_the_model_and_groups():
+    cfg = compose(["model.hidden_size=96", "train.steps=7", "dispatcher=a2a", "gemm=loop", "seed=5",
+                   "optim.lr=0.01", "data=bin", "data.path=/x.bin", "data.vocab_size=300"])
+    args = model_args(cfg)
+    assert args.hidden_size == 96 and args.gemm == "loop" and args.seed == 5
+    assert cfg.train.steps == 7 and cfg.dispatcher.name == "a2a" and cfg.dispatcher.ep_size is None
+    assert cfg.optim.lr == 0.01 and cfg.data.kind == "bin"
+
+
+def test_recipes():
+    assert {"cpu_default", "h200_single", "deepseek_v3_671b"} <= set(list_recipes())
+    v3 = compose(["recipe=deepseek_v3_671b"])
+    args = model_args(v3)
+    ref = ModelArgs.deepseek_v3_671b()
+    for f in V3_FIELDS:
+        assert getattr(args, f) == getattr(ref, f), f
+    assert v3.dispatcher.name == "a2a" and v3.dispatcher.ep_size == 64 and v3.data.kind == "bin"
+    assert v3.train.dtype == "bf16" and v3.train.activation_checkpointing is True
+    h = compose(["recipe=h200_single", "train.steps=50"])      # the command line wins over the recipe
+    assert h.train.steps == 50 and h.recipe == "h200_single" and h.train.dtype == "bf16"
+    from dropless.plan import param_counts
+    pc = param_counts(model_args(h))
+    assert 1e9 <= pc.total <= 3e9, pc.total
+    ha = model_args(h)
+    assert ha.n_routed_experts == 64 and ha.num_experts_per_tok == 6 and ha.first_k_dense_replace >= 1
+
+
+@pytest.mark.parametrize("override, match", [
+    ("foo=1", "Could not override 'foo'"),
+    ("train.stepz=3", "train.stepz"),
+    ("model.hidden_sise=3", "model.hidden_sise"),
+    ("+model.foo=1", "add new keys"),
+    ("+foo=1", "add new keys"),
+    ("model.hidden_size=abc", "could not be converted to Integer"),
+    ("dispatcher=nope", "dispatcher/nope"),
+    ("recipe=nope", "Available recipes"),
+])
+def test_unknown_keys_and_bad_values_are_errors(override, match):
+    with pytest.raises(ConfigError, match=match):
+        compose([override])
+
+
+def test_model_args_is_strict():
+    cfg = OmegaConf.create({"model": {**dataclasses.asdict(ModelArgs()), "hiden_size": 3}})
+    with pytest.raises(ConfigError, match="hiden_size"):
+        model_args(cfg)
+    with pytest.raises(ConfigError, match="n_group"):
+        model_args(compose(["model.n_group=3"]))          # 8 experts in 3 groups
+
+
+def test_cli_reports_config_errors(capsys):
+    from dropless.train.__main__ import main
+
+    assert main(["foo=1"]) == 2
+    assert "Could not override 'foo'" in capsys.readouterr().err
+    assert main(["--cfg", "train.steps=3"]) == 0
+    assert "steps: 3" in capsys.readouterr().out
+
+
+def test_train_config_checks():
+    for ov, match in (("train.steps=0", "train.steps"), ("optim.min_lr_ratio=2", "min_lr_ratio"),
+                      ("train.dtype=fp16", "train.dtype"), ("logging.mode=loud", "logging.mode")):
+        with pytest.raises(ConfigError, match=match):
+            check_train_config(compose([ov]))
+
+
+def test_mesh_checks(monkeypatch):
+    assert resolve_ep_size(OmegaConf.create({"name": "a2a", "ep_size": None}), 4) == 4
+    assert resolve_ep_size(OmegaConf.create({"name": "local", "ep_size": None}), 4) == 1
+    with pytest.raises(ConfigError, match="EP = 1"):
+        resolve_ep_size(OmegaConf.create({"name": "fsdp", "ep_size": 2}), 4)
+    assert check_mesh(8, 4, 8) == 2
+    with pytest.raises(ConfigError, match="world size 6 does not fit the mesh"):
+        check_mesh(6, 4, 8)
+    with pytest.raises(ConfigError, match="does not divide model.n_routed_experts=8"):
+        check_mesh(6, 3, 8)
+    # under torchrun with 3 processes and ep_size=2: a clear error before any process group exists
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "0")
+    import torch.distributed as dist
+    with pytest.raises(ConfigError, match="world size 3 does not fit"):
+        init_distributed(compose(["dispatcher=a2a", "dispatcher.ep_size=2"]), 8)
+    assert not dist.is_initialized()
+
+
+def test_lr_schedule_values():
+    o = OmegaConf.create({"lr": 1e-3, "warmup_steps": 10, "min_lr_ratio": 0.1})
+    total = 110
+    assert lr_at(0, o, total) == pytest.approx(1e-4)            # (0+1)/10 of lr
+    assert lr_at(4, o, total) == pytest.approx(5e-4)
+    assert lr_at(9, o, total) == pytest.approx(1e-3)            # warmup ends at the peak
+    assert lr_at(10, o, total) == pytest.approx(1e-3)           # cosine starts at the peak
+    # halfway through the cosine (step 10 + 99/2): the mean of peak and floor
+    assert lr_at(10 + 99 / 2, o, total) == pytest.approx((1e-3 + 1e-4) / 2)
+    p = (60 - 10) / 99
+    assert lr_at(60, o, total) == pytest.approx(1e-4 + 0.9e-3 * 0.5 * (1 + math.cos(math.pi * p)))
+    assert lr_at(109, o, total) == pytest.approx(1e-4)          # the last step sits on the floor
+    lrs = [lr_at(s, o, total) for s in range(10, total)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))           # monotone decay
+    no_warm = OmegaConf.create({"lr": 2.0, "warmup_steps": 0, "min_lr_ratio": 0.0})
+    assert lr_at(0, no_warm, 5) == pytest.approx(2.0) and lr_at(4, no_warm, 5) == pytest.approx(0.0)
