@@ -80,6 +80,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _save(obj, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)  # atomic: the parent never reads half a file
+
+
 def _entry(rank, world, port, fn_name, out_dir, args, pg_timeout_s):
     torch.set_num_threads(1)
     out = Path(out_dir) / f"rank{rank}.pt"
@@ -87,9 +93,9 @@ def _entry(rank, world, port, fn_name, out_dir, args, pg_timeout_s):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
         res = globals()[fn_name](rank, world, *args)
-        torch.save(res, out)
+        _save(res, out)
     except BaseException:
-        torch.save({"error": traceback.format_exc()}, out)
+        _save({"error": traceback.format_exc()}, out)
         raise
     if fn_name.startswith("timeout_"):
         os._exit(0)  # a broken group may block in destroy/atexit: leave at once
@@ -97,14 +103,19 @@ def _entry(rank, world, port, fn_name, out_dir, args, pg_timeout_s):
 
 
 def run_world(fn_name: str, world: int, *args, pg_timeout_s: float = 30.0, deadline_s: float = 120.0,
-              allow_fail: bool = False) -> list:
-    """Run ``fn_name(rank, world, *args)`` on ``world`` gloo ranks; return the per-rank results."""
+              allow_fail: bool = False, until_rank0: bool = False) -> list:
+    """Run ``fn_name(rank, world, *args)`` on ``world`` gloo ranks; return the per-rank results.
+
+    ``until_rank0``: return (killing the others) as soon as rank 0 has written its result.
+    """
     with tempfile.TemporaryDirectory() as tmp:
         ctx = mp.start_processes(_entry, args=(world, _free_port(), fn_name, tmp, args, pg_timeout_s),
                                  nprocs=world, join=False, start_method="spawn")
         t0 = time.monotonic()
         try:
-            while not ctx.join(timeout=1.0):
+            while not ctx.join(timeout=0.2):
+                if until_rank0 and (Path(tmp) / "rank0.pt").exists():
+                    break
                 if time.monotonic() - t0 > deadline_s:
                     raise TimeoutError(f"{fn_name} on {world} ranks did not finish in {deadline_s} s")
         except mp.ProcessRaisedException:
@@ -135,6 +146,31 @@ def _sum_ranks(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _mutate_all_gather_backward():
+    """Break the token all-gather's backward the way the known bug did: each rank keeps only
+    its own slice of the gathered gradient (no sum over the other ranks). Returns an undo."""
+    import dropless.dispatch.collectives as C
+
+    orig = C._launch
+
+    class _Done:
+        def wait(self):
+            return True
+
+    def launch(kind, x, group, out_splits, in_splits, what, comm):
+        if kind == "rs" and "token all-gather (backward)" in what:
+            w, r = C.group_size(group), C.group_rank(group)
+            n = x.shape[0] // w
+            return x[r * n:(r + 1) * n].clone(), _Done(), x
+        return orig(kind, x, group, out_splits, in_splits, what, comm)
+
+    C._launch = launch
+
+    def undo():
+        C._launch = orig
+    return undo
+
+
 def layer_worker(rank, world, scenarios):
     """For each scenario dict(name, dispatcher, alignment, fold, biased): MoE on this rank's slice."""
     from dropless.dispatch import build_dispatcher
@@ -162,10 +198,15 @@ def layer_worker(rank, world, scenarios):
         with torch.no_grad():
             topk = moe.router(x.detach().reshape(-1, args.hidden_size)).topk_idx_Tk
         moe.router.tokens_per_expert.zero_()
-        y = moe(x)
-        rows_live = int(moe.last_stats["rows_live"])
-        fwd_bytes = disp.comm_stats(reset=False)
-        (y * cot_all[sl]).sum().backward()
+        undo = _mutate_all_gather_backward() if sc.get("mutate_ag_backward") else None
+        try:
+            y = moe(x)
+            rows_live = int(moe.last_stats["rows_live"])
+            fwd_bytes = disp.comm_stats(reset=False)
+            (y * cot_all[sl]).sum().backward()
+        finally:
+            if undo is not None:
+                undo()
         step_bytes = disp.comm_stats()
         sh = moe.shared_experts
         r = dict(y=y.detach(), x_grad=x.grad, topk=topk, rows_live=rows_live, fwd_bytes=fwd_bytes,
@@ -173,6 +214,7 @@ def layer_worker(rank, world, scenarios):
                  shared_grads=[_sum_ranks(p.grad) for p in (sh.w1.weight, sh.w3.weight, sh.w2.weight)])
         if name == "fsdp":
             r["w13"], r["w2"] = w13_init, w2_init
+            r["w13_local_rows"] = moe.experts.w13.to_local().shape[0]
             r["w13_grad"] = moe.experts.w13.grad.full_tensor()
             r["w2_grad"] = moe.experts.w2.grad.full_tensor()
         else:
@@ -188,7 +230,7 @@ def overlap_worker(rank, world, name, alignment):
     from dropless.moe import MoE
 
     args = model_args(expert_alignment=alignment)
-    disp = build_dispatcher(name, args)
+    disp = build_dispatcher(name, args, dist.group.WORLD)
     moe = MoE(args, LAYER_ID, disp)
     moe.init_weights()
     x_all, cot_all = global_batch(world, args)
@@ -226,9 +268,9 @@ def timeout_worker(rank, world, name, how):
     args = model_args()
     if rank == 1:
         if how == "hang":
-            time.sleep(30)
+            time.sleep(60)  # alive but not taking part; the test stops it once rank 0 has reported
         return {"left": True}
-    disp = build_dispatcher(name, args)
+    disp = build_dispatcher(name, args, dist.group.WORLD)
     moe = MoE(args, LAYER_ID, disp)
     moe.init_weights()
     x = global_batch(world, args)[0][:SEQS_PER_RANK]

@@ -35,8 +35,9 @@ def build_dispatcher(name: str, args: Any, ep_group: Any = None, **opts: Any) ->
         args: the :class:`~dropless.config.ModelArgs` (reads ``n_routed_experts``).
         ep_group: the expert-parallel process group, or a mesh from
             :func:`dropless.dispatch.mesh.build_mesh` (its ``"ep"`` dimension is used).
-            None: the default group for ``a2a``/``agrs``/``deepep`` (EP = 1 without
-            torch.distributed). Ignored-but-checked for ``local``/``fsdp`` (must be EP = 1).
+            None: EP = 1 (no expert parallelism; ``a2a``/``agrs`` then move nothing). To
+            spread experts over the whole world pass ``dist.group.WORLD`` or the mesh.
+            For ``local``/``fsdp`` it must be None or a group of one rank.
         **opts: passed to the dispatcher's constructor (``deepep``: ``version``,
             ``num_max_tokens_per_rank``).
     Raises:

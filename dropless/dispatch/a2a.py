@@ -92,8 +92,8 @@ class A2ADispatcher(Dispatcher):
 
     Args:
         num_experts: ``E`` (``n_routed_experts``).
-        group: the EP process group (None: the default group; without torch.distributed,
-            EP = 1 and nothing moves).
+        group: the EP process group (e.g. ``mesh["ep"].get_group()``, or ``dist.group.WORLD``);
+            None: EP = 1, nothing moves (single-rank runs and tests).
     Raises:
         ValueError: ``E`` not divisible by the group size.
         CollectiveError: a collective failed or timed out (a peer died or stopped taking part).

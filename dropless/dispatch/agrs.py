@@ -60,8 +60,8 @@ class AGRSDispatcher(Dispatcher):
 
     Args:
         num_experts: ``E``.
-        group: the EP process group (None: the default group; without torch.distributed,
-            EP = 1 and nothing moves).
+        group: the EP process group (e.g. ``mesh["ep"].get_group()``, or ``dist.group.WORLD``);
+            None: EP = 1, nothing moves (single-rank runs and tests).
     """
 
     name = "agrs"

@@ -51,13 +51,13 @@ def _distributed() -> bool:
 
 
 def group_size(group: Any) -> int:
-    """Size of ``group`` (None = the default group; 1 when torch.distributed is not initialised)."""
-    return dist.get_world_size(group) if _distributed() else 1
+    """Size of ``group``; ``None`` means no group (EP = 1, nothing is communicated): 1."""
+    return dist.get_world_size(group) if group is not None and _distributed() else 1
 
 
 def group_rank(group: Any) -> int:
-    """This rank's index in ``group`` (0 when torch.distributed is not initialised)."""
-    return dist.get_rank(group) if _distributed() else 0
+    """This rank's index in ``group`` (0 for ``None``)."""
+    return dist.get_rank(group) if group is not None and _distributed() else 0
 
 
 def checked(fn, what: str):
@@ -81,7 +81,7 @@ class CollOp:
     Attributes:
         kind: ``"a2a"`` (all_to_all_single), ``"ag"`` (all_gather_into_tensor) or
             ``"rs"`` (reduce_scatter_tensor, SUM).
-        group: the process group (None = default).
+        group: the process group (None: no communication; start/wait are the identity).
         what: name for error messages, e.g. ``"a2a dispatcher: rows all-to-all"``.
         out_splits, in_splits: host split sizes (rows) for ``a2a``; None otherwise.
         comm: the dispatcher's :class:`CommStats` (forward and backward bytes are added to it).

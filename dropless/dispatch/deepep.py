@@ -220,7 +220,7 @@ class DeepEPDispatcher(Dispatcher):
 
     Args:
         num_experts: ``E``.
-        group: the EP process group (NCCL).
+        group: the EP process group (NCCL); None: the default (world) group.
         version: 1 (V1 ``Buffer`` normal mode) or 2 (V2 ``ElasticBuffer`` expanded dispatch).
         num_max_tokens_per_rank: V2 only: the most tokens any rank passes (sizes its buffer).
     Raises:
@@ -238,6 +238,12 @@ class DeepEPDispatcher(Dispatcher):
         self._deep_ep = require_deep_ep()
         if version not in (1, 2):
             raise ConfigError(f"dispatcher.version={version}: DeepEP paths are 1 (Buffer) or 2 (ElasticBuffer)")
+        import torch.distributed as dist
+        if group is None:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise ConfigError("dispatcher=deepep: torch.distributed is not initialised; launch with torchrun "
+                                  "(DeepEP has no single-process path)")
+            group = dist.group.WORLD
         super().__init__(num_experts, ep_size=group_size(group), ep_rank=group_rank(group))
         self.group, self.version = group, version
         self.num_max_tokens_per_rank = num_max_tokens_per_rank

@@ -85,7 +85,7 @@ def _moe_layers(module: nn.Module) -> list[nn.Module]:
 
 
 def apply_fsdp(module: nn.Module, mesh: Any, *, reshard_after_forward: bool = True,
-               mp_policy: Any = None, prefetch: bool = True) -> list[nn.Module]:
+               mp_policy: Any = None, prefetch: bool = True, root: bool = True) -> list[nn.Module]:
     """Shard the ``experts`` of every MoE layer in ``module`` with FSDP2 over the dp ranks.
 
     Args:
@@ -96,6 +96,9 @@ def apply_fsdp(module: nn.Module, mesh: Any, *, reshard_after_forward: bool = Tr
         reshard_after_forward: free the gathered weights after forward (re-gather in backward).
         mp_policy: an optional FSDP2 ``MixedPrecisionPolicy``.
         prefetch: set explicit forward/backward prefetch between consecutive layers' experts.
+        root: also apply ``fully_shard`` to ``module`` itself with every non-expert parameter
+            ignored (they stay plain tensors), so that all experts share one FSDP root (needed
+            for the prefetch). Set False if the caller shards ``module`` itself afterwards.
     Returns:
         the sharded ``experts`` modules, in order.
     Raises:
@@ -136,6 +139,14 @@ def apply_fsdp(module: nn.Module, mesh: Any, *, reshard_after_forward: bool = Tr
         if isinstance(moe.dispatcher, FSDPDispatcher):
             moe.dispatcher.attach(full_param_bytes // dp, full_grad_bytes // dp, dp, reshard_after_forward)
         sharded.append(moe.experts)
+    if root:
+        # one FSDP root over the whole module, managing none of the other parameters (they stay plain
+        # tensors for the trainer's data-parallel reduction): it lazily initialises every experts
+        # module together, which cross-module prefetch needs, and waits for their gradient
+        # reduce-scatters at the end of backward.
+        expert_ids = {id(p) for ex in sharded for p in ex.parameters()}
+        others = {p for p in module.parameters() if id(p) not in expert_ids}
+        fully_shard(module, mesh=dp_mesh, ignored_params=others)
     if prefetch and len(sharded) > 1:
         for i, ex in enumerate(sharded):
             if i + 1 < len(sharded):
