@@ -77,3 +77,29 @@ def test_gather_sum_and_combine_bwd(weighted):
             exp = (g[ok].double() * r[d[ok]]).sum(-1)
             assert rel(gw[ok, j], exp) < TOL
             assert (gw[~ok, j] == 0).all()
+
+
+def test_zero_empty_experts_touches_only_empty_ones():
+    dw = torch.randn(5, 60, 70, device=DEV, dtype=DT)
+    before = dw.clone()
+    counts = torch.tensor([1, 0, 3, 0, 2], dtype=torch.int32, device=DEV)
+    tk.zero_empty_experts_(dw, counts)
+    for i, c in enumerate(counts.tolist()):
+        if c == 0:
+            assert (dw[i] == 0).all()
+        else:
+            assert torch.equal(dw[i], before[i])
+
+
+def test_zero_gap_rows_writes_only_the_gaps():
+    lay = ExpertLayout.from_counts(torch.tensor([96, 0, 129, 1], device=DEV), 128, capacity=600)
+    buf = torch.randn(600, 40, device=DEV, dtype=DT)
+    before = buf.clone()
+    tk.zero_gap_rows_(buf, lay)
+    gaps = [range(96, 128), range(257, 384)]  # after expert 0, and after expert 2 (expert 1 is empty)
+    gap = torch.zeros(600, dtype=torch.bool)
+    for g in gaps:
+        gap[list(g)] = True
+    gap = gap.to(DEV)
+    assert (buf[gap] == 0).all()
+    assert torch.equal(buf[~gap], before[~gap])  # live rows and the tail after end[e-1] untouched

@@ -5,7 +5,8 @@ spans ``[end[i-1], end[i])``, i.e. the gap before expert ``i`` plus its live
 rows, so gap rows produce garbage only in gap rows of the output.
 
 The weight gradient must not see padding rows (a NaN there would poison
-``dw``; DESIGN.md rule 2). It runs ``2e`` groups with the interleaved offsets
+``dw``; DESIGN.md rule 2). With ``A = 1`` there are no gaps and the ends are the
+offsets. With ``A > 1`` it runs ``2e`` groups with the interleaved offsets
 ``[start[0], end[0], start[1], end[1], …]``: the even groups are the gaps, the
 odd groups the experts' live rows, and only the odd results are kept. An
 empty expert is forced to an exact zero (case-01: some GPU kernels leave
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from dropless.layout import ExpertLayout
+from dropless.ops import use_triton
 
 
 def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -53,7 +55,27 @@ class TorchBackend:
 
     def gmm_wgrad(self, x_MK: torch.Tensor, dy_MN: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
         e = layout.num_experts
-        offs = torch.stack([layout.start, layout.end], dim=1).reshape(2 * e)
-        dw = _grouped_mm(x_MK.t(), dy_MN, offs)[1::2]
+        if layout.alignment > 1 and use_triton(x_MK) and x_MK.stride(1) == 1 and dy_MN.stride(1) == 1:
+            # zero the gap rows of both operands (padding: nobody reads them), so that the
+            # groups [end[i-1], end[i]) add exact zeros for them; no [2e, K, N] transient.
+            from dropless.ops import triton_kernels
+
+            triton_kernels.zero_gap_rows_(x_MK, layout)
+            triton_kernels.zero_gap_rows_(dy_MN, layout)
+            dw = _grouped_mm(x_MK.t(), dy_MN, layout.end)
+            return triton_kernels.zero_empty_experts_(dw, layout.counts)
+        if layout.alignment == 1:
+            # no gaps between segments: group i = [end[i-1], end[i]) is exactly expert i's live
+            # rows, and grouped_mm ignores the tail after end[e-1].
+            dw = _grouped_mm(x_MK.t(), dy_MN, layout.end)
+            if use_triton(dw) and dw.is_contiguous():
+                from dropless.ops import triton_kernels
+
+                return triton_kernels.zero_empty_experts_(dw, layout.counts)
+        else:
+            # gaps: the even groups of the interleaved offsets take the gap rows, discarded
+            # (a transient [2e, K, N] result: the price of A > 1 on this backend).
+            offs = torch.stack([layout.start, layout.end], dim=1).reshape(2 * e)
+            dw = _grouped_mm(x_MK.t(), dy_MN, offs)[1::2]
         live = (layout.counts > 0).view(e, 1, 1)
         return torch.where(live, dw, torch.zeros((), dtype=dw.dtype, device=dw.device))

@@ -108,7 +108,55 @@ def _combine_bwd_kernel(grad_ptr, rows_ptr, dest_ptr, w_ptr, grad_rows_ptr, grad
             tl.store(grad_w_ptr + n * K + j, tl.sum(dot, axis=0))
 
 
+@triton.jit
+def _zero_empty_experts_kernel(dw_ptr, counts_ptr, numel_per_expert, BLOCK: tl.constexpr):
+    ex = tl.program_id(0)
+    if tl.load(counts_ptr + ex) > 0:  # a non-empty expert's programs exit at once
+        return
+    idx = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dw_ptr + ex.to(tl.int64) * numel_per_expert + idx,
+             tl.zeros([BLOCK], dtype=dw_ptr.dtype.element_ty), mask=idx < numel_per_expert)
+
+
+@triton.jit
+def _zero_gap_rows_kernel(buf_ptr, start_ptr, end_ptr, K, stride, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    i = tl.program_id(0)  # the gap after expert i: [end[i], start[i+1]), shorter than A
+    gap0 = tl.load(end_ptr + i)
+    gap1 = tl.load(start_ptr + i + 1)
+    rows = gap0 + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows[:, None] < gap1) & (cols[None, :] < K)
+    tl.store(buf_ptr + rows[:, None].to(tl.int64) * stride + cols[None, :],
+             tl.zeros([BLOCK_M, BLOCK_K], dtype=buf_ptr.dtype.element_ty), mask=mask)
+
+
 # ---------------------------------------------------------------------------- wrappers
+def zero_gap_rows_(buf_MK: torch.Tensor, layout) -> torch.Tensor:
+    """Write zeros into the alignment gaps ``[end[i], start[i+1])`` of ``buf_MK``, in place.
+
+    At most ``(e-1)·(A-1)`` rows are written (padding rows, which no consumer reads as data),
+    so that a grouped weight-gradient GEMM over the unaligned ends ``[end[i-1], end[i])``
+    adds exact zeros for the gap rows instead of whatever they held (NaN included).
+    """
+    e = layout.num_experts
+    if e < 2 or layout.alignment == 1:
+        return buf_MK
+    k = buf_MK.shape[1]
+    bm, bk = 32, 256
+    grid = (e - 1, triton.cdiv(layout.alignment - 1, bm), triton.cdiv(k, bk))
+    _zero_gap_rows_kernel[grid](buf_MK, layout.start, layout.end, k, buf_MK.stride(0), BLOCK_M=bm, BLOCK_K=bk)
+    return buf_MK
+def zero_empty_experts_(dw_eKN: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
+    """Write exact zeros into ``dw[i]`` for every expert with ``counts[i] == 0``, in place (case-01).
+
+    Only the empty experts' slices are touched (the programs of a non-empty expert exit at
+    once), unlike a ``torch.where`` over the whole ``[e, K, N]`` gradient.
+    """
+    e = dw_eKN.shape[0]
+    assert dw_eKN.is_contiguous()
+    n = dw_eKN[0].numel()
+    _zero_empty_experts_kernel[(e, triton.cdiv(n, 8192))](dw_eKN, counts_e, n, BLOCK=8192)
+    return dw_eKN
 _SWIGLU_BLOCK_M = 64
 _SWIGLU_BLOCK_N = 128
 
