@@ -66,6 +66,72 @@ def swiglu(h13_MI2: torch.Tensor, layout: ExpertLayout | None = None) -> torch.T
     return F.silu(gate) * up
 
 
+def _swiglu_fwd(h13_MI2: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+    if use_triton(h13_MI2):
+        from dropless.ops import triton_kernels
+
+        return triton_kernels.swiglu_fwd(h13_MI2, layout)
+    gate, up = h13_MI2.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _swiglu_bwd(h13_MI2: torch.Tensor, dh_MI: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+    if use_triton(h13_MI2):
+        from dropless.ops import triton_kernels
+
+        return triton_kernels.swiglu_bwd(h13_MI2, dh_MI, layout)
+    gate, up = h13_MI2.float().chunk(2, dim=-1)
+    s = torch.sigmoid(gate)
+    dh = dh_MI.float()
+    return torch.cat([dh * up * s * (1 + gate * (1 - s)), dh * gate * s], dim=-1).to(h13_MI2.dtype)
+
+
+class _ExpertMLPRecompute(torch.autograd.Function):
+    """FC1 -> SwiGLU (× row weight) -> FC2 with selective recompute (MegaBlocks' memory-optimised MLP idea).
+
+    Saves the landed rows and the weights, plus ``h13`` unless ``recompute_fc1``; the SwiGLU
+    output ``h`` is never saved (recomputed from ``h13``, an elementwise pass). With
+    ``recompute_fc1`` the FC1 GEMM runs again in backward (+2·R·H·2I FLOPs).
+    """
+
+    @staticmethod
+    def forward(ctx, x_MH, w13, w2, row_w, layout, backend, recompute_fc1):
+        h13 = backend.gmm(x_MH, w13, layout)
+        h = _swiglu_fwd(h13, layout)
+        if row_w is not None:
+            h = h * row_w.to(h.dtype).unsqueeze(1)
+        y = backend.gmm(h, w2, layout)
+        ctx.layout, ctx.backend, ctx.recompute_fc1 = layout, backend, recompute_fc1
+        ctx.has_w = row_w is not None
+        saved = [x_MH, w13, w2, row_w if row_w is not None else x_MH.new_empty(0)]
+        if not recompute_fc1:
+            saved.append(h13)
+        ctx.save_for_backward(*saved)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy_MH):
+        x, w13, w2, row_w, *rest = ctx.saved_tensors
+        layout, be = ctx.layout, ctx.backend
+        dy_MH = dy_MH.contiguous()
+        h13 = be.gmm(x, w13, layout) if ctx.recompute_fc1 else rest[0]
+        a = _swiglu_fwd(h13, layout)
+        h = a * row_w.to(a.dtype).unsqueeze(1) if ctx.has_w else a
+        dw2 = be.gmm_wgrad(h, dy_MH, layout).to(w2.dtype)
+        del h
+        dh = be.gmm(dy_MH, w2.transpose(1, 2), layout)
+        d_row_w = None
+        if ctx.has_w:
+            d_row_w = (dh.float() * a.float()).sum(-1).to(row_w.dtype)
+            dh = dh * row_w.to(dh.dtype).unsqueeze(1)
+        del a
+        dh13 = _swiglu_bwd(h13, dh, layout)
+        del dh, h13
+        dw13 = be.gmm_wgrad(x, dh13, layout).to(w13.dtype)
+        dx = be.gmm(dh13, w13.transpose(1, 2), layout)
+        return dx, dw13, dw2, d_row_w, None, None, None
+
+
 class GroupedExperts(nn.Module):
     """``e`` local SwiGLU experts: ``y = (silu(x W_gate) * (x W_up)) W_down`` per expert.
 
@@ -76,11 +142,16 @@ class GroupedExperts(nn.Module):
         hidden_size: ``H``. moe_intermediate_size: ``I``. num_local_experts: ``e``.
         gemm: grouped GEMM backend name (:func:`dropless.ops.list_backends`).
         expert_offset: global id of local expert 0 (``ep_rank · e``), for layout-independent init.
+        recompute_swiglu: do not save the SwiGLU output; recompute it from ``h13`` in backward.
+        recompute_fc1: do not save ``h13`` either; rerun the FC1 GEMM in backward. Either
+            option saves no more than the landed rows (plus ``h13`` for ``recompute_swiglu``).
     """
 
     def __init__(self, hidden_size: int, moe_intermediate_size: int, num_local_experts: int,
-                 gemm: str = "torch", expert_offset: int = 0):
+                 gemm: str = "torch", expert_offset: int = 0, recompute_swiglu: bool = False,
+                 recompute_fc1: bool = False):
         super().__init__()
+        self.recompute_swiglu, self.recompute_fc1 = recompute_swiglu, recompute_fc1
         self.hidden_size, self.moe_intermediate_size = hidden_size, moe_intermediate_size
         self.num_local_experts, self.expert_offset = num_local_experts, expert_offset
         self.backend = get_backend(gemm)
@@ -109,6 +180,13 @@ class GroupedExperts(nn.Module):
         x = rows_MH.to(dt)
         w13, w2 = self.w13.to(dt), self.w2.to(dt)
         with torch.autocast(rows_MH.device.type, enabled=False):
+            if (self.recompute_fc1 or self.recompute_swiglu) and not poison:
+                from dropless.ops.grouped_gemm import check_operands
+
+                check_operands(x, w13, layout, self.backend)
+                check_operands(x.new_empty(layout.capacity, w2.shape[1]), w2, layout, self.backend)
+                return _ExpertMLPRecompute.apply(x, w13, w2, row_weight_M, layout, self.backend,
+                                                 self.recompute_fc1)
             if poison:
                 x = poison_padding(x, layout)
             h13 = grouped_mm(x, w13, layout, self.backend)

@@ -97,7 +97,8 @@ class MoE(nn.Module):
         self.router = Router(args, layer_id)
         self.experts = GroupedExperts(args.hidden_size, args.moe_intermediate_size,
                                       self.dispatcher.num_local_experts, gemm=args.gemm,
-                                      expert_offset=self.dispatcher.expert_offset)
+                                      expert_offset=self.dispatcher.expert_offset,
+                                      recompute_swiglu=args.recompute_swiglu, recompute_fc1=args.recompute_fc1)
         self.shared_experts = (FeedForward(args.hidden_size, args.n_shared_experts * args.moe_intermediate_size)
                                if args.n_shared_experts > 0 else None)
         self.last_stats: dict[str, torch.Tensor] = {}
@@ -140,11 +141,39 @@ class MoE(nn.Module):
         return y_TH.view(x.shape).to(x.dtype)
 
     def _routed(self, x_TH, topk_idx_Tk, topk_weight_Tk, stats):
-        """Dispatch -> experts -> combine over ``num_token_chunks`` chunks of the rank's tokens."""
+        """Dispatch -> experts -> combine over ``num_token_chunks`` chunks of the rank's tokens.
+
+        With N > 1 the rank's tokens go through in N contiguous chunks, so only one chunk's
+        landed buffers and expert intermediates are alive at once in forward (and one
+        chunk's gradient buffers in backward). The dispatch of chunk c+1 is issued
+        (``dispatch_async``; asynchronous collectives for a2a and agrs) before chunk c's
+        experts run, and chunk c's combine is issued before chunk c+1's experts, so the
+        collectives overlap expert compute. Outputs equal N = 1: every row sees the same
+        expert and the combine sums over k in the same order.
+        """
         a = self.args
-        d = self.dispatcher.dispatch(x_TH, topk_idx_Tk, topk_weight_Tk, alignment=a.expert_alignment,
-                                     fold_weights=a.fold_routing_weights)
-        y_MH = self.experts(d.rows_MH, d.layout, d.row_weight_M, poison=a.poison_padding)
-        stats["rows_live"] = d.layout.counts.sum()
-        stats["rows_capacity"] = torch.tensor(d.layout.capacity)
-        return self.dispatcher.combine(y_MH, d.handle)
+        n_chunks = max(1, min(a.num_token_chunks, x_TH.shape[0])) if x_TH.shape[0] else 1
+        bounds = [x_TH.shape[0] * c // n_chunks for c in range(n_chunks + 1)]
+        disp = self.dispatcher
+
+        def issue(c):
+            lo, hi = bounds[c], bounds[c + 1]
+            return disp.dispatch_async(x_TH[lo:hi], topk_idx_Tk[lo:hi], topk_weight_Tk[lo:hi],
+                                       alignment=a.expert_alignment, fold_weights=a.fold_routing_weights)
+
+        pending = issue(0)
+        combines, live, cap = [], [], 0
+        for c in range(n_chunks):
+            d = pending.wait()
+            if c + 1 < n_chunks:
+                pending = issue(c + 1)  # next chunk's dispatch overlaps this chunk's experts
+            y_MH = self.experts(d.rows_MH, d.layout, d.row_weight_M, poison=a.poison_padding)
+            live.append(d.layout.counts.sum())
+            cap = max(cap, d.layout.capacity)
+            combines.append(disp.combine_async(y_MH, d.handle))
+        outs = [p.wait() for p in combines]
+        stats["rows_live"] = torch.stack(live).sum()
+        stats["rows_capacity"] = torch.tensor(cap)
+        stats.setdefault("rows_dropped", torch.zeros((), dtype=torch.int64, device=x_TH.device))
+        stats.setdefault("rows_padded", torch.zeros((), dtype=torch.int64, device=x_TH.device))
+        return outs[0] if n_chunks == 1 else torch.cat(outs, dim=0)

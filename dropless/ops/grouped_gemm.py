@@ -48,6 +48,12 @@ def grouped_mm(x_MK: torch.Tensor, w_eKN: torch.Tensor, layout: ExpertLayout,
     """
     if isinstance(backend, str):
         backend = get_backend(backend)
+    check_operands(x_MK, w_eKN, layout, backend)
+    return _GroupedMM.apply(x_MK, w_eKN, backend, layout)
+
+
+def check_operands(x_MK: torch.Tensor, w_eKN: torch.Tensor, layout: ExpertLayout, backend: GemmBackend) -> None:
+    """Raise ValueError when ``x_MK``/``w_eKN`` don't fit each other, the layout or the backend."""
     if x_MK.dim() != 2 or w_eKN.dim() != 3 or x_MK.shape[1] != w_eKN.shape[1]:
         raise ValueError(f"grouped_mm: need x [M, K] and w [e, K, N]; got {tuple(x_MK.shape)} and "
                          f"{tuple(w_eKN.shape)}")
@@ -57,4 +63,3 @@ def grouped_mm(x_MK: torch.Tensor, w_eKN: torch.Tensor, layout: ExpertLayout,
     if x_MK.dtype != w_eKN.dtype:
         raise ValueError(f"grouped_mm: x is {x_MK.dtype} but w is {w_eKN.dtype}; cast one of them")
     backend.check(x_MK, w_eKN)
-    return _GroupedMM.apply(x_MK, w_eKN, backend, layout)
