@@ -182,7 +182,8 @@ def layer_worker(rank, world, scenarios):
     mesh_dp = build_mesh(world, 1, "cpu")
     out = {}
     for sc in scenarios:
-        args = model_args(expert_alignment=sc["alignment"], fold_routing_weights=sc["fold"])
+        args = model_args(expert_alignment=sc["alignment"], fold_routing_weights=sc["fold"],
+                          num_token_chunks=sc.get("chunks", 1))
         name = sc["dispatcher"]
         disp = build_dispatcher(name, args, None if name == "fsdp" else mesh_ep)
         moe = MoE(args, LAYER_ID, disp)

@@ -11,7 +11,8 @@ which averages over dp, × world size). The expert weights themselves must be bi
 n_group=4, topk_group=2, one shared expert, T=12 tokens per rank, aux loss off (its
 per-rank sequence mean is a router matter, not a dispatcher one).
 
-Scenarios: alignment A ∈ {1, 8}, weights folded or not, and a router biased so that every
+Scenarios: alignment A ∈ {1, 8}, weights folded or not, ``num_token_chunks = 3`` (the MoE
+layer's two-phase dispatch/combine with several chunks in flight), and a router biased so that every
 token picks rank 0's experts — the other ranks land no row at all and must still run
 forward and backward (no hang) with equal values. The byte counters are checked against
 DESIGN.md's formulas. Runtime: one 2-rank and one 4-rank spawn for the module, ≈ 25 s.
@@ -33,6 +34,10 @@ SCENARIOS = [
          fold=f, biased=b)
     for d in ("a2a", "agrs", "fsdp")
     for (a, f, b) in ((1, False, False), (8, True, False), (8, False, True))
+] + [
+    # num_token_chunks = 3: the next chunk's dispatch is in flight while this chunk's experts run
+    dict(name=f"{d}-A8-nofold-3chunks", dispatcher=d, alignment=8, fold=False, biased=False, chunks=3)
+    for d in ("a2a", "agrs")
 ]
 # a mutation run: agrs with the all-gather's backward returning only this rank's own slice
 # (the bug the issue names); the equivalence check must catch it
@@ -48,7 +53,7 @@ def world_results(request):
 
 
 def _ref(world, sc):
-    args = H.model_args(expert_alignment=sc["alignment"], fold_routing_weights=sc["fold"])
+    args = H.model_args(expert_alignment=sc["alignment"], fold_routing_weights=sc["fold"])  # local, 1 chunk
     return H.reference(world, args, sc["biased"])
 
 

@@ -46,11 +46,9 @@ from typing import Any
 import torch
 
 from dropless.dispatch.base import Dispatched, Dispatcher, Pending
-from dropless.dispatch.collectives import CollOp, checked, group_rank, group_size, start, wait
+from dropless.dispatch.collectives import CollOp, group_rank, group_size, start, wait
 from dropless.dispatch.local import scatter_row_weights
 from dropless.permute import combine_rows, permute_rows, sort_by_expert
-
-import torch.distributed as dist
 
 
 def land_rows(rows_NH: torch.Tensor, src_M: torch.Tensor, dest_Nk: torch.Tensor) -> torch.Tensor:

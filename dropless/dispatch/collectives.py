@@ -18,6 +18,10 @@ Reverse collectives (the VJPs):
   its own chunk summed over all ranks that used it;
 * ``reduce_scatter_tensor`` (SUM) -> ``all_gather_into_tensor``.
 
+Why not ``torch.distributed.nn.functional.all_to_all_single``: it is differentiable and works
+with gloo and uneven splits (checked: correct gradients on 2 ranks), but it waits inside the
+call, so nothing can overlap the transfer; this pair is the asynchronous equivalent.
+
 Bytes (:class:`~dropless.dispatch.base.CommStats`), counted from the shapes handed to each
 collective, only for data that leaves / enters the rank (the chunk a rank keeps for itself
 is not counted): all-to-all: rows sent to / received from other ranks × row bytes;
