@@ -91,11 +91,10 @@ def _wrap_experts(model_sd: dict, optim_sd: dict, expert_fqns: set[str], mesh: A
     for k in list(model_sd):
         if k in expert_fqns:
             model_sd[k] = wrap(model_sd[k])
-    for k, st in optim_sd.get("state", {}).items():
-        if k in expert_fqns:
-            for name in list(st):
-                if isinstance(st[name], torch.Tensor):
-                    st[name] = wrap(st[name])
+    state = optim_sd.get("state", {})
+    for k in list(state):
+        if k in expert_fqns:  # a new dict: the old one may be the optimizer's own state
+            state[k] = {name: wrap(v) if isinstance(v, torch.Tensor) else v for name, v in state[k].items()}
     return pairs
 
 

@@ -395,6 +395,10 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         """One optimizer step; returns its metrics record (every rank computes the same)."""
         env, dev = self.env, self.env.device
+        for moe in self.moe_layers:  # count this step's traffic only (not the validation's)
+            comm = getattr(getattr(moe, "dispatcher", None), "comm", None)
+            if comm is not None:
+                comm.reset()
         t0 = time.perf_counter()
         lr = lr_at(self.step, self.cfg.optim, self.steps)
         for g in self.optimizer.param_groups:

@@ -1,0 +1,200 @@
+"""The training job end to end on CPU: metrics, wandb offline, checkpoint/resume, Ctrl-C, torchrun.
+
+Resume equality is asserted bitwise (``==`` on the logged float losses, grad norms and
+validation losses): on CPU, with the same thread count, a resumed run repeats the
+uninterrupted run's arithmetic exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dropless.train.config import compose
+from dropless.train.metrics import REQUIRED_KEYS
+from dropless.train.trainer import Trainer, lr_at
+
+# a small, quick version of the CPU default (the tiny MoE model, the stdlib's bytes)
+QUICK = ["train.micro_batch_size=8", "train.seq_len=64", "optim.warmup_steps=2", "train.val_batches=2",
+         "logging.progress=false", "num_threads=2"]
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def run(overrides: list[str]) -> tuple[dict, Trainer]:
+    tr = Trainer(compose(QUICK + overrides))
+    try:
+        return tr.train(), tr
+    finally:
+        tr.close()
+
+
+def test_short_run_writes_every_metric_and_learns(tmp_path):
+    rd = tmp_path / "run"
+    summary, tr = run([f"run_dir={rd}", "train.steps=8", "train.val_every=4", "logging.histogram_every=4"])
+    recs = records(rd)
+    steps = [r for r in recs if r["step"] > 0]
+    assert [r["step"] for r in steps] == list(range(1, 9))
+    assert [r["step"] for r in recs if "val_loss" in r] == [0, 4, 8]
+    moe_ids = tr.args.moe_layer_ids()
+    tokens = 8 * 64
+    for r in steps:
+        for k in REQUIRED_KEYS:
+            assert k in r and r[k] is not None, k
+        for i in moe_ids:
+            for k in ("max_over_mean", "min_over_mean", "empty_experts"):
+                assert f"expert_load/layer{i}/{k}" in r
+            assert r[f"expert_load/layer{i}/max_over_mean"] >= 1.0 >= r[f"expert_load/layer{i}/min_over_mean"]
+        assert r["lr"] == pytest.approx(lr_at(r["step"] - 1, tr.cfg.optim, 8))
+        assert r["rows_dropped"] == 0 and r["dispatch_bytes_sent"] == 0      # dropless, local dispatcher
+        assert r["tokens_per_s"] > 0 and r["grad_norm"] > 0 and r["peak_mem_gib"] > 0.05
+        assert r["tflops"] == pytest.approx(tr.cfg.model and r["tokens_per_s"] * _fpt(tr) / 1e12, rel=1e-9)
+        assert r["mfu"] == pytest.approx(r["tflops"] * 1e12 / tr.cfg.logging.cpu_peak_flops, rel=1e-9)
+    for s in (4, 8):                       # histogram steps: the step's per-expert rows, all micro-batches
+        r = next(x for x in recs if x["step"] == s)
+        for i in moe_ids:
+            c = r[f"expert_load/layer{i}/counts"]
+            assert len(c) == tr.args.n_routed_experts and sum(c) == tokens * tr.args.num_experts_per_tok
+            mean = sum(c) / len(c)
+            assert r[f"expert_load/layer{i}/max_over_mean"] == pytest.approx(max(c) / mean)
+            assert r[f"expert_load/layer{i}/empty_experts"] == sum(x == 0 for x in c)
+    assert recs[0]["val_loss"] == pytest.approx(5.55, abs=0.15)     # ≈ ln 256 at init
+    losses = [r["loss"] for r in steps]
+    assert max(losses[-2:]) < losses[0] - 0.5 and recs[-1]["val_loss"] < recs[0]["val_loss"] - 0.5
+    runs = list((rd / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+    assert (rd / "config.yaml").is_file() and (rd / "checkpoints" / "step_00000008" / ".metadata").is_file()
+    assert summary["steps"] == 8 and not summary["interrupted"]
+
+
+def _fpt(tr) -> float:
+    from dropless.plan import model_flops_per_token
+    return model_flops_per_token(tr.args, tr.seq_len)
+
+
+def test_capacity_factor_drops_rows_and_counts_fewer_flops(tmp_path):
+    _, tr = run([f"run_dir={tmp_path}", "train.steps=2", "train.val_every=0", "logging.mode=disabled",
+                 "model.capacity_factor=0.5"])
+    for r in records(tmp_path):
+        assert r["rows_dropped"] > 0
+        assert r["tflops"] < r["tokens_per_s"] * _fpt(tr) / 1e12   # dropped rows are not counted
+    # at capacity factor 0.5 at least half of the T·k rows of every MoE layer are dropped
+    assert records(tmp_path)[-1]["rows_dropped"] >= 0.5 * 512 * 2 * tr.args.num_moe_layers
+
+
+def test_resume_repeats_the_uninterrupted_run_bitwise(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    common = ["train.steps=6", "train.val_every=3", "train.ckpt_every=3", "train.ckpt_keep=0", "logging.mode=disabled",
+              "train.grad_accum=2"]
+    run([f"run_dir={a}"] + common)
+    assert (a / "checkpoints" / "step_00000003" / ".metadata").is_file()
+    (b / "checkpoints").mkdir(parents=True)
+    shutil.copytree(a / "checkpoints" / "step_00000003", b / "checkpoints" / "step_00000003")
+    summary, tr = run([f"run_dir={b}", "resume=true"] + common)
+    assert tr.resumed_from == 3 and summary["steps"] == 6
+    ra = {r["step"]: r for r in records(a)}
+    rb = {r["step"]: r for r in records(b)}
+    assert sorted(rb) == [4, 5, 6]
+    for s in (4, 5, 6):
+        for k in ("loss", "grad_norm", "lr", "aux_loss"):
+            assert rb[s][k] == ra[s][k], (s, k, rb[s][k], ra[s][k])
+    assert rb[6]["val_loss"] == ra[6]["val_loss"]
+    for i in tr.args.moe_layer_ids():
+        assert rb[6][f"expert_load/layer{i}/max_over_mean"] == ra[6][f"expert_load/layer{i}/max_over_mean"]
+
+
+def test_run_dir_with_checkpoints_needs_resume(tmp_path):
+    from dropless.config import ConfigError
+    run([f"run_dir={tmp_path}", "train.steps=1", "train.val_every=0", "logging.mode=disabled"])
+    with pytest.raises(ConfigError, match="resume=true"):
+        Trainer(compose(QUICK + [f"run_dir={tmp_path}", "train.steps=2"]))
+    with pytest.raises(ConfigError, match="resume=true needs run_dir"):
+        Trainer(compose(QUICK + ["resume=true"]))
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.pop("WANDB_MODE", None)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_a_checkpoint_that_resumes(tmp_path):
+    rd = tmp_path / "run"
+    cmd = [sys.executable, "-m", "dropless.train", *QUICK, f"run_dir={rd}", "train.steps=500",
+           "train.val_every=0", "train.ckpt_every=0", "logging.mode=disabled"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
+    metrics = rd / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and p.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.2)
+    p.send_signal(signal.SIGINT)
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 130, out
+    from dropless.train.checkpoint import latest_checkpoint
+    step, _ = latest_checkpoint(rd)
+    assert 3 <= step < 500 and f"stopped at step {step}" in out
+    assert records(rd)[-1]["step"] == step
+    out2 = subprocess.run([*cmd[:-4], "resume=true", f"run_dir={rd}", f"train.steps={step + 2}",
+                           "train.val_every=0", "logging.mode=disabled"],
+                          capture_output=True, text=True, env=_env(), timeout=120)
+    assert out2.returncode == 0, out2.stdout + out2.stderr
+    assert f"resumed from step {step}" in out2.stdout
+    assert [r["step"] for r in records(rd)][-3:] == [step, step + 1, step + 2]
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes_a2a_checkpoint_resume(tmp_path):
+    """2 ranks (gloo), expert parallel a2a: trains, logs, and resumes from an EP checkpoint bitwise."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+            "-m", "dropless.train", *QUICK, "num_threads=1", "dispatcher=a2a", "train.steps=4",
+            "train.val_every=2", "train.ckpt_every=2", "train.ckpt_keep=0", "logging.mode=disabled"]
+    r = subprocess.run([*base, f"run_dir={a}"], capture_output=True, text=True, env=_env(), timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "world 2 = dp 1 x ep 2" in r.stdout and r.stdout.count("resolved config") == 1
+    ra = {x["step"]: x for x in records(a)}
+    assert sorted(ra) == [0, 1, 2, 3, 4]
+    assert all(ra[s]["dispatch_bytes_sent"] > 0 for s in (1, 2, 3, 4))
+    assert ra[4]["loss"] < ra[1]["loss"]
+    (b / "checkpoints").mkdir(parents=True)
+    shutil.copytree(a / "checkpoints" / "step_00000002", b / "checkpoints" / "step_00000002")
+    r = subprocess.run([*base, f"run_dir={b}", "resume=true"], capture_output=True, text=True, env=_env(),
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rb = {x["step"]: x for x in records(b)}
+    assert sorted(rb) == [3, 4]
+    for s in (3, 4):
+        assert (rb[s]["loss"], rb[s]["grad_norm"]) == (ra[s]["loss"], ra[s]["grad_norm"])
+    assert rb[4]["val_loss"] == ra[4]["val_loss"]
+
+
+@pytest.mark.slow
+def test_torchrun_world_size_not_fitting_the_mesh(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        "-m", "dropless.train", "dispatcher=a2a", "dispatcher.ep_size=4", f"run_dir={tmp_path}"],
+                       capture_output=True, text=True, env=_env(), timeout=300)
+    assert r.returncode != 0
+    assert "world size 2 does not fit the mesh" in r.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
