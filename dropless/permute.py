@@ -74,6 +74,8 @@ class _PermuteRows(torch.autograd.Function):
     def forward(ctx, x_NH, src_M, dest_Nk):
         ctx.save_for_backward(dest_Nk)
         ctx.num_rows = x_NH.shape[0]
+        if x_NH.shape[0] == 0:  # a rank that received no rows: every landed row is padding
+            return x_NH.new_empty(src_M.shape[0], x_NH.shape[1])
         # padding rows (src = -1) read row 0: garbage by contract, never used
         return x_NH.index_select(0, src_M.clamp(min=0))
 
@@ -139,6 +141,10 @@ def gather_sum(rows_MH: torch.Tensor, dest_Nk: torch.Tensor, weight_Nk: torch.Te
     Choices with ``dest < 0`` contribute nothing (their rows are not even read as data:
     a masked select, since ``0 · NaN = NaN``). Returns ``rows_MH``'s dtype, ``[N, H]``.
     """
+    if use_triton(rows_MH) and rows_MH.dtype != torch.float64:
+        from dropless.ops import triton_kernels
+
+        return triton_kernels.gather_sum(rows_MH, dest_Nk, weight_Nk)
     n, k = dest_Nk.shape
     acc_dt = torch.promote_types(rows_MH.dtype, torch.float32)  # fp32, or fp64 for fp64 rows
     acc = torch.zeros(n, rows_MH.shape[1], dtype=acc_dt, device=rows_MH.device)
