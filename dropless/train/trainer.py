@@ -23,7 +23,8 @@ the optimizer state, the logits and the loss stay fp32.
 Checkpoints (:mod:`dropless.train.checkpoint`): every ``train.ckpt_every`` steps, at the
 end, and on SIGINT/SIGTERM (Ctrl-C): the signal sets a flag, the current step finishes,
 all ranks agree (a MAX all-reduce of the flag), a checkpoint is written and the run stops
-(:attr:`Trainer.interrupted`). A second Ctrl-C aborts at once. ``resume=true`` continues
+(:attr:`Trainer.interrupted`). A second Ctrl-C more than 3 s after the first aborts at once
+(a repeat within 3 s is torchrun forwarding the same Ctrl-C to its workers). ``resume=true`` continues
 from the newest checkpoint in ``run_dir``: same model, optimizer, step, data position and
 RNG, so the losses continue as if never stopped (bitwise on CPU, same thread count).
 """
@@ -188,7 +189,8 @@ def build_optimizer(model: torch.nn.Module, optim_cfg: Any) -> torch.optim.Optim
 
 
 # ----------------------------------------------------------------------------- gradients
-_BUCKET = 1 << 25  # elements per all-reduce bucket (128 MiB of fp32)
+_BUCKET = 1 << 25
+_ABORT_AFTER_S = 3.0  # a second SIGINT/SIGTERM later than this after the first aborts at once  # elements per all-reduce bucket (128 MiB of fp32)
 
 
 def _all_reduce_mean(grads: list[torch.Tensor], group: Any, world: int) -> None:
@@ -337,6 +339,7 @@ class Trainer:
         self.step = 0
         self.interrupted = False
         self._stop_signal: int | None = None
+        self._stop_time = 0.0
         self.history: list[dict] = []
         self.resumed_from: int | None = None
         if cfg.resume:
@@ -462,8 +465,12 @@ class Trainer:
     # ------------------------------------------------------------------ loop
     def _on_signal(self, signum, frame):  # noqa: ARG002
         if self._stop_signal is not None:
-            raise KeyboardInterrupt
-        self._stop_signal = signum
+            # torchrun forwards the terminal's Ctrl-C to its workers, which then see it twice
+            # within milliseconds: only a repeat after _ABORT_AFTER_S aborts.
+            if time.monotonic() - self._stop_time > _ABORT_AFTER_S:
+                raise KeyboardInterrupt
+            return
+        self._stop_signal, self._stop_time = signum, time.monotonic()
         if self.main:
             print(f"\n[dropless] {signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
                   "(again to abort)", file=sys.stderr, flush=True)
