@@ -1,0 +1,72 @@
+"""Saved-for-backward bytes of the routed MoE path for each memory option (issue 6, item 5).
+
+Measured with ``torch.autograd.graph.saved_tensors_hooks`` over dispatch -> experts -> combine
+(local dispatcher, fp32 on CPU, A = 1 so M = R = T·k), counting each saved storage once and
+leaving out parameters and the layer input, and asserted against the formula of each option:
+
+=====================  =========================================================
+option                 saved bytes (b = 4, fp32)
+=====================  =========================================================
+default                b·M·(2H + 4I) + 8·T·k    rows, h13, silu(gate), h, y; dest (int64)
+recompute_swiglu       b·M·(2H + 2I) + 8·T·k    rows, h13, y; dest
+recompute_fc1          b·M·2H + 8·T·k           rows, y; dest
+recompute_fc1 + fold   b·M·H + b·(M+1) + 16·T·k rows, row weights (one scratch slot); dest, scatter index
+=====================  =========================================================
+
+The routing weights themselves are the router's output (an input here) and not counted.
+The last line is DESIGN.md's bound: one copy of the landed rows plus indices.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dropless.dispatch import LocalDispatcher
+from dropless.experts import GroupedExperts
+
+T, H, I, E, K = 64, 32, 16, 8, 2
+M = T * K
+B = 4
+
+
+def saved_bytes(recompute_swiglu: bool, recompute_fc1: bool, fold: bool) -> int:
+    torch.manual_seed(0)
+    ex = GroupedExperts(H, I, E, recompute_swiglu=recompute_swiglu, recompute_fc1=recompute_fc1)
+    ex.init_weights(0, 0)
+    x = torch.randn(T, H, requires_grad=True)
+    idx = torch.randint(0, E, (T, K))
+    w = torch.rand(T, K, requires_grad=True)
+    skip = {p.untyped_storage().data_ptr() for p in ex.parameters()} | {x.untyped_storage().data_ptr(),
+                                                                          w.untyped_storage().data_ptr()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    disp = LocalDispatcher(E)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        d = disp.dispatch(x, idx, w, fold_weights=fold)
+        y = disp.combine(ex(d.rows_MH, d.layout, d.row_weight_M), d.handle)
+    y.sum().backward()  # the graph is valid and runs
+    assert x.grad is not None and w.grad is not None
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("opts,expected", [
+    ((False, False, False), B * M * (2 * H + 4 * I) + 8 * T * K),
+    ((True, False, False), B * M * (2 * H + 2 * I) + 8 * T * K),
+    ((False, True, False), B * M * 2 * H + 8 * T * K),
+    ((False, True, True), B * M * H + B * (M + 1) + 16 * T * K),
+])
+def test_saved_bytes_match_formula(opts, expected):
+    assert saved_bytes(*opts) == expected
+
+
+def test_recompute_saves_at_most_one_copy_of_the_rows_plus_indices():
+    got = saved_bytes(False, True, True)
+    assert got <= B * M * H + B * (M + 1) + 16 * T * K
+    assert got < saved_bytes(False, False, False) / 2
