@@ -517,15 +517,13 @@ class Trainer:
         try:
             if self.step == 0 and val_every > 0:
                 first_val = last_val = self.validate()
-                self.metrics.log(0, {"val_loss": first_val, "lr": lr_at(0, cfg.optim, self.steps)})
+                self.metrics.log(0, {"val_loss": first_val})
                 self.print(f"[dropless] step 0 val_loss {first_val:.4f}")
             while self.step < self.steps:
                 rec = self.train_step()
                 last = self.step == self.steps
                 if val_every and (self.step % val_every == 0 or last):
                     rec["val_loss"] = last_val = self.validate()
-                    if first_val is None:
-                        first_val = last_val
                     self.print(f"[dropless] step {self.step} loss {rec['loss']:.4f} val_loss {last_val:.4f}")
                 hist = self._router_counts if hist_every and (self.step % hist_every == 0 or last) else None
                 if self.step % log_every == 0 or last or "val_loss" in rec:
@@ -551,7 +549,12 @@ class Trainer:
         summary = {"steps": self.step, "wall_s": wall, "first_val_loss": first_val, "val_loss": last_val,
                    "run_dir": str(self.run_dir), "interrupted": self.interrupted}
         if self.main and not self.interrupted:
-            v = f"{first_val:.4f} -> {last_val:.4f}" if first_val is not None and last_val is not None else "n/a"
+            if last_val is None:
+                v = "not measured (train.val_every=0)"
+            elif first_val is None:
+                v = f"{last_val:.4f}"
+            else:
+                v = f"{first_val:.4f} -> {last_val:.4f}"
             self.print(f"[dropless] done: {self.step} steps in {wall:.1f}s; val_loss {v}; metrics "
                        f"{self.run_dir / 'metrics.jsonl'}")
         return summary
