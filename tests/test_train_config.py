@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from dropless.config import ConfigError, ModelArgs
 from dropless.train.config import compose, list_recipes, model_args
-from dropless.train.dist import check_mesh, init_distributed, resolve_ep_size
+from dropless.train.dist import check_mesh, default_num_threads, init_distributed, resolve_ep_size
 from dropless.train.trainer import check_train_config, lr_at
 
 V3_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
@@ -142,3 +142,12 @@ def test_lr_schedule_values():
     assert all(a >= b for a, b in zip(lrs, lrs[1:]))           # monotone decay
     no_warm = OmegaConf.create({"lr": 2.0, "warmup_steps": 0, "min_lr_ratio": 0.0})
     assert lr_at(0, no_warm, 5) == pytest.approx(2.0) and lr_at(4, no_warm, 5) == pytest.approx(0.0)
+
+
+def test_default_threads_share_the_cores_and_back_off_when_busy():
+    import os
+    cores = len(os.sched_getaffinity(0))
+    assert default_num_threads(1, load=0.0) == cores
+    assert default_num_threads(2, load=0.0) == max(1, cores // 2)
+    assert default_num_threads(1, load=float(cores)) == max(1, cores // 2)
+    assert default_num_threads(cores * 4, load=0.0) == 1
