@@ -4,9 +4,11 @@ For the whole-layer shape of issue 2 (T 8192, H 7168, I 2048, E 32, k 8, one sha
 bf16) and every N in ``--chunks`` (default 1 2 4 8), with and without selective recompute:
 
 * ``activation_peak_gib``: ``torch.cuda.max_memory_allocated`` over forward+backward minus
-  what was resident before it (weights, their gradients, the input);
+  the weights, the input and the gradients that backward leaves (gradients start as None,
+  as after ``zero_grad(set_to_none=True)``, so a weight gradient is never a transient copy);
 * ``saved_gib``: bytes of the tensors autograd saved for backward in this layer
-  (``torch.autograd.graph.saved_tensors_hooks``; parameters and the layer input excluded),
+  (``torch.autograd.graph.saved_tensors_hooks``, each storage once; parameters and the layer
+  input excluded),
   against one copy of the landed rows ``R·H·2`` bytes;
 * ``fwdbwd_ms``: median time of forward+backward.
 
@@ -37,30 +39,42 @@ def measure(T, H, I, E, k, chunks: int, recompute: str, fold: bool) -> None:
     x = torch.randn(1, T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     gy = torch.randn(1, T, H, device="cuda", dtype=torch.bfloat16)
 
+    params = list(moe.parameters())
+
     def step():
+        for p in params:  # as after optimizer.zero_grad(set_to_none=True)
+            p.grad = None
         moe(x).backward(gy)
 
-    step()  # gradients exist from here on: they count as resident, not as activations
+    step()
     torch.cuda.synchronize()
-    skip = {p.data_ptr() for p in moe.parameters()} | {x.data_ptr()}
-    saved = [0]
+    skip = {p.untyped_storage().data_ptr() for p in params} | {x.untyped_storage().data_ptr()}
+    seen: dict[int, int] = {}
 
     def pack(t):
-        if t.data_ptr() not in skip and t.device.type == "cuda":
-            saved[0] += t.numel() * t.element_size()
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip and t.device.type == "cuda":
+            seen[st.data_ptr()] = st.nbytes()
         return t
 
+    for p in params:
+        p.grad = None
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = moe(x)
     y.backward(gy)
     del y
+    saved = [sum(seen.values())]
+    for p in params:
+        p.grad = None
+    x.grad = None
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
+    base = torch.cuda.memory_allocated()  # weights and the input, no gradients
     torch.cuda.reset_peak_memory_stats()
     step()
     torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in params) + x.grad.numel() * x.grad.element_size()
+    peak = torch.cuda.max_memory_allocated() - base - grads  # above weights and their gradients
     ms = bench(step, warmup=2, iters=7)
     rows = T * k
     emit(bench="moe_memory", T=T, H=H, I=I, E=E, k=k, chunks=chunks, recompute=recompute, fold_weights=fold,
@@ -78,7 +92,7 @@ def main(argv=None) -> int:
         print("benchmarks/moe_memory.py needs a CUDA device", file=sys.stderr)
         return 2
     T, H, I = (2048, 1024, 512) if a.quick else (8192, 7168, 2048)
-    for recompute, fold in (("none", False), ("swiglu", False), ("fc1", True)):
+    for recompute, fold in (("none", False), ("swiglu", True), ("fc1", True)):
         for n in a.chunks:
             measure(T, H, I, 32, 8, n, recompute, fold)
     return 0
