@@ -284,3 +284,43 @@ def timeout_worker(rank, world, name, how):
         return {"raised": type(err).__name__, "message": str(err), "elapsed": time.monotonic() - t0,
                 "is_collective_error": type(err).__name__ == "CollectiveError"}
     return {"raised": None, "elapsed": time.monotonic() - t0}
+
+
+CASE08_TOKENS = 4096  # global tokens, split evenly over the ranks
+
+
+def case08_args() -> ModelArgs:
+    return model_args(num_experts_per_tok=1, n_group=1, topk_group=1)
+
+
+def case08_batch():
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(CASE08_TOKENS, BASE["hidden_size"], generator=g)
+    return x, torch.randn(CASE08_TOKENS, BASE["hidden_size"], generator=g)
+
+
+def case08_prepare(moe) -> None:
+    """case-08: every token prefers expert 0 (which lives on rank 0)."""
+    with torch.no_grad():
+        moe.router.e_score_correction_bias[0] += 100.0
+
+
+def case08_worker(rank, world, name):
+    """CASES.md case-08 scaled up: 4096 tokens, all routed to expert 0 on rank 0 of the EP group."""
+    from dropless.dispatch import build_dispatcher
+    from dropless.dispatch.mesh import build_mesh
+    from dropless.moe import MoE
+
+    args = case08_args()
+    moe = MoE(args, LAYER_ID, build_dispatcher(name, args, build_mesh(world, world, "cpu")))
+    moe.init_weights()
+    case08_prepare(moe)
+    x_all, cot_all = case08_batch()
+    sl = slice(rank * CASE08_TOKENS // world, (rank + 1) * CASE08_TOKENS // world)
+    x = x_all[sl].clone().requires_grad_()
+    y = moe(x)
+    rows_live = int(moe.last_stats["rows_live"])
+    rows_dropped = int(moe.last_stats["rows_dropped"])
+    (y * cot_all[sl]).sum().backward()
+    return dict(y=y.detach(), x_grad=x.grad, rows_live=rows_live, rows_dropped=rows_dropped,
+                w13_grad=_full_expert(moe.experts.w13.grad))
