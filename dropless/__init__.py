@@ -2,9 +2,39 @@
 
 The pipeline (DESIGN.md): router -> dispatcher -> grouped-GEMM experts -> combine,
 with a live-row :class:`~dropless.layout.ExpertLayout` carried from dispatch to combine.
+
+Public API::
+
+    ModelArgs, ConfigError                 dropless.config   (DeepSeek-V3 config.json names)
+    ExpertLayout                           dropless.layout   (counts/start/end on the device)
+    Router, update_router_biases           dropless.routing  (DeepSeek-V3 router, balancing)
+    permute_rows, combine_rows             dropless.permute  (index-only autograd)
+    grouped_mm, list_backends              dropless.ops      (grouped GEMM backends)
+    GroupedExperts                         dropless.experts
+    MoE                                    dropless.moe      (the layer)
+    build_dispatcher                       dropless.dispatch (local, a2a, agrs, fsdp, deepep)
+    Transformer                            dropless.model    (DeepSeek-V3-shaped decoder)
 """
 
 from dropless.config import ConfigError, ModelArgs
+from dropless.dispatch import build_dispatcher
+from dropless.experts import GroupedExperts
+from dropless.layout import ExpertLayout
+from dropless.moe import MoE
+from dropless.ops import grouped_mm, list_backends
+from dropless.permute import combine_rows, permute_rows
+from dropless.routing import Router, update_router_biases
 
-__all__ = ["ConfigError", "ModelArgs"]
+__all__ = [
+    "ConfigError", "ExpertLayout", "GroupedExperts", "ModelArgs", "MoE", "Router", "build_dispatcher",
+    "combine_rows", "grouped_mm", "list_backends", "permute_rows", "update_router_biases",
+]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):  # the model imports dropless.moe; load it on first use
+    if name == "Transformer":
+        from dropless.model import Transformer
+
+        return Transformer
+    raise AttributeError(f"module 'dropless' has no attribute {name!r}")
