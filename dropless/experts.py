@@ -86,50 +86,104 @@ def _swiglu_bwd(h13_MI2: torch.Tensor, dh_MI: torch.Tensor, layout: ExpertLayout
     return torch.cat([dh * up * s * (1 + gate * (1 - s)), dh * gate * s], dim=-1).to(h13_MI2.dtype)
 
 
-class _ExpertMLPRecompute(torch.autograd.Function):
-    """FC1 -> SwiGLU (× row weight) -> FC2 with selective recompute (MegaBlocks' memory-optimised MLP idea).
+class _RecomputeBox:
+    """Hands FC1's output recomputed by FC2's backward on to FC1's backward (runs right after)."""
 
-    Saves the landed rows and the weights, plus ``h13`` unless ``recompute_fc1``; the SwiGLU
-    output ``h`` is never saved (recomputed from ``h13``, an elementwise pass). With
-    ``recompute_fc1`` the FC1 GEMM runs again in backward (+2·R·H·2I FLOPs).
+    def __init__(self) -> None:
+        self.h13: torch.Tensor | None = None
+
+
+def _weighted(a_MI: torch.Tensor, row_w: torch.Tensor | None) -> torch.Tensor:
+    return a_MI if row_w is None else a_MI * row_w.to(a_MI.dtype).unsqueeze(1)
+
+
+class _FC1SwiGLU(torch.autograd.Function):
+    """FC1 (gate||up) -> SwiGLU (× row weight) without saving the SwiGLU output.
+
+    Saves the landed rows, plus ``h13`` unless ``recompute_fc1``. Returns ``(h, h13)``;
+    ``h13`` is non-differentiable and only handed to :class:`_FC2Recompute` so that it can
+    rebuild ``h`` (it is the same storage this node saved: no extra memory). With
+    ``recompute_fc1`` ``h13`` is not returned (None) and FC2's backward recomputes it.
     """
 
     @staticmethod
-    def forward(ctx, x_MH, w13, w2, row_w, layout, backend, recompute_fc1):
+    def forward(ctx, x_MH, w13, row_w, layout, backend, recompute_fc1, box):
         h13 = backend.gmm(x_MH, w13, layout)
-        h = _swiglu_fwd(h13, layout)
-        if row_w is not None:
-            h = h * row_w.to(h.dtype).unsqueeze(1)
-        y = backend.gmm(h, w2, layout)
-        ctx.layout, ctx.backend, ctx.recompute_fc1 = layout, backend, recompute_fc1
+        h = _weighted(_swiglu_fwd(h13, layout), row_w)
+        ctx.layout, ctx.backend, ctx.recompute_fc1, ctx.box = layout, backend, recompute_fc1, box
         ctx.has_w = row_w is not None
-        saved = [x_MH, w13, w2, row_w if row_w is not None else x_MH.new_empty(0)]
-        if not recompute_fc1:
-            saved.append(h13)
-        ctx.save_for_backward(*saved)
-        return y
+        empty = x_MH.new_empty(0)
+        ctx.save_for_backward(x_MH, w13, row_w if row_w is not None else empty,
+                              empty if recompute_fc1 else h13)
+        if recompute_fc1:
+            return h, None
+        ctx.mark_non_differentiable(h13)
+        return h, h13
+
+    @staticmethod
+    def backward(ctx, dh_MI, _dh13):
+        x, w13, row_w, h13 = ctx.saved_tensors
+        layout, be = ctx.layout, ctx.backend
+        if ctx.recompute_fc1:
+            h13, ctx.box.h13 = ctx.box.h13, None
+            if h13 is None:  # FC2's backward did not run first: recompute here
+                h13 = be.gmm(x, w13, layout)
+        d_row_w = None
+        if ctx.has_w:
+            a = _swiglu_fwd(h13, layout)
+            d_row_w = (dh_MI.float() * a.float()).sum(-1).to(row_w.dtype)
+            del a
+            dh_MI = dh_MI * row_w.to(dh_MI.dtype).unsqueeze(1)
+        dh13 = _swiglu_bwd(h13, dh_MI.contiguous(), layout)
+        del h13, dh_MI
+        dw13 = be.gmm_wgrad(x, dh13, layout).to(w13.dtype)
+        dx = be.gmm(dh13, w13.transpose(1, 2), layout)
+        return dx, dw13, d_row_w, None, None, None, None
+
+
+class _FC2Recompute(torch.autograd.Function):
+    """FC2 whose input ``h`` is not saved: backward rebuilds it from what FC1 saved.
+
+    Saves (references to) the landed rows, ``w13``, the row weights and ``h13`` — tensors
+    :class:`_FC1SwiGLU` already keeps — plus ``w2``. With ``recompute_fc1`` it reruns the FC1
+    GEMM (+2·R·H·2I FLOPs) and leaves the result in the box for FC1's backward.
+    """
+
+    @staticmethod
+    def forward(ctx, h_MI, w2, x_MH, w13, row_w, h13, layout, backend, box):
+        ctx.layout, ctx.backend, ctx.box = layout, backend, box
+        ctx.has_w, ctx.has_h13 = row_w is not None, h13 is not None
+        empty = x_MH.new_empty(0)
+        ctx.save_for_backward(w2, x_MH, w13, row_w if row_w is not None else empty,
+                              h13 if h13 is not None else empty)
+        return backend.gmm(h_MI, w2, layout)
 
     @staticmethod
     def backward(ctx, dy_MH):
-        x, w13, w2, row_w, *rest = ctx.saved_tensors
+        w2, x, w13, row_w, h13 = ctx.saved_tensors
         layout, be = ctx.layout, ctx.backend
         dy_MH = dy_MH.contiguous()
-        h13 = be.gmm(x, w13, layout) if ctx.recompute_fc1 else rest[0]
-        a = _swiglu_fwd(h13, layout)
-        h = a * row_w.to(a.dtype).unsqueeze(1) if ctx.has_w else a
+        if not ctx.has_h13:
+            h13 = be.gmm(x, w13, layout)
+            ctx.box.h13 = h13
+        h = _weighted(_swiglu_fwd(h13, layout), row_w if ctx.has_w else None)
+        del h13
         dw2 = be.gmm_wgrad(h, dy_MH, layout).to(w2.dtype)
         del h
         dh = be.gmm(dy_MH, w2.transpose(1, 2), layout)
-        d_row_w = None
-        if ctx.has_w:
-            d_row_w = (dh.float() * a.float()).sum(-1).to(row_w.dtype)
-            dh = dh * row_w.to(dh.dtype).unsqueeze(1)
-        del a
-        dh13 = _swiglu_bwd(h13, dh, layout)
-        del dh, h13
-        dw13 = be.gmm_wgrad(x, dh13, layout).to(w13.dtype)
-        dx = be.gmm(dh13, w13.transpose(1, 2), layout)
-        return dx, dw13, dw2, d_row_w, None, None, None
+        return dh, dw2, None, None, None, None, None, None, None
+
+
+def expert_mlp_recompute(x_MH, w13, w2, row_w, layout, backend, recompute_fc1: bool) -> torch.Tensor:
+    """FC1 -> SwiGLU (× row weight) -> FC2 with selective recompute (MegaBlocks' memory-optimised MLP idea).
+
+    Saved for backward: the landed rows ``[M, H]``, ``h13 [M, 2I]`` unless ``recompute_fc1``,
+    the row weights ``[M]`` if folded; never the SwiGLU output. Two autograd nodes, so that
+    FC2's gradients are released before FC1's backward runs.
+    """
+    box = _RecomputeBox()
+    h, h13 = _FC1SwiGLU.apply(x_MH, w13, row_w, layout, backend, recompute_fc1, box)
+    return _FC2Recompute.apply(h, w2, x_MH, w13, row_w, h13, layout, backend, box)
 
 
 class GroupedExperts(nn.Module):
@@ -185,8 +239,8 @@ class GroupedExperts(nn.Module):
 
                 check_operands(x, w13, layout, self.backend)
                 check_operands(x.new_empty(layout.capacity, w2.shape[1]), w2, layout, self.backend)
-                return _ExpertMLPRecompute.apply(x, w13, w2, row_weight_M, layout, self.backend,
-                                                 self.recompute_fc1)
+                return expert_mlp_recompute(x, w13, w2, row_weight_M, layout, self.backend,
+                                            self.recompute_fc1)
             if poison:
                 x = poison_padding(x, layout)
             h13 = grouped_mm(x, w13, layout, self.backend)
