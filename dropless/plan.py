@@ -955,7 +955,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dropless-plan",
         description="Per-rank compute, memory and communication of one MoE layer of a recipe "
-                    "(seed 003's arithmetic). Takes the training's Hydra overrides.")
+                    "before a job is launched. Takes the training's Hydra overrides.")
     p.add_argument("overrides", nargs="*", help="Hydra overrides as for training, key=value")
     p.add_argument("--model", default=None,
                    help="'deepseek_v3_671b' or a path to a DeepSeek-V3 config.json, instead of "

@@ -144,10 +144,9 @@ def test_lr_schedule_values():
     assert lr_at(0, no_warm, 5) == pytest.approx(2.0) and lr_at(4, no_warm, 5) == pytest.approx(0.0)
 
 
-def test_default_threads_share_the_cores_and_back_off_when_busy():
+def test_default_threads_share_the_cores():
     import os
     cores = len(os.sched_getaffinity(0))
-    assert default_num_threads(1, load=0.0) == cores
-    assert default_num_threads(2, load=0.0) == max(1, cores // 2)
-    assert default_num_threads(1, load=float(cores)) == max(1, cores // 2)
-    assert default_num_threads(cores * 4, load=0.0) == 1
+    assert default_num_threads(1) == cores
+    assert default_num_threads(2) == max(1, cores // 2)
+    assert default_num_threads(cores * 4) == 1

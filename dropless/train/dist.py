@@ -107,31 +107,23 @@ def check_mesh(world_size: int, ep_size: int, n_routed_experts: int) -> int:
     return world_size // ep_size
 
 
-def default_num_threads(local_world_size: int, load: float | None = None) -> int:
+def default_num_threads(local_world_size: int) -> int:
     """CPU threads per process: the cores this process may use, shared by the local ranks.
 
-    Halved when the machine is already busy (1-minute load average >= half the cores):
-    intra-op threads that wait for each other at every parallel region stall badly when
-    other processes hold the cores (measured on 2 cores under other test suites: 40 steps of
-    the CPU default took 40 s with 2 threads, 8 s with 1).
+    Deterministic (no dependence on the machine's load), so that a resumed run uses the same
+    thread count, hence the same arithmetic, as the run it continues. On a machine that other
+    processes keep busy, set ``num_threads=1``: intra-op threads that wait for each other stall
+    when the cores are taken (measured on 2 busy cores: 40 steps of the CPU default in 40 s
+    with 2 threads, 8 s with 1).
 
     Args:
         local_world_size: processes on this node.
-        load: the load average to use (default ``os.getloadavg()[0]``).
     """
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
         cores = os.cpu_count() or 1
-    per = max(1, cores // max(1, local_world_size))
-    if load is None:
-        try:
-            load = os.getloadavg()[0]
-        except (AttributeError, OSError):  # pragma: no cover
-            load = 0.0
-    if load >= cores / 2:
-        per = max(1, per // 2)
-    return per
+    return max(1, cores // max(1, local_world_size))
 
 
 def _device(device_cfg: str, local_rank: int) -> torch.device:

@@ -496,7 +496,7 @@ class Trainer:
                        f"per token; {self.args.num_moe_layers} MoE layers of E={self.args.n_routed_experts} "
                        f"k={self.args.num_experts_per_tok}; dispatcher={cfg.dispatcher.name}")
             self.print(f"[dropless] world {env.world_size} = dp {env.dp_size} x ep {env.ep_size} on "
-                       f"{env.device.type}, {torch.get_num_threads()} threads/process; "
+                       f"{env.device.type}, {torch.get_num_threads()} thread(s)/process; "
                        f"{self.tokens_per_step:,} tokens per step")
             self.print(f"[dropless] data: {self.tokens.source}")
             if self.resumed_from is not None:
