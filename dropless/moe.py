@@ -45,8 +45,13 @@ def capacity_drop(topk_idx_Tk: torch.Tensor, num_experts: int, capacity_factor: 
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The old token-dropping baseline: each expert keeps its first ``C`` rows.
 
-    ``C = ceil(capacity_factor · T·k / E)`` (seed 003 §6); rows are kept in token order
-    (GShard / Switch convention), the rest are dropped (index set to -1). No host sync.
+    ``C = ceil(capacity_factor · T·k / E)`` (seed 003 §6), with ``T`` the tokens given (the
+    rank's); rows are kept in token order (GShard / Switch convention), the rest are dropped
+    (index set to -1). No host sync. Memory: a ``[T·k, E]`` int64 one-hot (baseline only).
+
+    Args:
+        topk_idx_Tk: int64 ``[T, k]`` routed expert ids (``< 0``: already dropped).
+        num_experts: ``E``. capacity_factor: ``> 0``.
 
     Returns:
         topk_idx_Tk with dropped choices set to -1, rows dropped (0-dim int64),
@@ -56,8 +61,11 @@ def capacity_drop(topk_idx_Tk: torch.Tensor, num_experts: int, capacity_factor: 
     cap = math.ceil(capacity_factor * t * k / num_experts)
     flat = topk_idx_Tk.reshape(-1)
     valid = flat >= 0
-    onehot = torch.nn.functional.one_hot(flat.clamp(min=0), num_experts) * valid.unsqueeze(1)
-    rank = (torch.cumsum(onehot, 0) - onehot).gather(1, flat.clamp(min=0).unsqueeze(1)).squeeze(1)
+    idx = flat.clamp(min=0).unsqueeze(1)
+    # one-hot by scatter (F.one_hot validates its input with a host sync on CUDA)
+    onehot = torch.zeros(flat.numel(), num_experts, dtype=torch.int64, device=flat.device)
+    onehot.scatter_(1, idx, valid.to(torch.int64).unsqueeze(1))
+    rank = (torch.cumsum(onehot, 0) - onehot).gather(1, idx).squeeze(1)  # earlier rows of the same expert
     keep = valid & (rank < cap)
     dropped = (valid & ~keep).sum()
     padded = num_experts * cap - keep.sum()
