@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,8 +16,8 @@ def init_expert_weights_(w13_eHI2: torch.Tensor, w2_eIH: torch.Tensor, seed: int
 
     Expert ``g`` (global id) draws from a generator seeded by ``(seed, layer_id, g)``, so the
     same seed gives the same global expert weights whatever EP is (runs compare across
-    parallel layouts). ``w2`` is scaled by ``1/sqrt(2·num_layers)``-style depth scaling
-    only by the caller through ``std``.
+    parallel layouts). Both weights ~ Normal(0, ``std``), drawn in fp32 on the CPU and
+    copied in (the same values on any device or dtype). No-op on the meta device.
     """
     if w13_eHI2.is_meta:
         return
@@ -34,39 +32,8 @@ def init_expert_weights_(w13_eHI2: torch.Tensor, w2_eIH: torch.Tensor, seed: int
             w2_eIH[i].copy_(b)
 
 
-class _SwiGLULive(torch.autograd.Function):
-    """SwiGLU over live rows with the Triton kernels (saves ``h13`` only)."""
-
-    @staticmethod
-    def forward(ctx, h13_MI2, layout):
-        from dropless.ops import triton_kernels
-
-        tiles = triton_kernels.swiglu_tiles(layout)
-        ctx.layout, ctx.tiles = layout, tiles
-        ctx.save_for_backward(h13_MI2)
-        return triton_kernels.swiglu_fwd(h13_MI2, layout, tiles)
-
-    @staticmethod
-    def backward(ctx, dout_MI):
-        from dropless.ops import triton_kernels
-
-        (h13_MI2,) = ctx.saved_tensors
-        return triton_kernels.swiglu_bwd(h13_MI2, dout_MI, ctx.layout, ctx.tiles), None
-
-
-def swiglu(h13_MI2: torch.Tensor, layout: ExpertLayout | None = None) -> torch.Tensor:
-    """``silu(gate) * up`` on ``[M, 2I]`` (gate = first I columns) -> ``[M, I]``.
-
-    On CUDA with Triton and a ``layout``, only live rows are computed (DESIGN.md rule 3)
-    and padding rows of the result (and of its gradient) stay unwritten.
-    """
-    if layout is not None and use_triton(h13_MI2):
-        return _SwiGLULive.apply(h13_MI2, layout)
-    gate, up = h13_MI2.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
 def _swiglu_fwd(h13_MI2: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+    """``silu(gate) * up`` without autograd: the live-row Triton kernel on CUDA, torch ops elsewhere."""
     if use_triton(h13_MI2):
         from dropless.ops import triton_kernels
 
@@ -76,14 +43,45 @@ def _swiglu_fwd(h13_MI2: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
 
 
 def _swiglu_bwd(h13_MI2: torch.Tensor, dh_MI: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+    """Gradient ``[M, 2I]`` (d gate || d up) of :func:`_swiglu_fwd`, computed in fp32 (fp64 for fp64)."""
     if use_triton(h13_MI2):
         from dropless.ops import triton_kernels
 
         return triton_kernels.swiglu_bwd(h13_MI2, dh_MI, layout)
-    gate, up = h13_MI2.float().chunk(2, dim=-1)
+    acc = torch.promote_types(h13_MI2.dtype, torch.float32)
+    gate, up = h13_MI2.to(acc).chunk(2, dim=-1)
     s = torch.sigmoid(gate)
-    dh = dh_MI.float()
+    dh = dh_MI.to(acc)
     return torch.cat([dh * up * s * (1 + gate * (1 - s)), dh * gate * s], dim=-1).to(h13_MI2.dtype)
+
+
+class _SwiGLU(torch.autograd.Function):
+    """SwiGLU that saves only its input ``h13`` (not ``silu(gate)`` as autograd of the torch ops would)."""
+
+    @staticmethod
+    def forward(ctx, h13_MI2, layout):
+        ctx.layout = layout
+        ctx.save_for_backward(h13_MI2)
+        return _swiglu_fwd(h13_MI2, layout)
+
+    @staticmethod
+    def backward(ctx, dout_MI):
+        (h13_MI2,) = ctx.saved_tensors
+        return _swiglu_bwd(h13_MI2, dout_MI.contiguous(), ctx.layout), None
+
+
+def swiglu(h13_MI2: torch.Tensor, layout: ExpertLayout | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` on ``[M, 2I]`` (gate = first ``I`` columns) -> ``[M, I]``, same dtype.
+
+    Saves only ``h13`` for backward. On CUDA with Triton only live rows are computed
+    (DESIGN.md rule 3) and padding rows of the result and of its gradient stay unwritten;
+    elsewhere every row is computed (padding rows give garbage, never read). Without a
+    ``layout`` it is the plain torch expression (any rows, autograd of the torch ops).
+    """
+    if layout is None:
+        gate, up = h13_MI2.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return _SwiGLU.apply(h13_MI2, layout)
 
 
 class _RecomputeBox:
@@ -132,7 +130,7 @@ class _FC1SwiGLU(torch.autograd.Function):
         if ctx.has_w:
             a = _swiglu_fwd(h13, layout)
             # bf16 products summed in fp32: no [M, I] fp32 copies of dh and a (3 × M·I·4 bytes)
-            d_row_w = torch.sum(dh_MI * a, dim=-1, dtype=torch.float32).to(row_w.dtype)
+            d_row_w = torch.sum(dh_MI * a, dim=-1, dtype=torch.promote_types(a.dtype, torch.float32)).to(row_w.dtype)
             del a
             dh_MI = dh_MI * row_w.to(dh_MI.dtype).unsqueeze(1)
         dh13 = _swiglu_bwd(h13, dh_MI.contiguous(), layout)

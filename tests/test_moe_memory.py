@@ -7,7 +7,7 @@ leaving out parameters and the layer input, and asserted against the formula of 
 =====================  =========================================================
 option                 saved bytes (b = 4, fp32)
 =====================  =========================================================
-default                b·M·(2H + 4I) + 8·T·k    rows, h13, silu(gate), h, y; dest (int64)
+default                b·M·(2H + 3I) + 8·T·k    rows, h13, h, y; dest (int64)
 recompute_swiglu       b·M·(2H + 2I) + 8·T·k    rows, h13, y; dest
 recompute_fc1          b·M·2H + 8·T·k           rows, y; dest
 recompute_fc1 + fold   b·M·H + b·(M+1) + 16·T·k rows, row weights (one scratch slot); dest, scatter index
@@ -57,7 +57,7 @@ def saved_bytes(recompute_swiglu: bool, recompute_fc1: bool, fold: bool) -> int:
 
 
 @pytest.mark.parametrize("opts,expected", [
-    ((False, False, False), B * M * (2 * H + 4 * I) + 8 * T * K),
+    ((False, False, False), B * M * (2 * H + 3 * I) + 8 * T * K),
     ((True, False, False), B * M * (2 * H + 2 * I) + 8 * T * K),
     ((False, True, False), B * M * 2 * H + 8 * T * K),
     ((False, True, True), B * M * H + B * (M + 1) + 16 * T * K),
