@@ -73,7 +73,6 @@ class _PermuteRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_NH, src_M, dest_Nk):
         ctx.save_for_backward(dest_Nk)
-        ctx.num_rows = x_NH.shape[0]
         if x_NH.shape[0] == 0:  # a rank that received no rows: every landed row is padding
             return x_NH.new_empty(src_M.shape[0], x_NH.shape[1])
         # padding rows (src = -1) read row 0: garbage by contract, never used
