@@ -33,14 +33,9 @@ def _layer(A: int, gemm: str = "torch", poison: bool = True, **kw) -> MoE:
 
 
 @pytest.mark.parametrize("A", [1, 8, 128])
-@pytest.mark.parametrize("gemm", ["torch", "triton"])
-def test_layer_bf16_matches_float64_reference(A, gemm):
-    from dropless.ops import list_backends
-
-    if gemm not in list_backends():
-        pytest.skip(f"gemm={gemm} not available")
+def test_layer_bf16_matches_float64_reference(A):
     torch.manual_seed(0)
-    m = _layer(A, gemm)
+    m = _layer(A)
     # push two experts out so empty experts are exercised
     m.router.e_score_correction_bias[3] = -100.0
     m.router.e_score_correction_bias[9] = -100.0
