@@ -51,22 +51,6 @@ from dropless.dispatch.local import scatter_row_weights
 from dropless.permute import combine_rows, permute_rows, sort_by_expert
 
 
-def land_rows(rows_NH: torch.Tensor, src_M: torch.Tensor, dest_Nk: torch.Tensor) -> torch.Tensor:
-    """:func:`~dropless.permute.permute_rows`, also when ``rows_NH`` has no row at all.
-
-    ``permute_rows`` reads row 0 for padding rows, which an empty buffer (a rank that received
-    nothing) does not have; then one zero row (with ``dest = -1``, so no gradient reaches it)
-    is appended, keeping the result connected to ``rows_NH`` in the autograd graph — every rank
-    must run the same backward collectives. Decided on the host shape: no sync.
-    (Proposed fix in ``permute.py``: let ``_PermuteRows.forward`` return an empty-filled
-    ``[M, H]`` buffer when ``x_NH`` has 0 rows.)
-    """
-    if rows_NH.shape[0] == 0 and src_M.numel() > 0:
-        rows_NH = torch.cat([rows_NH, rows_NH.new_zeros(1, *rows_NH.shape[1:])])
-        dest_Nk = torch.cat([dest_Nk, dest_Nk.new_full((1, dest_Nk.shape[1]), -1)])
-    return permute_rows(rows_NH, src_M, dest_Nk)
-
-
 @dataclass
 class A2AHandle:
     """State the a2a combine needs (integer indices and host split sizes only).
@@ -140,7 +124,7 @@ class A2ADispatcher(Dispatcher):
 
         def finish() -> Dispatched:
             rows_in = wait(recv_RH, rows_op)
-            rows_MH = land_rows(rows_in, src_M, recv_dest_R1)
+            rows_MH = permute_rows(rows_in, src_M, recv_dest_R1)  # a rank that received 0 rows: all padding
             row_w = None
             if fold_weights:
                 w_in = wait(recv_w, w_op).squeeze(1)

@@ -37,8 +37,7 @@ from dropless.config import ConfigError
 from dropless.dispatch.base import Dispatched, Dispatcher
 from dropless.dispatch.collectives import group_rank, group_size
 from dropless.layout import ExpertLayout, align_up
-from dropless.dispatch.a2a import land_rows
-from dropless.permute import combine_rows, sort_by_expert
+from dropless.permute import combine_rows, permute_rows, sort_by_expert
 
 INSTALL_HINT = (
     "the 'deepep' dispatcher needs the deep_ep package (DeepEP, github.com/deepseek-ai/DeepEP), which is "
@@ -88,7 +87,7 @@ def expand_received(recv_x_NH: torch.Tensor, recv_topk_idx_Nk: torch.Tensor, num
         layout, dest_Nk, src_M = sort_by_expert(recv_topk_idx_Nk, e, alignment, None, num_rows=n * min(k, e))
     else:
         layout, dest_Nk, src_M = sort_by_expert(recv_topk_idx_Nk, e, alignment, capacity)
-    return land_rows(recv_x_NH, src_M, dest_Nk), layout, dest_Nk
+    return permute_rows(recv_x_NH, src_M, dest_Nk), layout, dest_Nk
 
 
 def reduce_to_received(y_MH: torch.Tensor, dest_Nk: torch.Tensor, recv_topk_weight_Nk: torch.Tensor | None
