@@ -38,7 +38,6 @@ import torch
 from dropless.dispatch.base import Dispatched, Dispatcher, Pending
 from dropless.dispatch.collectives import CollOp, group_rank, group_size, start, wait
 from dropless.dispatch.local import scatter_row_weights
-from dropless.layout import aligned_capacity
 from dropless.permute import combine_rows, permute_rows, sort_by_expert
 
 
@@ -70,11 +69,6 @@ class AGRSDispatcher(Dispatcher):
         super().__init__(num_experts, ep_size=group_size(group), ep_rank=group_rank(group))
         self.group = group
 
-    def static_capacity(self, num_tokens: int, k: int, alignment: int) -> int:
-        """``M = aligned_capacity(EP·T·min(k, e), e, A)``: the most rows a rank can receive."""
-        e = self.num_local_experts
-        return aligned_capacity(self.ep_size * num_tokens * min(k, e), e, alignment)
-
     def dispatch_async(self, x_TH, topk_idx_Tk, topk_weight_Tk, *, alignment=1, capacity=None,
                        fold_weights=False) -> Pending:
         t, k = topk_idx_Tk.shape
@@ -87,14 +81,12 @@ class AGRSDispatcher(Dispatcher):
         ig = start(topk_idx_Tk.to(torch.int64), i_op)
         wg = start(topk_weight_Tk, w_op)
         idx_Nk = wait(ig, i_op)
-        # ids of other ranks' experts fall outside [0, e): sort_by_expert leaves them out
+        # ids of other ranks' experts fall outside [0, e), and dropped choices (-1) stay < 0:
+        # sort_by_expert leaves both out. Without a capacity, M is the static bound for
+        # EP·T·min(k, e) rows (a token meets each local expert at most once).
         local_Nk = idx_Nk - self.expert_offset
-        local_Nk = torch.where(idx_Nk >= 0, local_Nk, torch.full_like(local_Nk, -1))
-        if capacity is None:
-            layout, dest_Nk, src_M = sort_by_expert(local_Nk, e, alignment, None,
-                                                    num_rows=self.ep_size * t * min(k, e))
-        else:
-            layout, dest_Nk, src_M = sort_by_expert(local_Nk, e, alignment, capacity)
+        layout, dest_Nk, src_M = sort_by_expert(local_Nk, e, alignment, capacity,
+                                                num_rows=self.ep_size * t * min(k, e))
 
         def finish() -> Dispatched:
             x_NH = wait(xg, x_op)

@@ -14,7 +14,7 @@ same global batch. A routed expert index ``< 0`` means "dropped" (the
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch

@@ -83,10 +83,7 @@ def expand_received(recv_x_NH: torch.Tensor, recv_topk_idx_Nk: torch.Tensor, num
     if recv_x_NH.shape[0] != n:
         raise ValueError(f"expand_received: recv_x has {recv_x_NH.shape[0]} rows but recv_topk_idx {n}")
     e = int(num_local_experts)
-    if capacity is None:
-        layout, dest_Nk, src_M = sort_by_expert(recv_topk_idx_Nk, e, alignment, None, num_rows=n * min(k, e))
-    else:
-        layout, dest_Nk, src_M = sort_by_expert(recv_topk_idx_Nk, e, alignment, capacity)
+    layout, dest_Nk, src_M = sort_by_expert(recv_topk_idx_Nk, e, alignment, capacity, num_rows=n * min(k, e))
     return permute_rows(recv_x_NH, src_M, dest_Nk), layout, dest_Nk
 
 
