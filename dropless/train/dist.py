@@ -163,17 +163,9 @@ def init_distributed(cfg: Any, n_routed_experts: int) -> DistEnv:
         timeout = datetime.timedelta(seconds=float(cfg.train.get("dist_timeout_s", 600)))
         kw = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(backend=backend, timeout=timeout, **kw)
-    try:
-        from dropless.dispatch.mesh import build_mesh
-    except ImportError:
-        build_mesh = None
-    if build_mesh is not None:
-        env.mesh = build_mesh(world, ep, device.type)
-        env.ep_group = env.mesh.get_group("ep") if ep > 1 else None
-        env.dp_group = env.mesh.get_group("dp")
-    else:  # plain data parallel until the dispatch package provides the mesh
-        if ep > 1:
-            raise ConfigError(f"dispatcher.ep_size={ep}: expert parallelism needs "
-                              "dropless.dispatch.mesh.build_mesh, which this checkout lacks")
-        env.dp_group = dist.group.WORLD
+    from dropless.dispatch.mesh import build_mesh
+
+    env.mesh = build_mesh(world, ep, device.type)
+    env.ep_group = env.mesh.get_group("ep") if ep > 1 else None
+    env.dp_group = env.mesh.get_group("dp")
     return env

@@ -90,16 +90,12 @@ def peak_memory_gib(device: torch.device) -> float:
 def load_metrics(router_stats: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
     """Flatten :func:`dropless.routing.update_router_biases`'s per-layer dict into metric keys.
 
-    Computes max/mean, min/mean and the empty experts from each layer's step counts.
+    ``{"layer{i}": {"max_over_mean", "min_over_mean", "empty_experts", ...}}`` ->
+    ``{"expert_load/layer{i}/max_over_mean": ..., ...}``; the values are the ones
+    ``update_router_biases`` computed from the step's counts (all micro-batches, all ranks).
     """
-    out: dict[str, float] = {}
-    for layer, st in router_stats.items():
-        counts = [float(c) for c in st["counts"]]
-        mean = sum(counts) / max(len(counts), 1)
-        out[f"expert_load/{layer}/max_over_mean"] = max(counts) / mean if mean > 0 else 0.0
-        out[f"expert_load/{layer}/min_over_mean"] = min(counts) / mean if mean > 0 else 0.0
-        out[f"expert_load/{layer}/empty_experts"] = float(sum(c == 0 for c in counts))
-    return out
+    keys = ("max_over_mean", "min_over_mean", "empty_experts")
+    return {f"expert_load/{layer}/{key}": float(st[key]) for layer, st in router_stats.items() for key in keys}
 
 
 def _clean(v: Any) -> Any:

@@ -144,11 +144,7 @@ def build_model(args: ModelArgs, cfg: DictConfig, env: DistEnv) -> torch.nn.Modu
     name = str(cfg.dispatcher.name)
     factory = None
     if name != "local":
-        try:
-            from dropless.dispatch import build_dispatcher
-        except ImportError as e:
-            raise ConfigError(f"dispatcher={name}: dropless.dispatch.build_dispatcher is not available in this "
-                              f"checkout ({e}); use dispatcher=local") from e
+        from dropless.dispatch import build_dispatcher
 
         def factory(layer_id: int):
             return build_dispatcher(name, args, ep_group=env.ep_group)
@@ -189,8 +185,8 @@ def build_optimizer(model: torch.nn.Module, optim_cfg: Any) -> torch.optim.Optim
 
 
 # ----------------------------------------------------------------------------- gradients
-_BUCKET = 1 << 25
-_ABORT_AFTER_S = 3.0  # a second SIGINT/SIGTERM later than this after the first aborts at once  # elements per all-reduce bucket (128 MiB of fp32)
+_BUCKET = 1 << 25  # elements per all-reduce bucket (128 MiB of fp32)
+_ABORT_AFTER_S = 3.0  # a second SIGINT/SIGTERM later than this after the first aborts at once
 
 
 def _all_reduce_mean(grads: list[torch.Tensor], group: Any, world: int) -> None:
