@@ -59,7 +59,8 @@ def build_dispatcher(name: str, args: Any, ep_group: Any = None, **opts: Any) ->
             raise ConfigError(f"dispatcher={key} puts every expert on every rank (EP = 1), but the given EP group "
                               f"has {group_size(group)} ranks; set dispatcher.ep_size=1")
         if opts:
-            raise ConfigError(f"dispatcher={key}: unknown options {sorted(opts)}")
+            raise ConfigError(f"dispatcher={key}: unknown options {sorted(opts)}; {key} takes none "
+                              "(only deepep has options: version, num_max_tokens_per_rank)")
         if key == "local":
             return LocalDispatcher(num_experts)
         from dropless.dispatch.fsdp import FSDPDispatcher
@@ -72,7 +73,8 @@ def build_dispatcher(name: str, args: Any, ep_group: Any = None, **opts: Any) ->
         from dropless.dispatch.deepep import DeepEPDispatcher
         return DeepEPDispatcher(num_experts, group, **opts)
     if opts:
-        raise ConfigError(f"dispatcher={key}: unknown options {sorted(opts)}")
+        raise ConfigError(f"dispatcher={key}: unknown options {sorted(opts)}; {key} takes none "
+                          "(only deepep has options: version, num_max_tokens_per_rank)")
     if key == "a2a":
         from dropless.dispatch.a2a import A2ADispatcher
         return A2ADispatcher(num_experts, group)

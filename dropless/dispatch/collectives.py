@@ -125,7 +125,9 @@ def _launch(kind: str, x: torch.Tensor, group: Any, out_splits, in_splits, what:
         sent = recv = (w - 1) * x.shape[0] * row_bytes
     elif kind == "rs":
         if x.shape[0] % w:
-            raise ValueError(f"dropless: {what}: reduce-scatter of {x.shape[0]} rows over {w} ranks")
+            raise ValueError(f"dropless: {what}: reduce-scatter of {x.shape[0]} rows over {w} ranks: the rows "
+                             f"must be a multiple of the group size; every EP rank must pass the same number "
+                             f"of tokens T to the agrs dispatcher")
         out = x.new_empty((x.shape[0] // w, *x.shape[1:]))
         work = checked(lambda: dist.reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=group,
                                                           async_op=True), what)

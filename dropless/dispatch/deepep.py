@@ -81,7 +81,8 @@ def expand_received(recv_x_NH: torch.Tensor, recv_topk_idx_Nk: torch.Tensor, num
     """
     n, k = recv_topk_idx_Nk.shape
     if recv_x_NH.shape[0] != n:
-        raise ValueError(f"expand_received: recv_x has {recv_x_NH.shape[0]} rows but recv_topk_idx {n}")
+        raise ValueError(f"expand_received: recv_x has {recv_x_NH.shape[0]} rows but recv_topk_idx {n}; pass "
+                         "the recv_x and recv_topk_idx returned by the same DeepEP dispatch call")
     e = int(num_local_experts)
     layout, dest_Nk, src_M = sort_by_expert(recv_topk_idx_Nk, e, alignment, capacity, num_rows=n * min(k, e))
     return permute_rows(recv_x_NH, src_M, dest_Nk), layout, dest_Nk
@@ -111,7 +112,8 @@ def layout_from_v2_psum(psum_e: torch.Tensor, alignment: int, capacity: int) -> 
         ``counts = end - start``.
     """
     if psum_e.dim() != 1 or psum_e.dtype.is_floating_point:
-        raise ValueError(f"layout_from_v2_psum: need an integer [e] tensor, got {psum_e.dtype} {tuple(psum_e.shape)}")
+        raise ValueError(f"layout_from_v2_psum: need an integer [e] tensor, got {psum_e.dtype} {tuple(psum_e.shape)}; "
+                         "pass the expanded handle's psum_num_recv_tokens_per_expert")
     end = psum_e.to(torch.int32)
     start = torch.zeros_like(end)
     if end.numel() > 1:

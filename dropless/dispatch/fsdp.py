@@ -122,7 +122,8 @@ def apply_fsdp(module: nn.Module, mesh: Any, *, reshard_after_forward: bool = Tr
         raise ValueError(f"apply_fsdp: need a mesh with a 'dp' dimension or a 1-D mesh, got dims {names}")
     layers = _moe_layers(module)
     if not layers:
-        raise ValueError("apply_fsdp: no dropless.moe.MoE layer in the module")
+        raise ValueError("apply_fsdp: no dropless.moe.MoE layer in the module; pass the model (or MoE layer) "
+                         "whose experts are to be sharded")
     dp = dp_mesh.size()
     kwargs: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
@@ -131,7 +132,8 @@ def apply_fsdp(module: nn.Module, mesh: Any, *, reshard_after_forward: bool = Tr
     for moe in layers:
         if moe.dispatcher.ep_size != 1:
             raise ValueError(f"apply_fsdp: MoE layer {moe.layer_id} uses dispatcher "
-                             f"{moe.dispatcher.name!r} with EP={moe.dispatcher.ep_size}; fsdp needs EP = 1")
+                             f"{moe.dispatcher.name!r} with EP={moe.dispatcher.ep_size}; fsdp needs EP = 1: "
+                             "build the layers with dispatcher=fsdp (dispatcher.ep_size=1)")
         params = list(moe.experts.parameters())
         full_param_bytes = sum(p.numel() * _dtype_bytes(getattr(mp_policy, "param_dtype", None), p) for p in params)
         full_grad_bytes = sum(p.numel() * _dtype_bytes(getattr(mp_policy, "reduce_dtype", None), p) for p in params)

@@ -100,7 +100,8 @@ def build_mesh(world_size: int, ep_size: int, device_type: str = "cpu", *,
                               "dropless.dispatch.mesh.init_distributed() first")
     actual = dist.get_world_size()
     if actual != world_size:
-        raise ConfigError(f"build_mesh: world_size={world_size} but the process group has {actual} ranks")
+        raise ConfigError(f"build_mesh: world_size={world_size} but the process group has {actual} ranks; "
+                          "pass world_size=torch.distributed.get_world_size()")
     from torch.distributed.device_mesh import init_device_mesh
     return init_device_mesh(device_type, (world_size // ep_size, ep_size), mesh_dim_names=("dp", "ep"))
 
@@ -112,6 +113,7 @@ def ep_group(mesh_or_group: Any) -> Any:
     names = getattr(mesh_or_group, "mesh_dim_names", None)
     if names is not None:
         if "ep" not in names:
-            raise ValueError(f"ep_group: the mesh has dims {names}, no 'ep'")
+            raise ValueError(f"ep_group: the mesh has dims {names}, no 'ep'; build it with build_mesh (dims "
+                             "('dp', 'ep')) or pass the EP process group itself")
         return mesh_or_group["ep"].get_group()
     return mesh_or_group

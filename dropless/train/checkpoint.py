@@ -143,7 +143,8 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, t
     """
     path = Path(path)
     if not (path / ".metadata").is_file():
-        raise FileNotFoundError(f"{path}: not a complete checkpoint (no .metadata)")
+        raise FileNotFoundError(f"{path}: not a complete checkpoint (no .metadata: missing, or its save was "
+                                "interrupted); pick one from list_checkpoints(run_dir) / latest_checkpoint(run_dir)")
     state, pairs = _state(model, optimizer, trainer, env, expert_fqns)
     ctx = _quiet()
     try:

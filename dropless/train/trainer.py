@@ -298,7 +298,8 @@ class Trainer:
             int(t.grad_accum), int(t.steps)
         if self.seq_len > self.args.max_position_embeddings:
             raise ConfigError(f"train.seq_len={self.seq_len} > model.max_position_embeddings="
-                              f"{self.args.max_position_embeddings}")
+                              f"{self.args.max_position_embeddings}: lower train.seq_len or raise "
+                              "model.max_position_embeddings")
         self.env = env = init_distributed(cfg, self.args.n_routed_experts)
         self.main = env.is_main
         self.run_dir = resolve_run_dir(cfg, env)
