@@ -80,6 +80,7 @@ class ModelArgs:
     # ---------------------------------------------------------------------
     @property
     def num_moe_layers(self) -> int:
+        """Number of MoE layers, ``len(moe_layer_ids())``."""
         return len(self.moe_layer_ids())
 
     def moe_layer_ids(self) -> list[int]:
@@ -92,6 +93,7 @@ class ModelArgs:
 
     @property
     def qk_head_dim(self) -> int:
+        """Query/key head dim of MLA, ``qk_nope_head_dim + qk_rope_head_dim``."""
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     def validate(self, layer: str | None = None) -> "ModelArgs":
@@ -170,7 +172,12 @@ class ModelArgs:
 
     @classmethod
     def deepseek_v3_671b(cls, **overrides: Any) -> "ModelArgs":
-        """The published DeepSeek-V3 shape (config.json of deepseek-ai/DeepSeek-V3)."""
+        """The published DeepSeek-V3 shape (config.json of deepseek-ai/DeepSeek-V3).
+
+        One value differs from that file: ``aux_loss_alpha = 1e-4``, the α the technical report
+        gives for training (arXiv:2412.19437 §4.2); the published config.json carries 0.001
+        (which :meth:`from_json` keeps). ``overrides`` replace any field.
+        """
         d = dict(
             vocab_size=129280, hidden_size=7168, intermediate_size=18432,
             moe_intermediate_size=2048, num_hidden_layers=61, first_k_dense_replace=3,

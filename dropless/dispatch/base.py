@@ -122,6 +122,10 @@ class Dispatcher(ABC):
             topk_weight_Tk: fp32 ``[T, k]`` combine weights.
             alignment: ``A``. capacity: static ``M`` (None: the dispatcher's exact bound).
             fold_weights: return ``row_weight_M`` and combine as a plain sum.
+        Returns:
+            :class:`Dispatched`: ``rows_MH`` in ``x_TH``'s dtype with its :class:`ExpertLayout`.
+        Raises:
+            CollectiveError: (EP dispatchers) a collective failed or timed out.
         """
 
     @abstractmethod

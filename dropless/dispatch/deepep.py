@@ -135,10 +135,20 @@ def v2_slots_to_dest(recv_slot_idx_Nk: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- the adapter
 @dataclass
 class DeepEPHandle:
+    """State the deepep combine needs.
+
+    Attributes:
+        version: 1 (``Buffer``) or 2 (``ElasticBuffer``).
+        handle: DeepEP's own dispatch handle (reused by its combine).
+        dest_Nk: V1: int64 ``[N, k]`` landed row of each received choice (-1: not local); V2: None.
+        weight: fp32 routing weights — V1: ``recv_topk_weight [N, k]``; V2: per-slot ``[M]``;
+            None when folded into the rows.
+    """
+
     version: int
-    handle: Any                 # DeepEP's handle
+    handle: Any
     dest_Nk: torch.Tensor | None
-    weight: torch.Tensor | None  # V1: recv_topk_weight [N, k]; V2: per-slot weight [M]; None when folded
+    weight: torch.Tensor | None
 
 
 class _V1Dispatch(torch.autograd.Function):

@@ -64,7 +64,14 @@ class FSDPDispatcher(LocalDispatcher):
 
     def attach(self, shard_param_bytes: int, shard_grad_bytes: int, dp_size: int,
                reshard_after_forward: bool) -> None:
-        """Record the per-call traffic of the layer's sharded experts (called by :func:`apply_fsdp`)."""
+        """Record the per-call traffic of the layer's sharded experts (called by :func:`apply_fsdp`).
+
+        Args:
+            shard_param_bytes, shard_grad_bytes: bytes of one rank's shard of the layer's expert
+                weights / gradients, in the all-gather / reduce-scatter dtype.
+            dp_size: ranks the experts are sharded over.
+            reshard_after_forward: backward re-gathers the weights (adds ``(dp-1)·P``).
+        """
         self.fsdp_attached = True
         self._fwd_bytes = (dp_size - 1) * shard_param_bytes
         self._bwd_bytes = (dp_size - 1) * (shard_grad_bytes + (shard_param_bytes if reshard_after_forward else 0))

@@ -12,12 +12,28 @@ from dropless.permute import combine_rows, permute_rows, sort_by_expert
 
 @dataclass
 class LocalHandle:
-    dest_Tk: torch.Tensor           # int64 [T, k] landed row of each choice (-1: dropped)
-    weight_Tk: torch.Tensor | None  # combine weights, None when folded into the rows
+    """State the local combine needs.
+
+    Attributes:
+        dest_Tk: int64 ``[T, k]`` landed row of each choice (-1: dropped by a capacity factor).
+        weight_Tk: fp32 ``[T, k]`` combine weights; None when folded into the rows.
+    """
+
+    dest_Tk: torch.Tensor
+    weight_Tk: torch.Tensor | None
 
 
 def scatter_row_weights(weight_Nk: torch.Tensor, dest_Nk: torch.Tensor, capacity: int) -> torch.Tensor:
-    """``[M]`` weight of each landed row (0 on padding), differentiable in ``weight_Nk``."""
+    """Routing weight of each landed row, for ``fold_routing_weights``.
+
+    Args:
+        weight_Nk: ``[N, k]`` routing weights (any float dtype; the result keeps it).
+        dest_Nk: int64 ``[N, k]`` landed row of each choice (``-1``: not landed here).
+        capacity: ``M``, rows of the landed buffer.
+    Returns:
+        ``[M]``: ``out[dest[n, j]] = weight[n, j]``, 0 on padding rows; differentiable in
+        ``weight_Nk`` (its gradient is gathered back from the live rows). No host sync.
+    """
     w = weight_Nk.reshape(-1)
     d = dest_Nk.reshape(-1)
     tgt = torch.where(d >= 0, d, torch.full_like(d, capacity))
@@ -25,6 +41,14 @@ def scatter_row_weights(weight_Nk: torch.Tensor, dest_Nk: torch.Tensor, capacity
 
 
 class LocalDispatcher(Dispatcher):
+    """EP = 1: every expert is on this rank; rows are gathered from ``x_TH`` by index, nothing moves.
+
+    Args:
+        num_experts: ``E`` (``n_routed_experts``), all local (``e = E``).
+    ``M`` is the exact bound ``aligned_capacity(T·k, E, A)`` unless a capacity is given.
+    No host sync, no collective.
+    """
+
     name = "local"
 
     def __init__(self, num_experts: int):
