@@ -111,11 +111,14 @@ class ModelArgs:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
                      "num_hidden_layers", "num_attention_heads", "n_routed_experts",
                      "num_experts_per_tok", "n_group", "topk_group", "kv_lora_rank",
-                     "qk_rope_head_dim", "v_head_dim", "expert_alignment", "num_token_chunks"):
+                     "qk_rope_head_dim", "v_head_dim", "expert_alignment", "num_token_chunks",
+                     "moe_layer_freq", "max_position_embeddings"):
             if int(getattr(self, name)) <= 0:
                 bad(name, "must be a positive integer")
         if self.n_shared_experts < 0:
             bad("n_shared_experts", "must be >= 0")
+        if (self.q_lora_rank or 0) < 0:
+            bad("q_lora_rank", "must be >= 0 (0 or null: no query compression)")
         if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
             bad("first_k_dense_replace", f"must lie in [0, num_hidden_layers={self.num_hidden_layers}]")
         if self.n_routed_experts % self.n_group:
@@ -135,6 +138,9 @@ class ModelArgs:
             bad("routed_scaling_factor", "must be > 0")
         if self.aux_loss_alpha < 0:
             bad("aux_loss_alpha", "must be >= 0 (0 turns the sequence-wise aux loss off)")
+        if not self.seq_aux and self.aux_loss_alpha > 0:
+            bad("seq_aux", "dropless computes only DeepSeek-V3's sequence-wise aux loss (there is no "
+                "batch-wise variant); set seq_aux=true, or aux_loss_alpha=0 to turn the loss off")
         if self.bias_update_speed < 0:
             bad("bias_update_speed", "must be >= 0 (0 freezes the balancing bias)")
         if self.capacity_factor is not None and self.capacity_factor <= 0:

@@ -335,6 +335,15 @@ def test_bad_inputs_raise_clear_errors():
         Transformer(tiny_args(n_group=3))
 
 
+@pytest.mark.parametrize("field, value", [("moe_layer_freq", 0), ("max_position_embeddings", 0),
+                                          ("q_lora_rank", -1), ("seq_aux", False)])
+def test_model_args_rejects_values_that_would_be_ignored_or_fail_late(field, value):
+    """moe_layer_freq=0 used to be read as 1 and seq_aux=False (batch-wise aux loss) was ignored."""
+    with pytest.raises(ConfigError, match=f"{field}={value!r}"):
+        Transformer(tiny_args(**{field: value}))
+    tiny_args(seq_aux=False, aux_loss_alpha=0.0).validate()  # no aux loss at all: seq_aux does not matter
+
+
 def test_q_lora_rank_null_in_json_builds_direct_query(tmp_path):
     cfg = tiny_args().to_dict()
     cfg["q_lora_rank"] = None
