@@ -981,11 +981,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _from_hydra(overrides: Sequence[str]) -> tuple[ModelArgs, int | None, int | None, int | None]:
     """(args, ep, tokens_per_rank, seq_len) from the training config."""
-    try:
-        from dropless.train.config import compose, model_args
-    except ImportError as exc:  # pragma: no cover - depends on the train package being present
-        raise ValueError(f"cannot compose the training config ({exc}); use --model "
-                         "deepseek_v3_671b or --model path/to/config.json") from exc
+    from dropless.train.config import compose, model_args
+
     cfg = compose(list(overrides))
     args = model_args(cfg)
     ep = None

@@ -19,10 +19,8 @@ from torch import nn
 def _moe_modules(model: nn.Module) -> list[nn.Module]:
     if hasattr(model, "moe_layers"):
         return list(model.moe_layers())
-    try:
-        from dropless.moe import MoE
-    except ImportError:
-        return []
+    from dropless.moe import MoE  # lazy: dropless.moe imports dropless.model
+
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
