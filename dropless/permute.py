@@ -54,7 +54,7 @@ def sort_by_expert(expert_idx_Nk: torch.Tensor, num_experts: int, alignment: int
         layout = ExpertLayout.from_counts(counts, alignment, num_rows=capacity_rows)
     else:
         layout = ExpertLayout.from_counts(counts, alignment, capacity=capacity)
-        layout.check_capacity()  # never drop a row silently (async on GPU, no sync)
+    layout.check_capacity()  # never drop a row silently, whatever the bound (async on GPU, no sync)
     order = torch.argsort(key, stable=True)
     pos = torch.empty_like(order)
     pos[order] = torch.arange(order.numel(), device=dev)
