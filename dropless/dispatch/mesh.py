@@ -59,11 +59,14 @@ def check_ep_size(world_size: int, ep_size: int, n_routed_experts: int | None = 
     if ep_size < 1:
         raise ConfigError(f"dispatcher.ep_size={ep_size}: must be >= 1 (1 = no expert parallelism)")
     if world_size % ep_size:
-        raise ConfigError(f"dispatcher.ep_size={ep_size} does not divide the world size {world_size}: "
-                          f"the mesh is dp × ep = world; pick an ep_size among the divisors of {world_size}")
+        raise ConfigError(
+            f"world size {world_size} does not fit the mesh: dispatcher.ep_size={ep_size} must divide "
+            f"the number of processes (dp = world / ep). Launch a multiple of {ep_size} processes "
+            f"(torchrun --nproc_per_node ...) or set dispatcher.ep_size to a divisor of {world_size}.")
     if n_routed_experts is not None and n_routed_experts % ep_size:
-        raise ConfigError(f"n_routed_experts={n_routed_experts} is not divisible by dispatcher.ep_size={ep_size}: "
-                          "every EP rank holds E/EP experts; pick an ep_size that divides n_routed_experts")
+        raise ConfigError(
+            f"dispatcher.ep_size={ep_size} does not divide model.n_routed_experts={n_routed_experts}: "
+            "each EP rank holds n_routed_experts / ep_size experts. Pick ep_size from its divisors.")
 
 
 def build_mesh(world_size: int, ep_size: int, device_type: str = "cpu", *,

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from dropless.config import ConfigError
+from dropless.dispatch.mesh import check_ep_size
 
 __all__ = ["DistEnv", "resolve_ep_size", "check_mesh", "init_distributed", "default_num_threads"]
 
@@ -95,15 +96,7 @@ def check_mesh(world_size: int, ep_size: int, n_routed_experts: int) -> int:
     Raises:
         ConfigError: ``world_size % ep_size`` or ``n_routed_experts % ep_size`` is not 0.
     """
-    if world_size % ep_size:
-        raise ConfigError(
-            f"world size {world_size} does not fit the mesh: dispatcher.ep_size={ep_size} must divide "
-            f"the number of processes (dp = world / ep). Launch a multiple of {ep_size} processes "
-            f"(torchrun --nproc_per_node ...) or set dispatcher.ep_size to a divisor of {world_size}.")
-    if n_routed_experts % ep_size:
-        raise ConfigError(
-            f"dispatcher.ep_size={ep_size} does not divide model.n_routed_experts={n_routed_experts}: "
-            "each EP rank holds n_routed_experts / ep_size experts. Pick ep_size from its divisors.")
+    check_ep_size(world_size, ep_size, n_routed_experts)
     return world_size // ep_size
 
 
