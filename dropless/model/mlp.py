@@ -47,11 +47,5 @@ class FeedForward(nn.Module):
         """``x_xH`` [..., H] -> [..., H], same dtype as the weights' compute."""
         return self.w2(F.silu(self.w1(x_xH)) * self.w3(x_xH))
 
-    @torch.no_grad()
-    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
-        """Normal(0, std) on all three projections (DeepSeek-V3 ``initializer_range``)."""
-        for lin in (self.w1, self.w3, self.w2):
-            lin.weight.normal_(0.0, std, generator=generator)
-
     def extra_repr(self) -> str:
         return f"dim={self.dim}, hidden_dim={self.hidden_dim}"
