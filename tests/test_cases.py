@@ -27,6 +27,7 @@ from dropless.experts import GroupedExperts, swiglu
 from dropless.layout import ExpertLayout
 from dropless.moe import MoE
 from dropless.ops import grouped_mm
+from tests.conftest import py_layout
 
 try:
     from tests.moe_reference import reference_moe
@@ -42,12 +43,8 @@ ROWS04 = [128, 130, 65]
 
 
 def py_segments(counts, a):
-    seg, prev = [], 0
-    for i, c in enumerate(counts):
-        s = 0 if i == 0 else -(-prev // a) * a
-        seg.append((s, s + c))
-        prev = s + c
-    return seg
+    """``[(start, end)]`` of each expert (:func:`tests.conftest.py_layout`)."""
+    return list(zip(*py_layout(counts, a)))
 
 
 def make_experts(e, gemm, seed=1, std=0.2):

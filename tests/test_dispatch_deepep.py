@@ -29,6 +29,7 @@ from dropless.dispatch import build_dispatcher
 from dropless.dispatch.deepep import (expand_received, layout_from_v2_psum, reduce_to_received,
                                       v2_slots_to_dest)
 from dropless.layout import ExpertLayout
+from tests.conftest import py_layout
 
 HAS_DEEP_EP = importlib.util.find_spec("deep_ep") is not None
 
@@ -51,12 +52,7 @@ def _py_expand(idx, e, a):
         for x in row:
             if x >= 0:
                 counts[x] += 1
-    start, end, prev = [], [], 0
-    for c in counts:
-        s = 0 if not start else -(-prev // a) * a
-        start.append(s)
-        end.append(s + c)
-        prev = s + c
+    start, end = py_layout(counts, a)
     fill = list(start)
     dest = []
     for row in idx.tolist():

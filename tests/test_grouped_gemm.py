@@ -18,6 +18,7 @@ import torch
 
 from dropless.layout import ExpertLayout
 from dropless.ops import get_backend, grouped_mm, list_backends
+from tests.conftest import py_layout
 
 NAN = float("nan")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float64: 1e-12}
@@ -26,12 +27,8 @@ CASE01 = [162, 0, 2577, 446, 0, 83]
 
 
 def py_segments(counts, a):
-    seg, prev = [], 0
-    for i, c in enumerate(counts):
-        s = 0 if i == 0 else -(-prev // a) * a
-        seg.append((s, s + c))
-        prev = s + c
-    return seg
+    """``[(start, end)]`` of each expert (:func:`tests.conftest.py_layout`)."""
+    return list(zip(*py_layout(counts, a)))
 
 
 def make(counts, a=1, extra=0, k_dim=64, n_dim=32, dtype=torch.float32, seed=0):

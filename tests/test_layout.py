@@ -17,24 +17,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dropless.layout import ExpertLayout, align_up, aligned_capacity, poison_padding
+from tests.conftest import py_layout
 
 ALIGNMENTS = st.sampled_from([1, 2, 3, 8, 16, 64, 100, 128])
 COUNTS = st.lists(st.one_of(st.just(0), st.integers(0, 300)), min_size=1, max_size=12)
 
 
 # ----------------------------------------------------------------- references
-def py_layout(counts: list[int], a: int) -> tuple[list[int], list[int]]:
-    """DESIGN.md's recurrence, one expert at a time."""
-    start, end = [], []
-    prev_end = 0
-    for c in counts:
-        s = 0 if not start else -(-prev_end // a) * a
-        start.append(s)
-        end.append(s + c)
-        prev_end = s + c
-    return start, end
-
-
 def py_row_expert(counts: list[int], a: int, m: int) -> list[int]:
     start, end = py_layout(counts, a)
     owner = [-1] * m

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dropless.permute import combine_rows, gather_sum, permute_rows, sort_by_expert
+from tests.conftest import py_layout
 
 NAN = float("nan")
 
@@ -25,11 +26,7 @@ def py_sort(idx: list[list[int]], e: int, a: int):
         for ex in row:
             if 0 <= ex < e:
                 counts[ex] += 1
-    start, prev = [], 0
-    for c in counts:
-        s = 0 if not start else -(-prev // a) * a
-        start.append(s)
-        prev = s + c
+    start, _ = py_layout(counts, a)
     seen = [0] * e
     dest = []
     for row in idx:
