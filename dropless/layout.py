@@ -94,10 +94,8 @@ class ExpertLayout:
             end = torch.cumsum(counts, 0, dtype=torch.int32)
             start = end - counts
         else:
-            # start[i] = align_up(end[i-1]) and end[i] = start[i] + c[i]; since every
-            # start is a multiple of A, start[i] = A * sum_{j<i} ceil(c[j]/A) except that
-            # the last segment's tail is unaligned: end[i-1] rounded up equals
-            # start[i-1] + align_up(c[i-1]).
+            # start[i] = align_up(start[i-1] + c[i-1]) = start[i-1] + align_up(c[i-1]), since
+            # start[i-1] is a multiple of A: starts are the exclusive prefix sum of align_up(c).
             padded = align_up(counts, a)
             start = torch.cumsum(padded, 0, dtype=torch.int32) - padded
             end = start + counts

@@ -161,31 +161,26 @@ _SWIGLU_BLOCK_M = 64
 _SWIGLU_BLOCK_N = 128
 
 
-def swiglu_tiles(layout):
-    """The layout's row tiles for the SwiGLU kernels (computed once per layout)."""
-    return layout.tiles(_SWIGLU_BLOCK_M)
-
-
-def swiglu_fwd(h13_MI2: torch.Tensor, layout, tiles=None) -> torch.Tensor:
+def swiglu_fwd(h13_MI2: torch.Tensor, layout) -> torch.Tensor:
     """``[M, 2I]`` -> ``[M, I]`` = ``silu(gate) * up`` on live rows (padding rows unwritten)."""
     m, i2 = h13_MI2.shape
     i = i2 // 2
     h13_MI2 = h13_MI2.contiguous()
     out = h13_MI2.new_empty(m, i)
-    tile_expert, tile_row, n_tiles = tiles if tiles is not None else swiglu_tiles(layout)
+    tile_expert, tile_row, n_tiles = layout.tiles(_SWIGLU_BLOCK_M)
     grid = (n_tiles, triton.cdiv(i, _SWIGLU_BLOCK_N))
     _swiglu_fwd_kernel[grid](h13_MI2, out, tile_expert, tile_row, layout.end, i, h13_MI2.stride(0),
                              out.stride(0), BLOCK_M=_SWIGLU_BLOCK_M, BLOCK_N=_SWIGLU_BLOCK_N)
     return out
 
 
-def swiglu_bwd(h13_MI2: torch.Tensor, dout_MI: torch.Tensor, layout, tiles=None) -> torch.Tensor:
+def swiglu_bwd(h13_MI2: torch.Tensor, dout_MI: torch.Tensor, layout) -> torch.Tensor:
     """Gradient ``[M, 2I]`` (d gate || d up) of :func:`swiglu_fwd` on live rows."""
     m, i2 = h13_MI2.shape
     i = i2 // 2
     h13_MI2, dout_MI = h13_MI2.contiguous(), dout_MI.contiguous()
     dh13 = h13_MI2.new_empty(m, i2)
-    tile_expert, tile_row, n_tiles = tiles if tiles is not None else swiglu_tiles(layout)
+    tile_expert, tile_row, n_tiles = layout.tiles(_SWIGLU_BLOCK_M)
     grid = (n_tiles, triton.cdiv(i, _SWIGLU_BLOCK_N))
     _swiglu_bwd_kernel[grid](h13_MI2, dout_MI, dh13, tile_expert, tile_row, layout.end, i,
                              h13_MI2.stride(0), dout_MI.stride(0), dh13.stride(0),
