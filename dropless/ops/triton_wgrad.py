@@ -1,0 +1,255 @@
+"""Triton grouped weight-gradient GEMM with an accumulate epilogue (CUDA, or Triton's interpreter).
+
+* :func:`grouped_wgrad_` — for each local expert ``i`` with live rows
+  ``[start[i], end[i])`` of the landed buffer (:class:`~dropless.layout.ExpertLayout`)::
+
+      accumulate=False:  dw[i]  = x[start:end]^T @ dy[start:end]     (an empty expert: exact zeros)
+      accumulate=True:   dw[i] += x[start:end]^T @ dy[start:end]     (an empty expert: dw[i] untouched)
+
+  with ``x [M, K]``, ``dy [M, N]`` (bf16, fp16 or fp32; one dtype) and ``dw [e, K, N]``
+  (contiguous; fp32, bf16 or fp16), written in place. Products are summed in fp32
+  registers; with ``accumulate`` the existing ``dw`` tile is read, added in fp32 and
+  stored back in ``dw``'s dtype (a GEMM with ``beta = 1``).
+
+One program per (expert, K-tile, N-tile), in a grouped order inside each expert so that
+the programs in flight share their ``x`` and ``dy`` column blocks in L2. Each program
+reads its expert's ``start``/``end`` on the device and walks those rows ``BLOCK_R`` at a
+time: ``acc += x_tile^T @ dy_tile`` (bf16/fp16 tensor-core dots; fp32 inputs use IEEE
+fp32, no TF32). Only LIVE rows are read: the row loads are masked to ``[start, end)``
+with ``other=0``, so padding rows (alignment gaps, the tail after ``end[e-1]``; they may
+hold NaN) never reach the result. Row offsets are 64-bit (``M·K`` may pass ``2^31``).
+One launch, no host sync (the layout stays on the device), except the one-time tuning
+below.
+
+Why it exists: ``torch._grouped_mm`` has no ``out=``/accumulate argument. When a rank's
+tokens go through the MoE layer in chunks (``num_token_chunks``), each chunk's weight
+gradient would otherwise be a fresh ``[e, K, N]`` buffer that is then added into the
+first — a transient as large as the weight gradient itself plus an extra read/write
+pass over it. This kernel adds each chunk's contribution in its epilogue instead.
+
+Tuning: on CUDA the tile shape is picked per ``(K, N, x dtype, dw dtype, device)`` by
+timing a few configs (:data:`CONFIGS`; :data:`FP32_CONFIGS` for fp32 inputs) on the
+first call's own operands; that first call syncs the host (``triton.testing.do_bench``),
+later ones do not. It is not ``triton.autotune``: that times the kernel by running it
+again and again on the caller's tensors, which would add the gradient in many times
+over when ``accumulate=True`` (and its ``restore_value`` would clone the whole ``dw`` on
+every timed run). Here the timed runs pass ``write=0``, so the epilogue neither reads
+nor writes ``dw`` and no scratch ``dw`` is needed; the epilogue's cost is about the same
+for every config. The configs of one input dtype share ``BLOCK_R``, so the rows are
+summed in the same chunks whichever wins. Under ``TRITON_INTERPRET=1`` one small config
+is used and nothing is timed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from dropless.layout import ExpertLayout
+
+# The tuning candidates on CUDA for bf16/fp16 x and dy (Hopper-sized tiles for wgmma; BLOCK_R is
+# the rows per dot step, the same in all of them).
+CONFIGS = [
+    triton.Config({"BLOCK_K": 128, "BLOCK_N": 128, "BLOCK_R": 64}, num_warps=4, num_stages=4),
+    triton.Config({"BLOCK_K": 128, "BLOCK_N": 128, "BLOCK_R": 64}, num_warps=8, num_stages=4),
+    triton.Config({"BLOCK_K": 128, "BLOCK_N": 256, "BLOCK_R": 64}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_K": 256, "BLOCK_N": 128, "BLOCK_R": 64}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_K": 128, "BLOCK_N": 256, "BLOCK_R": 64}, num_warps=8, num_stages=4),
+    triton.Config({"BLOCK_K": 256, "BLOCK_N": 128, "BLOCK_R": 64}, num_warps=8, num_stages=4),
+]
+# fp32 x and dy: IEEE fp32 dots run on the FMA units, where the tiles above spill heavily.
+FP32_CONFIGS = [
+    triton.Config({"BLOCK_K": 64, "BLOCK_N": 64, "BLOCK_R": 32}, num_warps=4, num_stages=3),
+    triton.Config({"BLOCK_K": 128, "BLOCK_N": 64, "BLOCK_R": 32}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_K": 64, "BLOCK_N": 128, "BLOCK_R": 32}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_K": 128, "BLOCK_N": 128, "BLOCK_R": 32}, num_warps=8, num_stages=3),
+]
+# The single config under Triton's CPU interpreter (small tiles run fast there).
+INTERPRET_CONFIG = triton.Config({"BLOCK_K": 32, "BLOCK_N": 32, "BLOCK_R": 16}, num_warps=4, num_stages=1)
+_GROUP_K = 8  # K-tiles per group in the program order (L2 reuse of the dy column blocks)
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_best_config: dict[tuple, triton.Config] = {}
+
+
+@triton.jit
+def _wgrad_step(acc, x_ptr, dy_ptr, r, row1, offs_k, offs_n, mask_k, mask_n, stride_xm, stride_dym,
+                PRECISION: tl.constexpr, BLOCK_R: tl.constexpr):
+    """``acc += x[r:r+BLOCK_R, offs_k]^T @ dy[r:r+BLOCK_R, offs_n]``, rows at or past ``row1`` masked to 0."""
+    rows = r + tl.arange(0, BLOCK_R)
+    live = rows < row1  # rows past end[ex] are padding or the next expert's: never read
+    r64 = rows.to(tl.int64)
+    xt = tl.load(x_ptr + r64[:, None] * stride_xm + offs_k[None, :], mask=live[:, None] & mask_k[None, :], other=0.0)
+    dyt = tl.load(dy_ptr + r64[:, None] * stride_dym + offs_n[None, :], mask=live[:, None] & mask_n[None, :],
+                  other=0.0)
+    return tl.dot(tl.trans(xt), dyt, acc, input_precision=PRECISION)
+
+
+@triton.jit(do_not_specialize=["write"])
+def _grouped_wgrad_kernel(x_ptr, dy_ptr, dw_ptr, start_ptr, end_ptr, K, N, stride_xm, stride_dym, write,
+                          ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                          GROUP_K: tl.constexpr):
+    pid = tl.program_id(0)
+    num_k = tl.cdiv(K, BLOCK_K)
+    num_n = tl.cdiv(N, BLOCK_N)
+    tiles = num_k * num_n
+    ex = pid // tiles
+    t = pid - ex * tiles
+    # grouped order inside the expert: GROUP_K K-tiles side by side, then the next N-tile
+    width = GROUP_K * num_n
+    k0 = (t // width) * GROUP_K
+    group_k = tl.minimum(num_k - k0, GROUP_K)
+    pid_k = k0 + (t % width) % group_k
+    pid_n = (t % width) // group_k
+
+    row0 = tl.load(start_ptr + ex)
+    row1 = tl.load(end_ptr + ex)
+    if ACCUMULATE:
+        if row1 <= row0:  # empty expert: dw[ex] += 0 -- leave it as it is
+            return
+
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_k = offs_k < K
+    mask_n = offs_n < N
+    acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
+    if INTERPRET:
+        # the interpreter keeps scalars as 1-element arrays, which range() rejects under numpy 2
+        r = row0
+        while r < row1:
+            acc = _wgrad_step(acc, x_ptr, dy_ptr, r, row1, offs_k, offs_n, mask_k, mask_n, stride_xm, stride_dym,
+                              PRECISION, BLOCK_R)
+            r += BLOCK_R
+    else:
+        for r in range(row0, row1, BLOCK_R):  # a for loop, so that the loads are software-pipelined
+            acc = _wgrad_step(acc, x_ptr, dy_ptr, r, row1, offs_k, offs_n, mask_k, mask_n, stride_xm, stride_dym,
+                              PRECISION, BLOCK_R)
+
+    if write != 0:  # 0 only in the tuning runs, which must leave dw as it is
+        dw_row = dw_ptr + ex.to(tl.int64) * K * N + offs_k[:, None].to(tl.int64) * N
+        if ACCUMULATE:
+            # add the old value in two column halves, so that the old tile and the accumulator do not
+            # both sit whole in registers (that spills at 128x256)
+            a0, a1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_K, 2, BLOCK_N // 2)), (0, 2, 1)))
+            offs_h = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
+            m0 = mask_k[:, None] & (offs_h < N)[None, :]
+            a0 += tl.load(dw_row + offs_h[None, :], mask=m0, other=0.0).to(tl.float32)
+            tl.store(dw_row + offs_h[None, :], a0.to(dw_ptr.dtype.element_ty), mask=m0)
+            offs_h += BLOCK_N // 2
+            m1 = mask_k[:, None] & (offs_h < N)[None, :]
+            a1 += tl.load(dw_row + offs_h[None, :], mask=m1, other=0.0).to(tl.float32)
+            tl.store(dw_row + offs_h[None, :], a1.to(dw_ptr.dtype.element_ty), mask=m1)
+        else:
+            tl.store(dw_row + offs_n[None, :], acc.to(dw_ptr.dtype.element_ty),
+                     mask=mask_k[:, None] & mask_n[None, :])
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _launch(cfg: triton.Config, dw_eKN, x_MK, dy_MN, layout, accumulate: bool, write: bool) -> None:
+    e, k, n = dw_eKN.shape
+    bk, bn = cfg.kwargs["BLOCK_K"], cfg.kwargs["BLOCK_N"]
+    grid = (e * triton.cdiv(k, bk) * triton.cdiv(n, bn),)
+    _grouped_wgrad_kernel[grid](
+        x_MK, dy_MN, dw_eKN, layout.start, layout.end, k, n, x_MK.stride(0), dy_MN.stride(0), int(write),
+        ACCUMULATE=bool(accumulate), PRECISION="ieee" if x_MK.dtype == torch.float32 else None,
+        INTERPRET=_interpret(), GROUP_K=_GROUP_K, **cfg.all_kwargs())
+
+
+def _pick_config(dw_eKN, x_MK, dy_MN, layout, accumulate: bool) -> triton.Config:
+    if _interpret():
+        return INTERPRET_CONFIG
+    k, n = dw_eKN.shape[1:]
+    key = (k, n, x_MK.dtype, dw_eKN.dtype, x_MK.device.index)
+    cfg = _best_config.get(key)
+    if cfg is None:
+        from triton.runtime.errors import OutOfResources, PTXASError
+        from triton.testing import do_bench
+
+        best_ms = math.inf
+        for cand in FP32_CONFIGS if x_MK.dtype == torch.float32 else CONFIGS:
+            try:
+                ms = do_bench(lambda c=cand: _launch(c, dw_eKN, x_MK, dy_MN, layout, accumulate, write=False),
+                              warmup=10, rep=50, return_mode="median")
+            except (OutOfResources, PTXASError):
+                continue
+            if ms < best_ms:
+                cfg, best_ms = cand, ms
+        if cfg is None:
+            raise RuntimeError(f"grouped_wgrad_: no tile config compiled for K={k}, N={n}, x {x_MK.dtype}, "
+                               f"dw {dw_eKN.dtype} on {x_MK.device}")
+        _best_config[key] = cfg
+    return cfg
+
+
+def _check(dw_eKN: torch.Tensor, x_MK: torch.Tensor, dy_MN: torch.Tensor, layout: ExpertLayout) -> None:
+    name = "grouped_wgrad_"
+    if x_MK.dim() != 2 or dy_MN.dim() != 2 or dw_eKN.dim() != 3:
+        raise ValueError(f"{name}: need x [M, K], dy [M, N] and dw [e, K, N]; got x {tuple(x_MK.shape)}, "
+                         f"dy {tuple(dy_MN.shape)}, dw {tuple(dw_eKN.shape)}")
+    (m, k), (m2, n), (e, k2, n2) = x_MK.shape, dy_MN.shape, dw_eKN.shape
+    if m != m2:
+        raise ValueError(f"{name}: x has {m} rows but dy has {m2}; both must be the landed buffer's M rows")
+    if (k, n) != (k2, n2):
+        raise ValueError(f"{name}: dw is [e, K, N] = {tuple(dw_eKN.shape)} but x^T @ dy is [{k}, {n}] "
+                         f"(x {tuple(x_MK.shape)}, dy {tuple(dy_MN.shape)}); pass x and dy in that order "
+                         f"and dw shaped [e, x.shape[1], dy.shape[1]]")
+    if e != layout.num_experts or m != layout.capacity:
+        raise ValueError(f"{name}: dw has {e} experts and x {m} rows, but the layout has "
+                         f"{layout.num_experts} experts and capacity {layout.capacity}")
+    if x_MK.dtype != dy_MN.dtype or x_MK.dtype not in _DTYPES:
+        raise ValueError(f"{name}: x and dy must share one dtype of {_DTYPES}; got x {x_MK.dtype} and "
+                         f"dy {dy_MN.dtype} (cast one of them)")
+    if dw_eKN.dtype not in _DTYPES:
+        raise ValueError(f"{name}: dw must be one of {_DTYPES}, got {dw_eKN.dtype}")
+    if not dw_eKN.is_contiguous():
+        raise ValueError(f"{name}: dw must be contiguous (it is written in place; strides "
+                         f"{dw_eKN.stride()}); allocate it contiguous or pass a contiguous buffer and copy back")
+    for t, what in ((x_MK, "x"), (dy_MN, "dy")):
+        if t.shape[1] > 1 and t.stride(1) != 1:
+            raise ValueError(f"{name}: {what} needs unit stride along its last dim (strides {t.stride()}); "
+                             f"pass {what}.contiguous()")
+    devs = {x_MK.device, dy_MN.device, dw_eKN.device, layout.start.device, layout.end.device}
+    if len(devs) != 1:
+        raise ValueError(f"{name}: x, dy, dw and the layout must be on one device; got {sorted(map(str, devs))}")
+    if x_MK.device.type != "cuda" and not _interpret():
+        raise ValueError(f"{name}: needs CUDA tensors (got {x_MK.device}); on the CPU set TRITON_INTERPRET=1 "
+                         f"before triton is imported")
+    if layout.start.dtype != torch.int32 or layout.end.dtype != torch.int32:
+        raise ValueError(f"{name}: layout.start/end must be int32 (build the layout with ExpertLayout.from_counts); "
+                         f"got {layout.start.dtype}/{layout.end.dtype}")
+
+
+def grouped_wgrad_(dw_eKN: torch.Tensor, x_MK: torch.Tensor, dy_MN: torch.Tensor, layout: ExpertLayout,
+                   accumulate: bool) -> torch.Tensor:
+    """Per-expert weight gradient over live rows, written (or added) into ``dw_eKN`` in place.
+
+    Args:
+        dw_eKN: ``[e, K, N]`` contiguous, fp32/bf16/fp16; the output. With ``accumulate=False``
+            its old contents are ignored (NaN included); with ``accumulate=True`` they are the
+            ``beta = 1`` term.
+        x_MK: ``[M, K]`` landed rows (unit stride along K; any row stride); padding rows may hold anything.
+        dy_MN: ``[M, N]`` upstream gradient, same dtype as ``x_MK`` (unit stride along N).
+        layout: the rows' :class:`~dropless.layout.ExpertLayout` (``e`` experts, capacity ``M``).
+        accumulate: add into ``dw_eKN`` (fp32 add, stored in ``dw``'s dtype) instead of overwriting.
+    Returns:
+        ``dw_eKN``, holding ``x[start_i:end_i]^T @ dy[start_i:end_i]`` (plus its old value when
+        ``accumulate``) for each expert ``i``; an empty expert gets exact zeros (or is left as it is).
+    Raises:
+        ValueError: mismatched shapes/dtypes/devices, a non-contiguous ``dw``, or CPU tensors
+            without ``TRITON_INTERPRET=1``.
+    """
+    _check(dw_eKN, x_MK, dy_MN, layout)
+    e, k, n = dw_eKN.shape
+    if e == 0 or k == 0 or n == 0:
+        return dw_eKN
+    cfg = _pick_config(dw_eKN, x_MK, dy_MN, layout, accumulate)
+    _launch(cfg, dw_eKN, x_MK, dy_MN, layout, accumulate, write=True)
+    return dw_eKN

@@ -1,0 +1,188 @@
+"""The grouped weight-gradient kernel (``dropless.ops.triton_wgrad``) against plain torch (float64).
+
+Runs on CUDA (bf16 inputs), or on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``
+set before triton is imported; fp32 inputs there); skipped where triton is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+from dropless.layout import ExpertLayout  # noqa: E402
+from dropless.ops import triton_wgrad as tw  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no CUDA and Triton's interpreter is off", allow_module_level=True)
+DT = torch.bfloat16 if DEV == "cuda" else torch.float32
+
+
+def tol(dw_dtype):
+    if dw_dtype == torch.bfloat16:
+        return 1e-2  # the result is rounded to bf16
+    return 1e-4 if DT == torch.bfloat16 else 1e-5  # fp32 sums (of exact bf16 products on CUDA)
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def reference(x, dy, lay):
+    """float64 ``[e, K, N]``: per expert, the live rows ``x[s:t]^T @ dy[s:t]`` (plain torch, host loop)."""
+    e = lay.num_experts
+    out = torch.zeros(e, x.shape[1], dy.shape[1], dtype=torch.float64, device=x.device)
+    for i, (s, t) in enumerate(zip(lay.start.tolist(), lay.end.tolist())):
+        out[i] = x[s:t].double().t() @ dy[s:t].double()
+    return out
+
+
+def operands(counts, A, K, N, extra_rows=23, seed=0):
+    """A layout with padding (alignment gaps and a tail), and x/dy whose padding rows are NaN."""
+    torch.manual_seed(seed)
+    lay = ExpertLayout.from_counts(torch.tensor(counts, device=DEV), A, num_rows=sum(counts) + extra_rows)
+    M = lay.capacity
+    live = lay.live_mask()
+    x = torch.randn(M, K, device=DEV).to(DT)
+    dy = torch.randn(M, N, device=DEV).to(DT)
+    x[~live] = float("nan")
+    dy[~live] = float("nan")
+    return lay, x, dy
+
+
+LAYOUTS = [
+    ([37, 0, 1, 50], 1),        # an empty expert, a single-row expert, counts not multiples of a block
+    ([0, 17, 0, 33, 0], 8),     # empty experts first, in the middle and last; gaps of up to 7 rows
+    ([65, 1, 0, 40], 64),       # gaps of up to 63 rows
+]
+
+
+@pytest.mark.parametrize("counts,A", LAYOUTS)
+@pytest.mark.parametrize("dw_dtype", [torch.float32, torch.bfloat16])
+def test_overwrite_matches_reference(counts, A, dw_dtype):
+    K, N = 40, 72  # neither a multiple of the block sizes
+    lay, x, dy = operands(counts, A, K, N)
+    ref = reference(x, dy, lay)
+    dw = torch.full((len(counts), K, N), float("nan"), device=DEV, dtype=dw_dtype)  # old contents ignored
+    out = tw.grouped_wgrad_(dw, x, dy, lay, accumulate=False)
+    assert out is dw
+    assert torch.isfinite(dw).all()  # no NaN from the padding rows, none left from dw's old contents
+    assert rel(dw, ref) < tol(dw_dtype)
+    for i, c in enumerate(counts):
+        if c == 0:
+            assert (dw[i] == 0).all()
+        else:
+            assert rel(dw[i], ref[i]) < tol(dw_dtype)
+
+
+@pytest.mark.parametrize("counts,A", LAYOUTS)
+@pytest.mark.parametrize("dw_dtype", [torch.float32, torch.bfloat16])
+def test_accumulate_adds_to_old_value(counts, A, dw_dtype):
+    K, N = 40, 72
+    lay, x, dy = operands(counts, A, K, N, seed=1)
+    ref = reference(x, dy, lay)
+    dw = torch.randn(len(counts), K, N, device=DEV).to(dw_dtype)
+    old = dw.clone()
+    tw.grouped_wgrad_(dw, x, dy, lay, accumulate=True)
+    assert torch.isfinite(dw).all()
+    exp = old.double() + ref
+    assert rel(dw, exp) < tol(dw_dtype)
+    for i, c in enumerate(counts):
+        if c == 0:
+            assert torch.equal(dw[i], old[i])  # an empty expert is left exactly as it was
+        else:
+            assert rel(dw[i], exp[i]) < tol(dw_dtype)
+
+
+def test_chunks_accumulate_to_the_whole():
+    """Two token chunks, the second accumulated into the first, give the gradient of all rows."""
+    K, N = 48, 56
+    lay1, x1, dy1 = operands([20, 0, 31], 8, K, N, seed=2)
+    lay2, x2, dy2 = operands([5, 12, 0], 8, K, N, seed=3)
+    dw = torch.empty(3, K, N, device=DEV, dtype=torch.float32)
+    tw.grouped_wgrad_(dw, x1, dy1, lay1, accumulate=False)
+    tw.grouped_wgrad_(dw, x2, dy2, lay2, accumulate=True)
+    assert rel(dw, reference(x1, dy1, lay1) + reference(x2, dy2, lay2)) < tol(torch.float32)
+
+
+def test_larger_shape_and_strided_rows():
+    """More rows than one block per expert, K/N spanning several tiles, x a column slice of a wider buffer."""
+    K, N = 96, 80
+    counts = [150, 0, 3, 97]
+    lay, xw, dy = operands(counts, 16, 2 * K, N, seed=4)
+    x = xw[:, K:]  # row stride 2K, unit column stride (like the up half of h13)
+    dw = torch.empty(len(counts), K, N, device=DEV, dtype=torch.float32)
+    tw.grouped_wgrad_(dw, x, dy, lay, accumulate=False)
+    assert rel(dw, reference(x, dy, lay)) < tol(torch.float32)
+
+
+def test_all_empty_and_no_rows():
+    K, N = 24, 40
+    lay = ExpertLayout.from_counts(torch.tensor([0, 0], device=DEV), 1, capacity=0)
+    x = torch.empty(0, K, device=DEV, dtype=DT)
+    dy = torch.empty(0, N, device=DEV, dtype=DT)
+    dw = torch.full((2, K, N), float("nan"), device=DEV)
+    tw.grouped_wgrad_(dw, x, dy, lay, accumulate=False)
+    assert (dw == 0).all()
+    dw = torch.randn(2, K, N, device=DEV)
+    old = dw.clone()
+    tw.grouped_wgrad_(dw, x, dy, lay, accumulate=True)
+    assert torch.equal(dw, old)
+
+
+def test_clear_errors():
+    K, N = 40, 72
+    lay, x, dy = operands([10, 5], 1, K, N)
+    dw = torch.zeros(2, K, N, device=DEV)
+    with pytest.raises(ValueError, match="x has .* rows but dy has"):
+        tw.grouped_wgrad_(dw, x, dy[:-1], lay, accumulate=False)
+    with pytest.raises(ValueError, match=r"dw shaped \[e, x.shape\[1\], dy.shape\[1\]\]"):
+        tw.grouped_wgrad_(torch.zeros(2, N, K, device=DEV), x, dy, lay, accumulate=False)
+    with pytest.raises(ValueError, match="layout has 2 experts"):
+        tw.grouped_wgrad_(torch.zeros(3, K, N, device=DEV), x, dy, lay, accumulate=False)
+    with pytest.raises(ValueError, match="share one dtype"):
+        tw.grouped_wgrad_(dw, x, dy.to(torch.float16), lay, accumulate=False)
+    with pytest.raises(ValueError, match="contiguous"):
+        tw.grouped_wgrad_(torch.zeros(2, N, K, device=DEV).transpose(1, 2), x, dy, lay, accumulate=False)
+    with pytest.raises(ValueError, match="unit stride"):
+        tw.grouped_wgrad_(dw, torch.zeros(K, x.shape[0], device=DEV, dtype=DT).t(), dy, lay, accumulate=False)
+    with pytest.raises(ValueError, match=r"need x \[M, K\]"):
+        tw.grouped_wgrad_(dw[0], x, dy, lay, accumulate=False)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="host-sync check needs CUDA")
+def test_no_host_sync_after_tuning():
+    K, N = 256, 384
+    lay, x, dy = operands([300, 0, 129, 1], 128, K, N)
+    dw = torch.empty(4, K, N, device=DEV, dtype=torch.float32)
+    tw.grouped_wgrad_(dw, x, dy, lay, accumulate=False)  # the first call times the configs (syncs)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tw.grouped_wgrad_(dw, x, dy, lay, accumulate=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert rel(dw, 2 * reference(x, dy, lay)) < tol(torch.float32)
+
+
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_other_input_dtypes(in_dtype, accumulate):
+    """fp32 inputs (IEEE dots, no TF32) and fp16 inputs, into an fp32 dw."""
+    K, N = 40, 72
+    counts = [30, 0, 1, 19]
+    torch.manual_seed(5)
+    lay = ExpertLayout.from_counts(torch.tensor(counts, device=DEV), 8, num_rows=sum(counts) + 9)
+    live = lay.live_mask()
+    x = torch.randn(lay.capacity, K, device=DEV).to(in_dtype)
+    dy = torch.randn(lay.capacity, N, device=DEV).to(in_dtype)
+    x[~live] = float("nan")
+    dy[~live] = float("nan")
+    dw = torch.randn(len(counts), K, N, device=DEV) if accumulate else torch.empty(len(counts), K, N, device=DEV)
+    exp = reference(x, dy, lay) + (dw.double() if accumulate else 0)
+    tw.grouped_wgrad_(dw, x, dy, lay, accumulate=accumulate)
+    assert torch.isfinite(dw).all()
+    assert rel(dw, exp) < (1e-5 if in_dtype == torch.float32 else 1e-4)
