@@ -83,6 +83,31 @@ class RouterOutput:
     counts_E: torch.Tensor
 
 
+class _Fp32Logits(torch.autograd.Function):
+    """``x_TH.float() @ weight_EH.float().T`` that saves ``x_TH`` in its own dtype.
+
+    Autograd of ``F.linear(x.float(), w.float())`` would save the fp32 copy of ``x``
+    (``T·H·4`` bytes: 0.22 GiB at T 8192, H 7168, twice the bf16 layer input, which the
+    shared experts keep anyway). Backward re-casts it; the gradients are the same
+    (the upcast is exact).
+    """
+
+    @staticmethod
+    def forward(ctx, x_TH, weight_EH):
+        ctx.save_for_backward(x_TH, weight_EH)
+        return F.linear(x_TH.float(), weight_EH.float())
+
+    @staticmethod
+    def backward(ctx, dlogits_TE):
+        x_TH, weight_EH = ctx.saved_tensors
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = (dlogits_TE @ weight_EH.float()).to(x_TH.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = (dlogits_TE.t() @ x_TH.float()).to(weight_EH.dtype)
+        return dx, dw
+
+
 def in_backward_recompute() -> bool:
     """True while the autograd engine runs a backward graph task on this thread.
 
@@ -257,7 +282,7 @@ class Router(nn.Module):
         E, k = self.n_experts, self.topk
 
         with torch.autocast(device_type=x_TH.device.type, enabled=False):  # fp32 logits
-            logits_TE = F.linear(x_TH.float(), self.weight.float())
+            logits_TE = _Fp32Logits.apply(x_TH, self.weight)
         torch._assert_async(
             torch.isfinite(logits_TE).all(),
             f"Router ({self.layer_name}): non-finite router logits (NaN/Inf) — the "
