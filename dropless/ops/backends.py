@@ -14,7 +14,9 @@ class GemmBackend(Protocol):
 
     ``name``: registry key. ``check(x, w)``: raise ValueError saying why this backend
     cannot run these operands (dtype, device, strides). ``gmm`` and ``gmm_wgrad`` as
-    described in :mod:`dropless.ops`.
+    described in :mod:`dropless.ops`. Optional: ``gmm_wgrad_acc_(dw, x, dy, layout)`` adds
+    ``gmm_wgrad(x, dy, layout)`` into ``dw`` in place (used by
+    :class:`~dropless.ops.grouped_gemm.WgradAccumulator`; without it, ``dw += gmm_wgrad(...)``).
     """
 
     name: str

@@ -1,4 +1,11 @@
-"""Differentiable grouped GEMM over a live-row layout."""
+"""Differentiable grouped GEMM over a live-row layout, and in-place weight-gradient accumulation.
+
+:class:`WgradAccumulator` sums the weight gradients of one MoE layer call over its token
+chunks (``num_token_chunks``) in a single buffer: the first chunk to run backward writes
+it, every later one adds into it (the Triton kernel of :mod:`dropless.ops.triton_wgrad`
+on CUDA, a GEMM with ``beta = 1``). Autograd's own accumulation would give each chunk a
+fresh ``[e, K, N]`` gradient (a transient as large as the weight) and then add the two.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +19,8 @@ class _GroupedMM(torch.autograd.Function):
     """out_MN = per-expert x_MK @ w_eKN over live rows; saves x and w (needed for dW and dX)."""
 
     @staticmethod
-    def forward(ctx, x_MK, w_eKN, backend, layout):
-        ctx.backend, ctx.layout = backend, layout
+    def forward(ctx, x_MK, w_eKN, backend, layout, wgrad):
+        ctx.backend, ctx.layout, ctx.wgrad = backend, layout, wgrad
         ctx.save_for_backward(x_MK, w_eKN)
         return backend.gmm(x_MK, w_eKN, layout)
 
@@ -27,12 +34,17 @@ class _GroupedMM(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = ctx.backend.gmm(dy_MN, w_eKN.transpose(1, 2), ctx.layout)
         if ctx.needs_input_grad[1]:
-            dw = ctx.backend.gmm_wgrad(x_MK, dy_MN, ctx.layout).to(w_eKN.dtype)
-        return dx, dw, None, None
+            if ctx.wgrad is not None:
+                acc, name = ctx.wgrad
+                acc.add(name, x_MK, dy_MN, ctx.layout)
+            else:
+                dw = ctx.backend.gmm_wgrad(x_MK, dy_MN, ctx.layout).to(w_eKN.dtype)
+        return dx, dw, None, None, None
 
 
 def grouped_mm(x_MK: torch.Tensor, w_eKN: torch.Tensor, layout: ExpertLayout,
-               backend: str | GemmBackend = "torch") -> torch.Tensor:
+               backend: str | GemmBackend = "torch", wgrad: "tuple[WgradAccumulator, str] | None" = None
+               ) -> torch.Tensor:
     """Grouped GEMM of the live rows of each local expert, with autograd.
 
     Args:
@@ -40,6 +52,9 @@ def grouped_mm(x_MK: torch.Tensor, w_eKN: torch.Tensor, layout: ExpertLayout,
         w_eKN: ``[e, K, N]`` per-expert weights.
         layout: the rows' :class:`~dropless.layout.ExpertLayout` (``e`` experts, capacity ``M``).
         backend: a backend name from :func:`dropless.ops.list_backends` or an instance.
+        wgrad: ``(accumulator, name)``: add ``dW`` into ``accumulator``'s buffer ``name``
+            instead of returning it (``w_eKN`` must then come from
+            :meth:`WgradAccumulator.collect`, which hands the sum to autograd).
     Returns:
         ``[M, N]`` in ``x_MK``'s dtype; live rows exact per expert, padding rows unspecified.
         Backward gives ``dX`` (live rows) and ``dW`` from live rows only (0 for empty experts).
@@ -49,7 +64,7 @@ def grouped_mm(x_MK: torch.Tensor, w_eKN: torch.Tensor, layout: ExpertLayout,
     if isinstance(backend, str):
         backend = get_backend(backend)
     check_operands(x_MK, w_eKN, layout, backend)
-    return _GroupedMM.apply(x_MK, w_eKN, backend, layout)
+    return _GroupedMM.apply(x_MK, w_eKN, backend, layout, wgrad)
 
 
 def check_operands(x_MK: torch.Tensor, w_eKN: torch.Tensor, layout: ExpertLayout, backend: GemmBackend) -> None:
@@ -63,3 +78,61 @@ def check_operands(x_MK: torch.Tensor, w_eKN: torch.Tensor, layout: ExpertLayout
     if x_MK.dtype != w_eKN.dtype:
         raise ValueError(f"grouped_mm: x is {x_MK.dtype} but w is {w_eKN.dtype}; cast one of them")
     backend.check(x_MK, w_eKN)
+
+
+class _Collect(torch.autograd.Function):
+    """Identity on a weight; its backward returns the accumulator's sum as the weight's gradient."""
+
+    @staticmethod
+    def forward(ctx, w, acc, name):
+        ctx.acc, ctx.name = acc, name
+        ctx.set_materialize_grads(False)
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dw = ctx.acc.pop(ctx.name)
+        if grad is not None:  # a use of the weight outside the accumulator
+            dw = grad if dw is None else dw + grad
+        return dw, None, None
+
+
+class WgradAccumulator:
+    """Sums the grouped-GEMM weight gradients of one layer call in place, over its chunks.
+
+    Usage: ``w = acc.collect(param, "w13")`` once per layer call (before any cast), then
+    ``grouped_mm(x, w.to(dt), layout, backend, wgrad=(acc, "w13"))`` (or :meth:`add` from a
+    custom backward) once per chunk. In backward, the first chunk's ``dW`` becomes the
+    buffer (in the parameter's dtype) and the later chunks add into it:
+    :func:`dropless.ops.triton_wgrad.grouped_wgrad_` on CUDA (no transient ``[e, K, N]``,
+    no extra pass), ``buffer += gmm_wgrad(...)`` elsewhere. The collect node, which runs
+    after every chunk's backward, hands the buffer to autograd as the parameter's gradient.
+
+    Args:
+        backend: the grouped GEMM backend computing the gradients.
+    """
+
+    def __init__(self, backend: GemmBackend):
+        self.backend = backend
+        self._grads: dict[str, torch.Tensor] = {}
+        self._dtypes: dict[str, torch.dtype] = {}
+
+    def collect(self, w: torch.Tensor, name: str) -> torch.Tensor:
+        """Identity on ``w`` whose gradient will be buffer ``name`` (``w``'s dtype)."""
+        self._dtypes[name] = w.dtype
+        return _Collect.apply(w, self, name)
+
+    def add(self, name: str, x_MK: torch.Tensor, dy_MN: torch.Tensor, layout: ExpertLayout) -> None:
+        """``buffer[name][i] += x[live_i]^T @ dy[live_i]`` for every local expert ``i``."""
+        buf = self._grads.get(name)
+        if buf is None:
+            self._grads[name] = self.backend.gmm_wgrad(x_MK, dy_MN, layout).to(self._dtypes[name])
+            return
+        acc_ = getattr(self.backend, "gmm_wgrad_acc_", None)
+        if acc_ is not None:
+            acc_(buf, x_MK, dy_MN, layout)
+        else:
+            buf.add_(self.backend.gmm_wgrad(x_MK, dy_MN, layout))
+
+    def pop(self, name: str) -> torch.Tensor | None:
+        return self._grads.pop(name, None)

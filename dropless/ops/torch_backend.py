@@ -79,3 +79,14 @@ class TorchBackend:
             dw = _grouped_mm(x_MK.t(), dy_MN, offs)[1::2]
         live = (layout.counts > 0).view(e, 1, 1)
         return torch.where(live, dw, torch.zeros((), dtype=dw.dtype, device=dw.device))
+
+    def gmm_wgrad_acc_(self, dw_eKN: torch.Tensor, x_MK: torch.Tensor, dy_MN: torch.Tensor,
+                       layout: ExpertLayout) -> None:
+        """``dw[i] += x[live_i]^T @ dy[live_i]`` in place (the Triton kernel on CUDA)."""
+        if use_triton(dw_eKN) and dw_eKN.is_contiguous() and x_MK.stride(1) == 1 and dy_MN.stride(1) == 1:
+            from dropless.ops import triton_wgrad
+
+            triton_wgrad.grouped_wgrad_(dw_eKN, x_MK, dy_MN, layout, accumulate=True)
+        else:
+            dw_eKN.add_(self.gmm_wgrad(x_MK, dy_MN, layout))
+
