@@ -15,6 +15,8 @@ landed buffers and of their gradients are never read (DESIGN.md rule 2).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from dropless.layout import ExpertLayout
@@ -69,14 +71,39 @@ def sort_by_expert(expert_idx_Nk: torch.Tensor, num_experts: int, alignment: int
     return layout, dest.view(n, k), src[: layout.capacity]
 
 
+@dataclass
+class RowSource:
+    """A landed buffer given by where its rows come from, not materialised.
+
+    ``rows_MH[m] = x_NH[src_M[m]]`` (:func:`gather_rows`); its gradient goes back to ``x_NH``
+    as ``Σ_j grad_rows[dest_Nk[n, j]]``. Dispatchers that land rows by a local gather
+    (``local``, ``fsdp``) can return this, so that the experts save ``x_NH`` (which the
+    router keeps anyway) and re-gather in backward instead of saving ``[M, H]``
+    (``recompute_gather``; seed 003 §4: the buffer is ``k``× the layer input).
+
+    Attributes:
+        x_NH: ``[N, H]`` source rows. src_M: int64 ``[M]`` (``-1`` on padding).
+        dest_Nk: int64 ``[N, k]`` landed row of each choice (``-1``: not landed).
+    """
+
+    x_NH: torch.Tensor
+    src_M: torch.Tensor
+    dest_Nk: torch.Tensor
+
+
+def gather_rows(x_NH: torch.Tensor, src_M: torch.Tensor) -> torch.Tensor:
+    """``rows_MH[m] = x_NH[src_M[m]]`` without autograd; padding rows (``src = -1``) unspecified."""
+    if x_NH.shape[0] == 0:  # a rank that received no rows: every landed row is padding
+        return x_NH.new_empty(src_M.shape[0], x_NH.shape[1])
+    # padding rows read row 0: garbage by contract, never used
+    return x_NH.index_select(0, src_M.clamp(min=0))
+
+
 class _PermuteRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_NH, src_M, dest_Nk):
         ctx.save_for_backward(dest_Nk)
-        if x_NH.shape[0] == 0:  # a rank that received no rows: every landed row is padding
-            return x_NH.new_empty(src_M.shape[0], x_NH.shape[1])
-        # padding rows (src = -1) read row 0: garbage by contract, never used
-        return x_NH.index_select(0, src_M.clamp(min=0))
+        return gather_rows(x_NH, src_M)
 
     @staticmethod
     def backward(ctx, grad_MH):

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from dropless.layout import ExpertLayout
+from dropless.permute import RowSource, permute_rows
 
 
 @dataclass
@@ -33,12 +34,23 @@ class Dispatched:
             folded into the activation (``fold_routing_weights``), else None.
         handle: dispatcher-specific state that :meth:`Dispatcher.combine` needs
             (integer indices, split sizes, the weights when not folded).
+        source: where the rows come from, when they are a local gather
+            (:meth:`LocalDispatcher.dispatch_source <dropless.dispatch.local.LocalDispatcher.dispatch_source>`);
+            then ``rows_MH`` may be None until :meth:`landed_rows` gathers it.
     """
 
-    rows_MH: torch.Tensor
+    rows_MH: torch.Tensor | None
     layout: ExpertLayout
     row_weight_M: torch.Tensor | None
     handle: Any
+    source: RowSource | None = None
+
+    def landed_rows(self) -> torch.Tensor:
+        """``rows_MH``, gathered from :attr:`source` (index-only autograd) if not yet landed."""
+        if self.rows_MH is None:
+            s = self.source
+            self.rows_MH = permute_rows(s.x_NH, s.src_M, s.dest_Nk)
+        return self.rows_MH
 
 
 @dataclass
@@ -90,6 +102,9 @@ class Dispatcher(ABC):
     """
 
     name: str = "base"
+    #: True when the landed rows are a local gather of the rank's tokens (EP = 1), so the
+    #: experts can re-gather them in backward (``recompute_gather``; :meth:`dispatch_source`).
+    gathers_locally: bool = False
 
     def __init__(self, num_experts: int, ep_size: int = 1, ep_rank: int = 0):
         if num_experts <= 0:
@@ -131,6 +146,20 @@ class Dispatcher(ABC):
     @abstractmethod
     def combine(self, y_MH: torch.Tensor, handle: Any) -> torch.Tensor:
         """``[M, H]`` expert outputs -> ``[T, H]`` in the original token order (weighted sum over k)."""
+
+    def dispatch_source(self, x_TH: torch.Tensor, topk_idx_Tk: torch.Tensor, topk_weight_Tk: torch.Tensor, *,
+                        alignment: int = 1, capacity: int | None = None, fold_weights: bool = False) -> Dispatched:
+        """:meth:`dispatch` that leaves ``rows_MH`` None and gives its :class:`RowSource`.
+
+        Only for dispatchers with :attr:`gathers_locally`; the others land rows received
+        from other ranks, which cannot be re-gathered locally.
+
+        Raises:
+            NotImplementedError: this dispatcher does not gather locally.
+        """
+        raise NotImplementedError(
+            f"dispatcher={self.name!r} lands rows received from other ranks; recompute_gather needs a "
+            "dispatcher that gathers locally (local or fsdp): set recompute_gather=false or change the dispatcher")
 
     # -- two-phase API (overlap); the defaults run the one-phase call eagerly -------------
     def dispatch_async(self, x_TH: torch.Tensor, topk_idx_Tk: torch.Tensor, topk_weight_Tk: torch.Tensor, *,

@@ -35,9 +35,9 @@ class _CountBackward(torch.autograd.Function):
     """Identity; its backward adds the FSDP2 backward traffic of one layer to ``comm``."""
 
     @staticmethod
-    def forward(ctx, rows_MH, disp):
+    def forward(ctx, x_TH, disp):
         ctx.disp = disp
-        return rows_MH.view_as(rows_MH)
+        return x_TH.view_as(x_TH)
 
     @staticmethod
     def backward(ctx, g):
@@ -76,14 +76,12 @@ class FSDPDispatcher(LocalDispatcher):
         self._fwd_bytes = (dp_size - 1) * shard_param_bytes
         self._bwd_bytes = (dp_size - 1) * (shard_grad_bytes + (shard_param_bytes if reshard_after_forward else 0))
 
-    def dispatch(self, x_TH, topk_idx_Tk, topk_weight_Tk, *, alignment=1, capacity=None, fold_weights=False):
-        d = super().dispatch(x_TH, topk_idx_Tk, topk_weight_Tk, alignment=alignment, capacity=capacity,
-                             fold_weights=fold_weights)
+    def _land(self, x_TH, topk_idx_Tk, topk_weight_Tk, alignment, capacity, fold_weights, gather):
         if self.fsdp_attached:
             self.comm.add(self._fwd_bytes, self._fwd_bytes)
-            if torch.is_grad_enabled() and d.rows_MH.requires_grad:
-                d.rows_MH = _CountBackward.apply(d.rows_MH, self)
-        return d
+            if torch.is_grad_enabled() and x_TH.requires_grad:
+                x_TH = _CountBackward.apply(x_TH, self)
+        return super()._land(x_TH, topk_idx_Tk, topk_weight_Tk, alignment, capacity, fold_weights, gather)
 
 
 def _moe_layers(module: nn.Module) -> list[nn.Module]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from dropless.dispatch.base import Dispatched, Dispatcher
-from dropless.permute import combine_rows, permute_rows, sort_by_expert
+from dropless.permute import RowSource, combine_rows, permute_rows, sort_by_expert
 
 
 @dataclass
@@ -50,15 +50,24 @@ class LocalDispatcher(Dispatcher):
     """
 
     name = "local"
+    gathers_locally = True
 
     def __init__(self, num_experts: int):
         super().__init__(num_experts, ep_size=1, ep_rank=0)
 
     def dispatch(self, x_TH, topk_idx_Tk, topk_weight_Tk, *, alignment=1, capacity=None, fold_weights=False):
+        return self._land(x_TH, topk_idx_Tk, topk_weight_Tk, alignment, capacity, fold_weights, gather=True)
+
+    def dispatch_source(self, x_TH, topk_idx_Tk, topk_weight_Tk, *, alignment=1, capacity=None,
+                        fold_weights=False):
+        return self._land(x_TH, topk_idx_Tk, topk_weight_Tk, alignment, capacity, fold_weights, gather=False)
+
+    def _land(self, x_TH, topk_idx_Tk, topk_weight_Tk, alignment, capacity, fold_weights, gather):
         layout, dest_Tk, src_M = sort_by_expert(topk_idx_Tk, self.num_experts, alignment, capacity)
-        rows_MH = permute_rows(x_TH, src_M, dest_Tk)
+        rows_MH = permute_rows(x_TH, src_M, dest_Tk) if gather else None
         row_w = scatter_row_weights(topk_weight_Tk, dest_Tk, layout.capacity) if fold_weights else None
-        return Dispatched(rows_MH, layout, row_w, LocalHandle(dest_Tk, None if fold_weights else topk_weight_Tk))
+        return Dispatched(rows_MH, layout, row_w, LocalHandle(dest_Tk, None if fold_weights else topk_weight_Tk),
+                          RowSource(x_TH, src_M, dest_Tk))
 
     def combine(self, y_MH, handle: LocalHandle):
         return combine_rows(y_MH, handle.dest_Tk, handle.weight_Tk)
