@@ -71,7 +71,8 @@ class ModelArgs:
     capacity_factor: float | None = None    # None = dropless; a number = old token-dropping baseline
     num_token_chunks: int = 1               # N: split the rank's tokens into N chunks
     recompute_swiglu: bool = False          # recompute the SwiGLU output in backward
-    recompute_fc1: bool = False             # recompute the FC1 (gate||up) output in backward
+    recompute_fc1: bool = False             # recompute the FC1 (gate||up) output (and the shared experts) in backward
+    recompute_gather: bool = False          # re-gather the landed rows from the layer input in backward (EP = 1)
     fold_routing_weights: bool = False      # multiply routing weights in before FC2
     gemm: str = "torch"                     # grouped GEMM backend (dropless.ops.list_backends())
     poison_padding: bool = False            # debug: fill padding rows of every buffer with NaN

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dropless.layout import ExpertLayout, poison_padding
 from dropless.ops import get_backend, grouped_mm, use_triton
+from dropless.ops.grouped_gemm import WgradAccumulator, check_operands
+from dropless.permute import RowSource, gather_rows, gather_sum, permute_rows
 
 
 def init_expert_weights_(w13_eHI2: torch.Tensor, w2_eIH: torch.Tensor, seed: int, layer_id: int,
@@ -85,9 +89,10 @@ def swiglu(h13_MI2: torch.Tensor, layout: ExpertLayout | None = None) -> torch.T
 
 
 class _RecomputeBox:
-    """Hands FC1's output recomputed by FC2's backward on to FC1's backward (runs right after)."""
+    """Hands what FC2's backward rebuilt (landed rows, FC1 output) on to FC1's backward (runs right after)."""
 
     def __init__(self) -> None:
+        self.rows: torch.Tensor | None = None
         self.h13: torch.Tensor | None = None
 
 
@@ -95,24 +100,42 @@ def _weighted(a_MI: torch.Tensor, row_w: torch.Tensor | None) -> torch.Tensor:
     return a_MI if row_w is None else a_MI * row_w.to(a_MI.dtype).unsqueeze(1)
 
 
-class _FC1SwiGLU(torch.autograd.Function):
-    """FC1 (gate||up) -> SwiGLU (× row weight) without saving the SwiGLU output.
+def _landed(x_in: torch.Tensor, src_M: torch.Tensor | None) -> torch.Tensor:
+    """The landed rows: ``x_in`` itself, or re-gathered from the source tokens ``x_in[src_M]``."""
+    return x_in if src_M is None else gather_rows(x_in, src_M)
 
-    Saves the landed rows, plus ``h13`` unless ``recompute_fc1``. Returns ``(h, h13)``;
-    ``h13`` is non-differentiable and only handed to :class:`_FC2Recompute` so that it can
-    rebuild ``h`` (it is the same storage this node saved: no extra memory). With
-    ``recompute_fc1`` ``h13`` is not returned (None) and FC2's backward recomputes it.
+
+def _wgrad(wgrad, name, x_MK, dy_MN, layout, backend, dtype):
+    """``dW`` to return to autograd, or None after adding it into the layer call's accumulator."""
+    if wgrad is not None:
+        wgrad.add(name, x_MK, dy_MN, layout)
+        return None
+    return backend.gmm_wgrad(x_MK, dy_MN, layout).to(dtype)
+
+
+class _FC1SwiGLU(torch.autograd.Function):
+    """(gather) -> FC1 (gate||up) -> SwiGLU (× row weight), without saving the SwiGLU output.
+
+    Input ``x_in``: the landed rows ``[M, H]``, or with ``src_M`` the source tokens ``[N, H]``
+    (``recompute_gather``: the rows are gathered here, not saved, and re-gathered in
+    backward; the gradient goes back to the tokens through ``dest_Nk``). Saves ``x_in``,
+    plus ``h13`` unless ``recompute_fc1``. Returns ``(h, h13)``; ``h13`` is
+    non-differentiable and only handed to :class:`_FC2Recompute` so that it can rebuild ``h``
+    (the storage this node saved: no extra memory). With ``recompute_fc1`` ``h13`` is None
+    and FC2's backward recomputes it. With ``wgrad`` (an accumulator) ``dW13`` is added into
+    it rather than returned.
     """
 
     @staticmethod
-    def forward(ctx, x_MH, w13, row_w, layout, backend, recompute_fc1, box):
-        h13 = backend.gmm(x_MH, w13, layout)
+    def forward(ctx, x_in, w13, row_w, src_M, dest_Nk, layout, backend, recompute_fc1, box, wgrad):
+        h13 = backend.gmm(_landed(x_in, src_M), w13, layout)
         h = _weighted(_swiglu_fwd(h13, layout), row_w)
-        ctx.layout, ctx.backend, ctx.recompute_fc1, ctx.box = layout, backend, recompute_fc1, box
-        ctx.has_w = row_w is not None
-        empty = x_MH.new_empty(0)
-        ctx.save_for_backward(x_MH, w13, row_w if row_w is not None else empty,
-                              empty if recompute_fc1 else h13)
+        ctx.layout, ctx.backend, ctx.recompute_fc1, ctx.box, ctx.wgrad = layout, backend, recompute_fc1, box, wgrad
+        ctx.has_w, ctx.gather = row_w is not None, src_M is not None
+        empty = x_in.new_empty(0)
+        ctx.save_for_backward(x_in, w13, row_w if row_w is not None else empty,
+                              empty if recompute_fc1 else h13,
+                              src_M if src_M is not None else empty, dest_Nk if dest_Nk is not None else empty)
         if recompute_fc1:
             return h, None
         ctx.mark_non_differentiable(h13)
@@ -120,10 +143,13 @@ class _FC1SwiGLU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dh_MI, _dh13):
-        x, w13, row_w, h13 = ctx.saved_tensors
-        layout, be = ctx.layout, ctx.backend
+        x_in, w13, row_w, h13, src_M, dest_Nk = ctx.saved_tensors
+        layout, be, box = ctx.layout, ctx.backend, ctx.box
+        x, box.rows = box.rows, None
+        if x is None:  # FC2's backward did not rebuild the rows
+            x = _landed(x_in, src_M if ctx.gather else None)
         if ctx.recompute_fc1:
-            h13, ctx.box.h13 = ctx.box.h13, None
+            h13, box.h13 = box.h13, None
             if h13 is None:  # FC2's backward did not run first: recompute here
                 h13 = be.gmm(x, w13, layout)
         d_row_w = None
@@ -135,54 +161,85 @@ class _FC1SwiGLU(torch.autograd.Function):
             dh_MI = dh_MI * row_w.to(dh_MI.dtype).unsqueeze(1)
         dh13 = _swiglu_bwd(h13, dh_MI.contiguous(), layout)
         del h13, dh_MI
-        dw13 = be.gmm_wgrad(x, dh13, layout).to(w13.dtype)
+        dw13 = _wgrad(ctx.wgrad, "w13", x, dh13, layout, be, w13.dtype)
+        del x
         dx = be.gmm(dh13, w13.transpose(1, 2), layout)
-        return dx, dw13, d_row_w, None, None, None, None
+        del dh13
+        if ctx.gather:
+            dx = gather_sum(dx, dest_Nk, None)  # Σ over the k landed copies of each token, fp32
+        return dx, dw13, d_row_w, None, None, None, None, None, None, None
 
 
 class _FC2Recompute(torch.autograd.Function):
     """FC2 whose input ``h`` is not saved: backward rebuilds it from what FC1 saved.
 
-    Saves (references to) the landed rows, ``w13``, the row weights and ``h13`` — tensors
-    :class:`_FC1SwiGLU` already keeps — plus ``w2``. With ``recompute_fc1`` it reruns the FC1
-    GEMM (+2·R·H·2I FLOPs) and leaves the result in the box for FC1's backward.
+    Saves (references to) ``x_in``, ``w13``, the row weights and ``h13`` — tensors
+    :class:`_FC1SwiGLU` already keeps — plus ``w2``. With ``recompute_fc1`` it re-gathers the
+    rows if needed and reruns the FC1 GEMM (+2·R·H·2I FLOPs), leaving both in the box for
+    FC1's backward.
     """
 
     @staticmethod
-    def forward(ctx, h_MI, w2, x_MH, w13, row_w, h13, layout, backend, box):
-        ctx.layout, ctx.backend, ctx.box = layout, backend, box
-        ctx.has_w, ctx.has_h13 = row_w is not None, h13 is not None
-        empty = x_MH.new_empty(0)
-        ctx.save_for_backward(w2, x_MH, w13, row_w if row_w is not None else empty,
-                              h13 if h13 is not None else empty)
+    def forward(ctx, h_MI, w2, x_in, w13, row_w, h13, src_M, layout, backend, box, wgrad):
+        ctx.layout, ctx.backend, ctx.box, ctx.wgrad = layout, backend, box, wgrad
+        ctx.has_w, ctx.has_h13, ctx.gather = row_w is not None, h13 is not None, src_M is not None
+        empty = x_in.new_empty(0)
+        ctx.save_for_backward(w2, x_in, w13, row_w if row_w is not None else empty,
+                              h13 if h13 is not None else empty, src_M if src_M is not None else empty)
         return backend.gmm(h_MI, w2, layout)
 
     @staticmethod
     def backward(ctx, dy_MH):
-        w2, x, w13, row_w, h13 = ctx.saved_tensors
+        w2, x_in, w13, row_w, h13, src_M = ctx.saved_tensors
         layout, be = ctx.layout, ctx.backend
         dy_MH = dy_MH.contiguous()
         if not ctx.has_h13:
-            h13 = be.gmm(x, w13, layout)
-            ctx.box.h13 = h13
+            rows = _landed(x_in, src_M if ctx.gather else None)
+            h13 = be.gmm(rows, w13, layout)
+            ctx.box.rows, ctx.box.h13 = rows, h13
+            del rows
         h = _weighted(_swiglu_fwd(h13, layout), row_w if ctx.has_w else None)
         del h13
-        dw2 = be.gmm_wgrad(h, dy_MH, layout).to(w2.dtype)
+        dw2 = _wgrad(ctx.wgrad, "w2", h, dy_MH, layout, be, w2.dtype)
         del h
         dh = be.gmm(dy_MH, w2.transpose(1, 2), layout)
-        return dh, dw2, None, None, None, None, None, None, None
+        return dh, dw2, None, None, None, None, None, None, None, None, None
 
 
-def expert_mlp_recompute(x_MH, w13, w2, row_w, layout, backend, recompute_fc1: bool) -> torch.Tensor:
-    """FC1 -> SwiGLU (× row weight) -> FC2 with selective recompute (MegaBlocks' memory-optimised MLP idea).
+def expert_mlp_recompute(x_in, w13, w2, row_w, layout, backend, recompute_fc1: bool,
+                         source: RowSource | None = None, wgrad: WgradAccumulator | None = None) -> torch.Tensor:
+    """(gather) -> FC1 -> SwiGLU (× row weight) -> FC2 with selective recompute (MegaBlocks' memory-optimised MLP idea).
 
-    Saved for backward: the landed rows ``[M, H]``, ``h13 [M, 2I]`` unless ``recompute_fc1``,
-    the row weights ``[M]`` if folded; never the SwiGLU output. Two autograd nodes, so that
-    FC2's gradients are released before FC1's backward runs.
+    Args:
+        x_in: ``[M, H]`` landed rows, or None with ``source`` (re-gathered in backward).
+        source: :class:`~dropless.permute.RowSource` of the rows (``recompute_gather``).
+        wgrad: accumulator for ``dW13``/``dW2`` (chunked layer calls), or None to return them.
+    Saved for backward: the landed rows ``[M, H]`` (with ``source``: nothing beyond the
+    source tokens and the int64 indices ``src_M``, ``dest_Nk``), ``h13 [M, 2I]`` unless
+    ``recompute_fc1``, the row weights ``[M]`` if folded; never the SwiGLU output. Two
+    autograd nodes, so that FC2's gradients are released before FC1's backward runs.
     """
     box = _RecomputeBox()
-    h, h13 = _FC1SwiGLU.apply(x_MH, w13, row_w, layout, backend, recompute_fc1, box)
-    return _FC2Recompute.apply(h, w2, x_MH, w13, row_w, h13, layout, backend, box)
+    src_M = dest_Nk = None
+    if source is not None:
+        x_in, src_M, dest_Nk = source.x_NH, source.src_M, source.dest_Nk
+    h, h13 = _FC1SwiGLU.apply(x_in, w13, row_w, src_M, dest_Nk, layout, backend, recompute_fc1, box, wgrad)
+    return _FC2Recompute.apply(h, w2, x_in, w13, row_w, h13, src_M, layout, backend, box, wgrad)
+
+
+@dataclass
+class ExpertWeights:
+    """The experts' weights for one layer call, in the compute dtype (cast once for all chunks).
+
+    Attributes:
+        w13: ``[e, H, 2I]``. w2: ``[e, I, H]``.
+        wgrad: the :class:`~dropless.ops.grouped_gemm.WgradAccumulator` summing the chunks'
+            weight gradients in place, or None (each call returns its own).
+    """
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    wgrad: WgradAccumulator | None
 
 
 class GroupedExperts(nn.Module):
@@ -214,35 +271,65 @@ class GroupedExperts(nn.Module):
     def init_weights(self, seed: int, layer_id: int, std: float = 0.02) -> None:
         init_expert_weights_(self.w13, self.w2, seed, layer_id, self.expert_offset, std)
 
-    def forward(self, rows_MH: torch.Tensor, layout: ExpertLayout,
-                row_weight_M: torch.Tensor | None = None, poison: bool = False) -> torch.Tensor:
+    def weights(self, dtype: torch.dtype, accumulate_wgrad: bool = False) -> ExpertWeights:
+        """The weights cast to ``dtype`` once, for one layer call of one or more chunks.
+
+        Args:
+            dtype: compute dtype (autocast's, or the rows' dtype).
+            accumulate_wgrad: sum the chunks' weight gradients in place in one buffer per
+                weight (:class:`~dropless.ops.grouped_gemm.WgradAccumulator`) rather than
+                letting autograd add a fresh one per chunk. Ignored without grad mode.
+        """
+        w13, w2 = self.w13, self.w2
+        acc = None
+        if accumulate_wgrad and torch.is_grad_enabled() and (w13.requires_grad or w2.requires_grad):
+            acc = WgradAccumulator(self.backend)
+            w13, w2 = acc.collect(w13, "w13"), acc.collect(w2, "w2")
+        return ExpertWeights(w13.to(dtype), w2.to(dtype), acc)
+
+    def forward(self, rows_MH: torch.Tensor | None, layout: ExpertLayout,
+                row_weight_M: torch.Tensor | None = None, poison: bool = False, *,
+                weights: ExpertWeights | None = None, source: RowSource | None = None) -> torch.Tensor:
         """Run the experts on the live rows.
 
         Args:
-            rows_MH: ``[M, H]`` landed rows (padding rows unspecified).
+            rows_MH: ``[M, H]`` landed rows (padding rows unspecified); may be None with ``source``.
             layout: their :class:`ExpertLayout` (``e`` = ``num_local_experts``).
             row_weight_M: optional ``[M]`` routing weight per row, multiplied into the
                 SwiGLU output before FC2 (``fold_routing_weights``).
             poison: debug: write NaN into the padding rows of every intermediate.
+            weights: from :meth:`weights` (shared by the chunks of a layer call); default:
+                cast here, gradients returned to autograd.
+            source: the rows' :class:`~dropless.permute.RowSource` (``recompute_gather``):
+                the rows are gathered inside the FC1 node and re-gathered in backward, never
+                saved. Uses the recompute path (``h13`` saved unless ``recompute_fc1``).
         Returns:
             ``[M, H]`` expert outputs in the compute dtype; padding rows unspecified.
         """
-        dt = rows_MH.dtype
-        if torch.is_autocast_enabled(rows_MH.device.type):
-            dt = torch.get_autocast_dtype(rows_MH.device.type)
-        x = rows_MH.to(dt)
-        w13, w2 = self.w13.to(dt), self.w2.to(dt)
-        with torch.autocast(rows_MH.device.type, enabled=False):
-            if (self.recompute_fc1 or self.recompute_swiglu) and not poison:
-                from dropless.ops.grouped_gemm import check_operands
-
-                check_operands(x, w13, layout, self.backend)
-                check_operands(x.new_empty(layout.capacity, w2.shape[1]), w2, layout, self.backend)
+        ref = rows_MH if rows_MH is not None else source.x_NH
+        dt = ref.dtype
+        if torch.is_autocast_enabled(ref.device.type):
+            dt = torch.get_autocast_dtype(ref.device.type)
+        if weights is None:
+            weights = self.weights(dt)
+        w13, w2, acc = weights.w13, weights.w2, weights.wgrad
+        with torch.autocast(ref.device.type, enabled=False):
+            recompute = self.recompute_fc1 or self.recompute_swiglu or source is not None
+            if recompute and not poison:
+                x = None if source is not None else rows_MH.to(dt)
+                if source is not None:
+                    source = RowSource(source.x_NH.to(dt), source.src_M, source.dest_Nk)
+                check_operands(source.x_NH.new_empty(layout.capacity, w13.shape[1]) if x is None else x,
+                               w13, layout, self.backend)
+                check_operands(ref.new_empty(layout.capacity, w2.shape[1], dtype=dt), w2, layout, self.backend)
                 return expert_mlp_recompute(x, w13, w2, row_weight_M, layout, self.backend,
-                                            self.recompute_fc1)
+                                            self.recompute_fc1, source=source, wgrad=acc)
+            if rows_MH is None:
+                rows_MH = permute_rows(source.x_NH, source.src_M, source.dest_Nk)
+            x = rows_MH.to(dt)
             if poison:
                 x = poison_padding(x, layout)
-            h13 = grouped_mm(x, w13, layout, self.backend)
+            h13 = grouped_mm(x, w13, layout, self.backend, wgrad=(acc, "w13") if acc is not None else None)
             if poison:
                 h13 = poison_padding(h13, layout)
             h = swiglu(h13, layout)
@@ -250,7 +337,7 @@ class GroupedExperts(nn.Module):
                 h = h * row_weight_M.to(h.dtype).unsqueeze(1)
             if poison:
                 h = poison_padding(h, layout)
-            y = grouped_mm(h, w2, layout, self.backend)
+            y = grouped_mm(h, w2, layout, self.backend, wgrad=(acc, "w2") if acc is not None else None)
             if poison:
                 y = poison_padding(y, layout)
             return y

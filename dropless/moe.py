@@ -15,9 +15,10 @@ import math
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-from dropless.config import ModelArgs
-from dropless.dispatch import Dispatcher, LocalDispatcher
+from dropless.config import ConfigError, ModelArgs
+from dropless.dispatch import Dispatcher, LocalDispatcher, Pending
 from dropless.experts import GroupedExperts
 from dropless.model.mlp import FeedForward
 from dropless.routing import Router
@@ -39,6 +40,22 @@ class _AttachAuxLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         return grad_out, torch.ones(ctx.aux_shape, dtype=ctx.aux_dtype, device=grad_out.device)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the experts compute in: autocast's when it is on, else ``x``'s."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def _is_fsdp_managed(module: nn.Module) -> bool:
+    """True when FSDP2 shards ``module`` (its parameters are gathered in its forward only)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(module, FSDPModule)
 
 
 def capacity_drop(topk_idx_Tk: torch.Tensor, num_experts: int, capacity_factor: float
@@ -102,6 +119,11 @@ class MoE(nn.Module):
         if self.dispatcher.num_experts != args.n_routed_experts:
             raise ValueError(f"layer {layer_id}: dispatcher built for {self.dispatcher.num_experts} experts but "
                              f"n_routed_experts={args.n_routed_experts}")
+        if args.recompute_gather and not self.dispatcher.gathers_locally:
+            raise ConfigError(f"recompute_gather=True (layer {layer_id}): dispatcher "
+                              f"{self.dispatcher.name!r} lands rows received from other ranks, which cannot be "
+                              "re-gathered locally; use it with dispatcher=local or fsdp, or set "
+                              "recompute_gather=false")
         self.router = Router(args, layer_id)
         self.experts = GroupedExperts(args.hidden_size, args.moe_intermediate_size,
                                       self.dispatcher.num_local_experts, gemm=args.gemm,
@@ -142,7 +164,11 @@ class MoE(nn.Module):
                 topk_idx_Tk, a.n_routed_experts, a.capacity_factor)
         y_TH = self._routed(x_TH, topk_idx_Tk, r.topk_weight_Tk, stats)
         if self.shared_experts is not None:
-            y_TH = y_TH + self.shared_experts(x_TH).to(y_TH.dtype)
+            if a.recompute_fc1 and torch.is_grad_enabled():  # save only x_TH, recompute in backward
+                y_sh = checkpoint(self.shared_experts, x_TH, use_reentrant=False)
+            else:
+                y_sh = self.shared_experts(x_TH)
+            y_TH = y_TH + y_sh.to(y_TH.dtype)
         if self.training and r.aux_loss.requires_grad:
             y_TH = _AttachAuxLoss.apply(y_TH, r.aux_loss)
         self.last_stats = stats
@@ -163,11 +189,17 @@ class MoE(nn.Module):
         n_chunks = max(1, min(a.num_token_chunks, x_TH.shape[0])) if x_TH.shape[0] else 1
         bounds = [x_TH.shape[0] * c // n_chunks for c in range(n_chunks + 1)]
         disp = self.dispatcher
+        regather = a.recompute_gather and not a.poison_padding
+        weights = None
+        if not _is_fsdp_managed(self.experts):  # FSDP2 gathers the weights in experts' forward
+            weights = self.experts.weights(_compute_dtype(x_TH), accumulate_wgrad=n_chunks > 1)
 
         def issue(c):
             lo, hi = bounds[c], bounds[c + 1]
-            return disp.dispatch_async(x_TH[lo:hi], topk_idx_Tk[lo:hi], topk_weight_Tk[lo:hi],
-                                       alignment=a.expert_alignment, fold_weights=a.fold_routing_weights)
+            kw = dict(alignment=a.expert_alignment, fold_weights=a.fold_routing_weights)
+            if regather:  # no rows landed: the experts gather them (and again in backward)
+                return Pending(value=disp.dispatch_source(x_TH[lo:hi], topk_idx_Tk[lo:hi], topk_weight_Tk[lo:hi], **kw))
+            return disp.dispatch_async(x_TH[lo:hi], topk_idx_Tk[lo:hi], topk_weight_Tk[lo:hi], **kw)
 
         pending = issue(0)
         combines, live, cap = [], [], 0
@@ -175,7 +207,8 @@ class MoE(nn.Module):
             d = pending.wait()
             if c + 1 < n_chunks:
                 pending = issue(c + 1)  # next chunk's dispatch overlaps this chunk's experts
-            y_MH = self.experts(d.rows_MH, d.layout, d.row_weight_M, poison=a.poison_padding)
+            y_MH = self.experts(d.rows_MH, d.layout, d.row_weight_M, poison=a.poison_padding, weights=weights,
+                                source=d.source if regather else None)
             live.append(d.layout.counts.sum())
             cap = max(cap, d.layout.capacity)
             combines.append(disp.combine_async(y_MH, d.handle))
