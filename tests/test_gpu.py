@@ -32,10 +32,17 @@ def _layer(A: int, gemm: str = "torch", poison: bool = True, **kw) -> MoE:
     return m.cuda().to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("A", [1, 8, 128])
-def test_layer_bf16_matches_float64_reference(A):
+MEMORY_OPTIONS = [  # issue 6: chunks (weight gradients accumulated by the Triton kernel), recompute, re-gather
+    dict(num_token_chunks=3),
+    dict(poison=False, num_token_chunks=4, recompute_fc1=True, fold_routing_weights=True, recompute_gather=True),
+    dict(poison=False, num_token_chunks=2, recompute_swiglu=True),
+]
+
+
+@pytest.mark.parametrize("A,kw", [(1, {}), (8, {}), (128, {})] + [(8, kw) for kw in MEMORY_OPTIONS])
+def test_layer_bf16_matches_float64_reference(A, kw):
     torch.manual_seed(0)
-    m = _layer(A)
+    m = _layer(A, **kw)
     # push two experts out so empty experts are exercised
     m.router.e_score_correction_bias[3] = -100.0
     m.router.e_score_correction_bias[9] = -100.0
@@ -61,8 +68,10 @@ def test_layer_bf16_matches_float64_reference(A):
     assert (m.experts.w13.grad[3] == 0).all() and (m.experts.w2.grad[9] == 0).all()
 
 
-def test_no_host_sync_in_forward_backward():
-    m = _layer(128, poison=False)
+@pytest.mark.parametrize("kw", [{}, dict(num_token_chunks=4, recompute_fc1=True, fold_routing_weights=True,
+                                          recompute_gather=True)])
+def test_no_host_sync_in_forward_backward(kw):
+    m = _layer(128, poison=False, **kw)
     x = torch.randn(2, 128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     m(x).sum().backward()  # warm-up (lazy init, allocator)
     torch.cuda.synchronize()

@@ -11,6 +11,7 @@ default                b·M·(2H + 3I) + 8·T·k    rows, h13, h, y; dest (int64
 recompute_swiglu       b·M·(2H + 2I) + 8·T·k    rows, h13, y; dest
 recompute_fc1          b·M·2H + 8·T·k           rows, y; dest
 recompute_fc1 + fold   b·M·H + b·(M+1) + 16·T·k rows, row weights (one scratch slot); dest, scatter index
+... + recompute_gather b·(M+1) + 16·T·k + 8·(M+1) row weights; dest, scatter index, src (no rows at all)
 =====================  =========================================================
 
 The routing weights themselves are the router's output (an input here) and not counted.
@@ -30,7 +31,7 @@ M = T * K
 B = 4
 
 
-def saved_bytes(recompute_swiglu: bool, recompute_fc1: bool, fold: bool) -> int:
+def saved_bytes(recompute_swiglu: bool, recompute_fc1: bool, fold: bool, gather: bool = False) -> int:
     torch.manual_seed(0)
     ex = GroupedExperts(H, I, E, recompute_swiglu=recompute_swiglu, recompute_fc1=recompute_fc1)
     ex.init_weights(0, 0)
@@ -49,8 +50,12 @@ def saved_bytes(recompute_swiglu: bool, recompute_fc1: bool, fold: bool) -> int:
 
     disp = LocalDispatcher(E)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        d = disp.dispatch(x, idx, w, fold_weights=fold)
-        y = disp.combine(ex(d.rows_MH, d.layout, d.row_weight_M), d.handle)
+        if gather:
+            d = disp.dispatch_source(x, idx, w, fold_weights=fold)
+            y = disp.combine(ex(None, d.layout, d.row_weight_M, source=d.source), d.handle)
+        else:
+            d = disp.dispatch(x, idx, w, fold_weights=fold)
+            y = disp.combine(ex(d.rows_MH, d.layout, d.row_weight_M), d.handle)
     y.sum().backward()  # the graph is valid and runs
     assert x.grad is not None and w.grad is not None
     return sum(seen.values())
@@ -61,6 +66,7 @@ def saved_bytes(recompute_swiglu: bool, recompute_fc1: bool, fold: bool) -> int:
     ((True, False, False), B * M * (2 * H + 2 * I) + 8 * T * K),
     ((False, True, False), B * M * 2 * H + 8 * T * K),
     ((False, True, True), B * M * H + B * (M + 1) + 16 * T * K),
+    ((False, True, True, True), B * (M + 1) + 16 * T * K + 8 * (M + 1)),
 ])
 def test_saved_bytes_match_formula(opts, expected):
     assert saved_bytes(*opts) == expected
@@ -89,10 +95,103 @@ def _layer_run(**kw):
 @pytest.mark.parametrize("kw", [dict(recompute_swiglu=True), dict(recompute_fc1=True),
                                 dict(recompute_swiglu=True, fold_routing_weights=True),
                                 dict(recompute_fc1=True, fold_routing_weights=True, expert_alignment=8),
-                                dict(num_token_chunks=3), dict(num_token_chunks=4, recompute_fc1=True)])
+                                dict(num_token_chunks=3), dict(num_token_chunks=4, recompute_fc1=True),
+                                dict(recompute_gather=True), dict(recompute_gather=True, expert_alignment=8),
+                                dict(recompute_gather=True, recompute_fc1=True, fold_routing_weights=True,
+                                     num_token_chunks=3),
+                                dict(num_token_chunks=2, expert_alignment=8, poison_padding=True,
+                                     recompute_gather=True)])
 def test_memory_options_give_the_same_output_and_gradients(kw):
     """Recompute, folded weights and token chunks change memory, not results (fp32, rel 1e-5)."""
     base = _layer_run()
     for got, want in zip(_layer_run(**kw), base):
         assert torch.isfinite(got).all()
         assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+
+
+def _layer_saved(autocast: bool = False, **kw):
+    """Saved-tensor bytes of a whole MoE layer (router, dispatch, experts, combine, shared expert)."""
+    from dropless import ModelArgs
+    from dropless.moe import MoE
+
+    args = ModelArgs(hidden_size=H, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=K,
+                     n_group=4, topk_group=2, aux_loss_alpha=1e-3, routed_scaling_factor=2.5, **kw)
+    m = MoE(args, 0)
+    m.init_weights(1)
+    x = torch.randn(1, T, H, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    skip = {p.untyped_storage().data_ptr() for p in m.parameters()} | {x.untyped_storage().data_ptr()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        y = m(x)
+    y.float().sum().backward()
+    return sum(seen.values())
+
+
+def test_whole_layer_with_recompute_saves_less_than_one_copy_of_the_rows():
+    """DESIGN.md's bound for the whole layer: router, shared expert and all, below R·H·b bytes.
+
+    With recompute_fc1 + fold + recompute_gather nothing of size R·H or T·I is saved: the
+    router's fp32 gate saves the layer input itself, not an fp32 copy; the shared expert
+    recomputes; the rows are re-gathered. What is left is the router's [T, E] scores and
+    the indices."""
+    rows = B * M * H
+    full = _layer_saved()
+    gathered = _layer_saved(recompute_fc1=True, fold_routing_weights=True, recompute_gather=True)
+    kept = _layer_saved(recompute_fc1=True, fold_routing_weights=True)
+    assert gathered < rows < full
+    # recompute_gather trades the saved landed rows for the int64 source index src_M (M + 1 slots)
+    assert kept - gathered == rows - 8 * (M + 1)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(recompute_fc1=True, fold_routing_weights=True, recompute_gather=True)])
+def test_saved_bytes_do_not_grow_with_chunks(kw):
+    """The chunks share one cast of the expert weights (bf16 autocast over fp32 weights): N
+    chunks save no more than one does, up to the per-chunk index tensors' spare slots."""
+    one = _layer_saved(autocast=True, **kw)
+    four = _layer_saved(autocast=True, num_token_chunks=4, **kw)
+    assert four <= one + 64 * 4 * 3, (one, four)  # ≤ one spare slot per index tensor per chunk
+
+
+def test_chunked_weight_gradients_accumulate_in_one_buffer():
+    """With N chunks the experts' weight gradients are summed in place into one buffer per
+    weight, in the parameter's dtype, and equal N = 1 (fp32 weights, bf16 autocast)."""
+    from dropless import ModelArgs
+    from dropless.moe import MoE
+
+    grads = []
+    for n in (1, 4):
+        args = ModelArgs(hidden_size=H, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=K,
+                         n_group=4, topk_group=2, aux_loss_alpha=0.0, num_token_chunks=n)
+        m = MoE(args, 0)
+        m.init_weights(1)
+        x = torch.randn(1, T, H, generator=torch.Generator().manual_seed(5))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = m(x)
+        y.float().square().sum().backward()
+        assert m.experts.w13.grad.dtype == torch.float32
+        grads.append([m.experts.w13.grad, m.experts.w2.grad])
+    for a, b in zip(*grads):
+        assert ((a - b).abs().max() / b.abs().max()).item() < 2e-2  # bf16 GEMMs over other row splits
+        assert (a != 0).any()
+
+
+def test_recompute_gather_needs_a_local_dispatcher():
+    from dropless import ModelArgs
+    from dropless.config import ConfigError
+    from dropless.moe import MoE
+
+    class Remote(LocalDispatcher):  # stands in for a2a/agrs/deepep: rows come from other ranks
+        gathers_locally = False
+
+    args = ModelArgs(hidden_size=H, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=K,
+                     n_group=4, topk_group=2, recompute_gather=True)
+    with pytest.raises(ConfigError, match="recompute_gather"):
+        MoE(args, 0, dispatcher=Remote(E))

@@ -1,8 +1,8 @@
 """The live-row Triton kernels against plain torch (float64 references).
 
-Runs on CUDA, or on the CPU under Triton's interpreter (``TRITON_INTERPRET=1`` set before
-triton is imported, as ``tests/conftest.py`` does when ``DROPLESS_TRITON_INTERPRET=1``);
-skipped where triton is not installed.
+Runs on CUDA, or on the CPU under Triton's interpreter (``TRITON_INTERPRET=1`` in the
+environment before triton is imported, as ``.ci/run`` does); skipped where triton is not
+installed.
 """
 
 from __future__ import annotations
@@ -107,10 +107,14 @@ def test_zero_gap_rows_writes_only_the_gaps():
 
 @pytest.mark.parametrize("A", [1, 8])
 @pytest.mark.parametrize("opts", [{}, dict(recompute_fc1=True, fold_routing_weights=True),
-                                  dict(recompute_swiglu=True)])
+                                  dict(recompute_swiglu=True),
+                                  dict(num_token_chunks=3),  # chunks' weight gradients: dropless.ops.triton_wgrad
+                                  dict(num_token_chunks=3, recompute_fc1=True, fold_routing_weights=True,
+                                       recompute_gather=True)])
 def test_layer_on_the_kernel_path_matches_float64_reference(monkeypatch, A, opts):
     """The whole MoE layer taking every Triton path (SwiGLU, gather-sum, combine backward, zeroed
-    gaps and empty experts) against the float64 reference loop: output and all gradients."""
+    gaps and empty experts, the chunks' accumulated weight gradients) against the float64
+    reference loop: output and all gradients."""
     import dropless.experts
     import dropless.ops
     import dropless.ops.torch_backend
