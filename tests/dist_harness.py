@@ -183,7 +183,7 @@ def layer_worker(rank, world, scenarios):
     out = {}
     for sc in scenarios:
         args = model_args(expert_alignment=sc["alignment"], fold_routing_weights=sc["fold"],
-                          num_token_chunks=sc.get("chunks", 1))
+                          num_token_chunks=sc.get("chunks", 1), **sc.get("opts", {}))
         name = sc["dispatcher"]
         disp = build_dispatcher(name, args, None if name == "fsdp" else mesh_ep)
         moe = MoE(args, LAYER_ID, disp)

@@ -12,7 +12,8 @@ n_group=4, topk_group=2, one shared expert, T=12 tokens per rank, aux loss off (
 per-rank sequence mean is a router matter, not a dispatcher one).
 
 Scenarios: alignment A ∈ {1, 8}, weights folded or not, ``num_token_chunks = 3`` (the MoE
-layer's two-phase dispatch/combine with several chunks in flight), and a router biased so that every
+layer's two-phase dispatch/combine with several chunks in flight; also with recompute_fc1, folded
+weights and, for fsdp, recompute_gather on top), and a router biased so that every
 token picks rank 0's experts — the other ranks land no row at all and must still run
 forward and backward (no hang) with equal values. The byte counters are checked against
 DESIGN.md's formulas. Runtime: one 2-rank and one 4-rank spawn for the module, ≈ 25 s.
@@ -38,6 +39,12 @@ SCENARIOS = [
     # num_token_chunks = 3: the next chunk's dispatch is in flight while this chunk's experts run
     dict(name=f"{d}-A8-nofold-3chunks", dispatcher=d, alignment=8, fold=False, biased=False, chunks=3)
     for d in ("a2a", "agrs")
+] + [
+    # issue 6's memory options on top: chunk weight gradients summed in one buffer, FC1 recomputed,
+    # and for fsdp (a local gather) the landed rows re-gathered in backward
+    dict(name=f"{d}-A8-fold-3chunks-recompute", dispatcher=d, alignment=8, fold=True, biased=False, chunks=3,
+         opts=dict(recompute_fc1=True, recompute_gather=d == "fsdp"))
+    for d in ("a2a", "agrs", "fsdp")
 ]
 # a mutation run: agrs with the all-gather's backward returning only this rank's own slice
 # (the bug the issue names); the equivalence check must catch it

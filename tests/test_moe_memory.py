@@ -195,3 +195,32 @@ def test_recompute_gather_needs_a_local_dispatcher():
                      n_group=4, topk_group=2, recompute_gather=True)
     with pytest.raises(ConfigError, match="recompute_gather"):
         MoE(args, 0, dispatcher=Remote(E))
+
+
+@pytest.mark.parametrize("kw", [dict(num_token_chunks=3),
+                                dict(num_token_chunks=3, recompute_fc1=True, fold_routing_weights=True,
+                                     recompute_gather=True)])
+def test_memory_options_under_activation_checkpointing(kw):
+    """The layer recomputed by torch.utils.checkpoint (train.activation_checkpointing) with chunks
+    (a fresh gradient accumulator in the recompute) and the nested shared-expert checkpoint:
+    same output and gradients as the plain layer, and the router counts its tokens once."""
+    from torch.utils.checkpoint import checkpoint
+
+    from dropless import ModelArgs
+    from dropless.moe import MoE
+
+    def run(ckpt, **opts):
+        args = ModelArgs(hidden_size=32, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2,
+                         n_group=4, topk_group=2, aux_loss_alpha=1e-3, routed_scaling_factor=2.5, **opts)
+        m = MoE(args, 0)
+        m.init_weights(1)
+        x = torch.randn(2, 24, 32, generator=torch.Generator().manual_seed(5), requires_grad=True)
+        y = checkpoint(m, x, use_reentrant=False) if ckpt else m(x)
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(6)))
+        return [y, x.grad] + [p.grad for p in m.parameters()], m.router.tokens_per_expert.clone()
+
+    want, counts = run(False)
+    got, got_counts = run(True, **kw)
+    assert torch.equal(got_counts, counts)
+    for g, w in zip(got, want):
+        assert ((g - w).abs().max() / w.abs().max()).item() < 1e-5
