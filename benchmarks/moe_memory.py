@@ -8,9 +8,9 @@ bf16, local dispatcher) and every N in ``--chunks`` (default 1 2 4 8), for each 
 * ``activation_peak_gib``: ``torch.cuda.max_memory_allocated`` over forward+backward minus
   the weights, the input and the gradients that backward leaves (gradients start as None,
   as after ``zero_grad(set_to_none=True)``, so a weight gradient is never a transient copy);
-* ``saved_gib``: bytes of the tensors autograd saved for backward in this layer
-  (``torch.autograd.graph.saved_tensors_hooks``, each storage once; parameters and the layer
-  input excluded),
+* ``saved_gib``: bytes of the tensors autograd saved for backward in this layer and backward
+  read (``torch.autograd.graph.saved_tensors_hooks``, each storage once; parameters and the
+  layer input excluded),
   against one copy of the landed rows ``R·H·2`` bytes;
 * ``fwdbwd_ms``: median time of forward+backward;
 * ``peak_vs_n1`` / ``time_vs_n1``: against N = 1 of the same setting, and ``peak_vs_default`` /
@@ -62,9 +62,15 @@ def measure(T, H, I, E, k, chunks: int, setting: str, explain: bool = False) -> 
     step()
     torch.cuda.synchronize()
     skip = {p.untyped_storage().data_ptr() for p in params} | {x.untyped_storage().data_ptr()}
+    packed: list[torch.Tensor] = []
     seen: dict[int, int] = {}
 
-    def pack(t):
+    def pack(t):  # keep every packed tensor alive until backward: no address reuse between storages
+        packed.append(t)
+        return len(packed) - 1
+
+    def unpack(i):  # count what backward reads (a node of a graph dropped in forward never is)
+        t = packed[i]
         st = t.untyped_storage()
         if st.data_ptr() not in skip and t.device.type == "cuda":
             seen[st.data_ptr()] = st.nbytes()
@@ -72,10 +78,10 @@ def measure(T, H, I, E, k, chunks: int, setting: str, explain: bool = False) -> 
 
     for p in params:
         p.grad = None
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         y = moe(x)
     y.backward(gy)
-    del y
+    del y, packed
     saved = [sum(seen.values())]
     for p in params:
         p.grad = None

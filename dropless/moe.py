@@ -12,6 +12,7 @@ DESIGN.md "The pipeline"::
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch import nn
@@ -124,6 +125,11 @@ class MoE(nn.Module):
                               f"{self.dispatcher.name!r} lands rows received from other ranks, which cannot be "
                               "re-gathered locally; use it with dispatcher=local or fsdp, or set "
                               "recompute_gather=false")
+        if args.num_token_chunks > 1 and self.dispatcher.name == "fsdp":
+            warnings.warn(f"layer {layer_id}: num_token_chunks={args.num_token_chunks} with dispatcher=fsdp runs the "
+                          "FSDP2-sharded experts once per chunk, so their weights are all-gathered "
+                          f"{args.num_token_chunks} times per layer call (and again in backward); "
+                          "use num_token_chunks=1 with fsdp unless memory needs it", stacklevel=2)
         self.router = Router(args, layer_id)
         self.experts = GroupedExperts(args.hidden_size, args.moe_intermediate_size,
                                       self.dispatcher.num_local_experts, gemm=args.gemm,
@@ -184,6 +190,15 @@ class MoE(nn.Module):
         experts run, and chunk c's combine is issued before chunk c+1's experts, so the
         collectives overlap expert compute. Outputs equal N = 1: every row sees the same
         expert and the combine sums over k in the same order.
+
+        The expert weights are cast to the compute dtype once for all chunks
+        (:meth:`GroupedExperts.weights`), and with N > 1 the chunks' weight gradients are
+        summed in place into one buffer per weight (:class:`~dropless.ops.grouped_gemm.WgradAccumulator`)
+        instead of one fresh ``[e, H, 2I]`` / ``[e, I, H]`` gradient per chunk. Under FSDP2
+        (``dispatcher=fsdp``) the weights exist only inside the experts' forward, so each
+        chunk casts its own and autograd sums the gradients. With ``recompute_gather`` the
+        dispatcher lands no rows (:meth:`~dropless.dispatch.Dispatcher.dispatch_source`): the
+        experts gather them from ``x_TH`` and gather again in backward.
         """
         a = self.args
         n_chunks = max(1, min(a.num_token_chunks, x_TH.shape[0])) if x_TH.shape[0] else 1

@@ -284,7 +284,7 @@ class Router(nn.Module):
         with torch.autocast(device_type=x_TH.device.type, enabled=False):  # fp32 logits
             logits_TE = _Fp32Logits.apply(x_TH, self.weight)
         torch._assert_async(
-            torch.isfinite(logits_TE).all(),
+            torch.isfinite(logits_TE.detach()).all(),  # detached: abs() inside isfinite would record a node
             f"Router ({self.layer_name}): non-finite router logits (NaN/Inf) — the "
             "input hidden states or the gate weight hold NaN/Inf; check the previous "
             "layer's output, the learning rate and the loss scale",

@@ -1,8 +1,9 @@
 """Saved-for-backward bytes of the routed MoE path for each memory option (issue 6, item 5).
 
 Measured with ``torch.autograd.graph.saved_tensors_hooks`` over dispatch -> experts -> combine
-(local dispatcher, fp32 on CPU, A = 1 so M = R = T·k), counting each saved storage once and
-leaving out parameters and the layer input, and asserted against the formula of each option:
+(local dispatcher, fp32 on CPU, A = 1 so M = R = T·k), counting each saved storage that
+backward reads once and leaving out parameters and the layer input (:class:`SavedBytes`), and
+asserted against the formula of each option:
 
 =====================  =========================================================
 option                 saved bytes (b = 4, fp32)
@@ -26,6 +27,43 @@ import torch
 from dropless.dispatch import LocalDispatcher
 from dropless.experts import GroupedExperts
 
+class SavedBytes:
+    """Bytes of the distinct storages that autograd saved and backward then read.
+
+    ``with SavedBytes(skip) as sb:`` around the forward; after ``backward()``, ``sb.total()``.
+    Counting what backward unpacks leaves out tensors saved by nodes of graphs that were
+    dropped in forward (they never reach backward), and holding every packed tensor until
+    then keeps a freed storage's address from being reused by another one. ``skip``:
+    tensors not to count (parameters, the layer input)."""
+
+    def __init__(self, skip):
+        self.skip = {t.untyped_storage().data_ptr() for t in skip}
+        self.packed: list[torch.Tensor] = []
+        self.used: dict[int, int] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t):
+        self.packed.append(t)
+        return len(self.packed) - 1
+
+    def _unpack(self, i):
+        t = self.packed[i]
+        st = t.untyped_storage()
+        if st.data_ptr() not in self.skip:
+            self.used[st.data_ptr()] = st.nbytes()
+        return t
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+    def total(self) -> int:
+        return sum(self.used.values())
+
+
 T, H, I, E, K = 64, 32, 16, 8, 2
 M = T * K
 B = 4
@@ -38,18 +76,8 @@ def saved_bytes(recompute_swiglu: bool, recompute_fc1: bool, fold: bool, gather:
     x = torch.randn(T, H, requires_grad=True)
     idx = torch.randint(0, E, (T, K))
     w = torch.rand(T, K, requires_grad=True)
-    skip = {p.untyped_storage().data_ptr() for p in ex.parameters()} | {x.untyped_storage().data_ptr(),
-                                                                          w.untyped_storage().data_ptr()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in skip:
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
     disp = LocalDispatcher(E)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedBytes([*ex.parameters(), x, w]) as sb:
         if gather:
             d = disp.dispatch_source(x, idx, w, fold_weights=fold)
             y = disp.combine(ex(None, d.layout, d.row_weight_M, source=d.source), d.handle)
@@ -58,7 +86,7 @@ def saved_bytes(recompute_swiglu: bool, recompute_fc1: bool, fold: bool, gather:
             y = disp.combine(ex(d.rows_MH, d.layout, d.row_weight_M), d.handle)
     y.sum().backward()  # the graph is valid and runs
     assert x.grad is not None and w.grad is not None
-    return sum(seen.values())
+    return sb.total()
 
 
 @pytest.mark.parametrize("opts,expected", [
@@ -119,20 +147,10 @@ def _layer_saved(autocast: bool = False, **kw):
     m = MoE(args, 0)
     m.init_weights(1)
     x = torch.randn(1, T, H, generator=torch.Generator().manual_seed(5), requires_grad=True)
-    skip = {p.untyped_storage().data_ptr() for p in m.parameters()} | {x.untyped_storage().data_ptr()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in skip:
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-            torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    with SavedBytes([*m.parameters(), x]) as sb, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         y = m(x)
     y.float().sum().backward()
-    return sum(seen.values())
+    return sb.total()
 
 
 def test_whole_layer_with_recompute_saves_less_than_one_copy_of_the_rows():
