@@ -204,7 +204,7 @@ class MoE(nn.Module):
         n_chunks = max(1, min(a.num_token_chunks, x_TH.shape[0])) if x_TH.shape[0] else 1
         bounds = [x_TH.shape[0] * c // n_chunks for c in range(n_chunks + 1)]
         disp = self.dispatcher
-        regather = a.recompute_gather and not a.poison_padding
+        regather = a.recompute_gather and not a.poison_padding  # the poisoned debug path lands the rows
         weights = None
         if not _is_fsdp_managed(self.experts):  # FSDP2 gathers the weights in experts' forward
             weights = self.experts.weights(_compute_dtype(x_TH), accumulate_wgrad=n_chunks > 1)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from dropless.layout import ExpertLayout
-from dropless.permute import RowSource, permute_rows
+from dropless.permute import RowSource
 
 
 @dataclass
@@ -34,9 +34,8 @@ class Dispatched:
             folded into the activation (``fold_routing_weights``), else None.
         handle: dispatcher-specific state that :meth:`Dispatcher.combine` needs
             (integer indices, split sizes, the weights when not folded).
-        source: where the rows come from, when they are a local gather
-            (:meth:`LocalDispatcher.dispatch_source <dropless.dispatch.local.LocalDispatcher.dispatch_source>`);
-            then ``rows_MH`` may be None until :meth:`landed_rows` gathers it.
+        source: where the rows come from, when they are a local gather (``local``, ``fsdp``);
+            ``rows_MH`` is None after :meth:`Dispatcher.dispatch_source`, whose caller gathers.
     """
 
     rows_MH: torch.Tensor | None
@@ -44,13 +43,6 @@ class Dispatched:
     row_weight_M: torch.Tensor | None
     handle: Any
     source: RowSource | None = None
-
-    def landed_rows(self) -> torch.Tensor:
-        """``rows_MH``, gathered from :attr:`source` (index-only autograd) if not yet landed."""
-        if self.rows_MH is None:
-            s = self.source
-            self.rows_MH = permute_rows(s.x_NH, s.src_M, s.dest_Nk)
-        return self.rows_MH
 
 
 @dataclass
