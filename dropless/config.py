@@ -69,10 +69,11 @@ class ModelArgs:
     bias_update_speed: float = 1e-3         # γ of the aux-loss-free bias update
     expert_alignment: int = 1               # A: each expert segment starts on a multiple of A
     capacity_factor: float | None = None    # None = dropless; a number = old token-dropping baseline
-    num_token_chunks: int = 1               # N: split the rank's tokens into N chunks
+    num_token_chunks: int = 1               # N: split the rank's tokens into N chunks (at most one per token)
     recompute_swiglu: bool = False          # recompute the SwiGLU output in backward
     recompute_fc1: bool = False             # recompute the FC1 (gate||up) output (and the shared experts) in backward
-    recompute_gather: bool = False          # re-gather the landed rows from the layer input in backward (EP = 1)
+    recompute_gather: bool = False          # re-gather the landed rows from the layer input in backward
+                                            # (local/fsdp; implies recompute_swiglu; off under poison_padding)
     fold_routing_weights: bool = False      # multiply routing weights in before FC2
     gemm: str = "torch"                     # grouped GEMM backend (dropless.ops.list_backends())
     poison_padding: bool = False            # debug: fill padding rows of every buffer with NaN

@@ -121,15 +121,15 @@ class MoE(nn.Module):
             raise ValueError(f"layer {layer_id}: dispatcher built for {self.dispatcher.num_experts} experts but "
                              f"n_routed_experts={args.n_routed_experts}")
         if args.recompute_gather and not self.dispatcher.gathers_locally:
-            raise ConfigError(f"recompute_gather=True (layer {layer_id}): dispatcher "
-                              f"{self.dispatcher.name!r} lands rows received from other ranks, which cannot be "
-                              "re-gathered locally; use it with dispatcher=local or fsdp, or set "
+            raise ConfigError(f"recompute_gather=True (layer {layer_id}): dispatcher {self.dispatcher.name!r} lands "
+                              "its rows through a collective, so they cannot be re-gathered from this rank's "
+                              "tokens in backward; use it with dispatcher=local or fsdp, or set "
                               "recompute_gather=false")
-        if args.num_token_chunks > 1 and self.dispatcher.name == "fsdp":
-            warnings.warn(f"layer {layer_id}: num_token_chunks={args.num_token_chunks} with dispatcher=fsdp runs the "
-                          "FSDP2-sharded experts once per chunk, so their weights are all-gathered "
-                          f"{args.num_token_chunks} times per layer call (and again in backward); "
-                          "use num_token_chunks=1 with fsdp unless memory needs it", stacklevel=2)
+        if args.num_token_chunks > 1 and self.dispatcher.name == "fsdp":  # shown once per process
+            warnings.warn(f"num_token_chunks={args.num_token_chunks} with dispatcher=fsdp runs the FSDP2-sharded "
+                          "experts once per chunk, so each MoE layer all-gathers its expert weights "
+                          f"{args.num_token_chunks} times per forward (and again in backward); use "
+                          "num_token_chunks=1 with fsdp unless memory needs it", stacklevel=1)
         self.router = Router(args, layer_id)
         self.experts = GroupedExperts(args.hidden_size, args.moe_intermediate_size,
                                       self.dispatcher.num_local_experts, gemm=args.gemm,

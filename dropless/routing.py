@@ -253,7 +253,7 @@ class Router(nn.Module):
                 keep_idx = group_score_TG.topk(self.topk_group, dim=-1).indices
                 keep_TG = torch.zeros_like(group_score_TG, dtype=torch.bool)
                 keep_TG.scatter_(1, keep_idx, True)
-                biased_TE = biased_TGe.masked_fill(~keep_TG.unsqueeze(-1), float("-inf")).view(T, -1)
+                biased_TE = biased_TGe.masked_fill(~keep_TG.unsqueeze(-1), float("-inf")).view(T, self.n_experts)
             return biased_TE.topk(self.topk, dim=-1).indices
 
     def forward(self, x_TH: torch.Tensor, seq_len: int | None = None,

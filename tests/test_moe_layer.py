@@ -319,3 +319,21 @@ def test_non_finite_router_logits(bad):
 def test_experts_shapes():
     ex = GroupedExperts(H, I, 4, gemm="loop")
     assert ex.w13.shape == (4, H, 2 * I) and ex.w2.shape == (4, I, H)
+
+
+@pytest.mark.parametrize("kw", [{}, dict(num_token_chunks=3),
+                                dict(recompute_fc1=True, fold_routing_weights=True, recompute_gather=True)])
+def test_zero_tokens(kw):
+    """A rank with no tokens ([0, H]): an empty output, zero expert gradients, no error."""
+    from dropless import ModelArgs
+    from dropless.moe import MoE
+
+    m = MoE(ModelArgs(hidden_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                      n_group=4, topk_group=2, n_shared_experts=1, **kw))
+    m.init_weights(0)
+    x = torch.randn(0, 64, requires_grad=True)
+    y = m(x)
+    assert y.shape == (0, 64)
+    y.sum().backward()
+    assert x.grad.shape == (0, 64)
+    assert m.experts.w13.grad is None or not m.experts.w13.grad.any()
