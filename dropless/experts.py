@@ -96,8 +96,9 @@ class _RecomputeBox:
         self.h13: torch.Tensor | None = None
 
 
-def _weighted(a_MI: torch.Tensor, row_w: torch.Tensor | None) -> torch.Tensor:
-    return a_MI if row_w is None else a_MI * row_w.to(a_MI.dtype).unsqueeze(1)
+def _weighted_(a_MI: torch.Tensor, row_w: torch.Tensor | None) -> torch.Tensor:
+    """``a_MI × row_w`` per row, in place (``a_MI`` is a fresh SwiGLU output nobody else holds)."""
+    return a_MI if row_w is None else a_MI.mul_(row_w.to(a_MI.dtype).unsqueeze(1))
 
 
 def _landed(x_in: torch.Tensor, src_M: torch.Tensor | None) -> torch.Tensor:
@@ -129,7 +130,7 @@ class _FC1SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_in, w13, row_w, src_M, dest_Nk, layout, backend, recompute_fc1, box, wgrad):
         h13 = backend.gmm(_landed(x_in, src_M), w13, layout)
-        h = _weighted(_swiglu_fwd(h13, layout), row_w)
+        h = _weighted_(_swiglu_fwd(h13, layout), row_w)
         ctx.layout, ctx.backend, ctx.recompute_fc1, ctx.box, ctx.wgrad = layout, backend, recompute_fc1, box, wgrad
         ctx.has_w, ctx.gather = row_w is not None, src_M is not None
         empty = x_in.new_empty(0)
@@ -175,8 +176,8 @@ class _FC2Recompute(torch.autograd.Function):
 
     Saves (references to) ``x_in``, ``w13``, the row weights and ``h13`` — tensors
     :class:`_FC1SwiGLU` already keeps — plus ``w2``. With ``recompute_fc1`` it re-gathers the
-    rows if needed and reruns the FC1 GEMM (+2·R·H·2I FLOPs), leaving both in the box for
-    FC1's backward.
+    rows if needed and reruns the FC1 GEMM (+2·R·H·2I FLOPs), leaving the result (and the
+    rows, when they were saved rather than re-gathered) in the box for FC1's backward.
     """
 
     @staticmethod
@@ -196,9 +197,11 @@ class _FC2Recompute(torch.autograd.Function):
         if not ctx.has_h13:
             rows = _landed(x_in, src_M if ctx.gather else None)
             h13 = be.gmm(rows, w13, layout)
-            ctx.box.rows, ctx.box.h13 = rows, h13
+            # re-gathered rows are not kept for FC1's backward (it gathers again, a cheap copy):
+            # they would sit beside this node's [M, H] gradient, the backward's largest buffers
+            ctx.box.rows, ctx.box.h13 = (None if ctx.gather else rows), h13
             del rows
-        h = _weighted(_swiglu_fwd(h13, layout), row_w if ctx.has_w else None)
+        h = _weighted_(_swiglu_fwd(h13, layout), row_w if ctx.has_w else None)
         del h13
         dw2 = _wgrad(ctx.wgrad, "w2", h, dy_MH, layout, be, w2.dtype)
         del h
