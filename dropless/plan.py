@@ -27,6 +27,7 @@ EP ≈ 7, ≈ 131,000 tokens per rank            :func:`a2a_agrs_crossover_ep`,
 +199 %, +37 % (mean ≈ +19 %)                 :func:`tile_overhead_bound`
 32 rows per expert, 4× at A = 128            :func:`decode_alignment_cost`
 3.00 / 2.25 / 0.375 GiB (295B config)        :func:`activation_bytes`
+saved-for-backward by memory option          :func:`saved_bytes` (issue 6, not a seed figure)
 671B total, 37B activated                    :func:`param_counts`
 ==========================================  ==============================
 
@@ -57,6 +58,7 @@ __all__ = [
     "align_up", "local_experts", "check_counts", "routed_rows", "mean_rows_per_expert",
     "aligned_rows", "alignment_bound_rows", "flops_per_row_per_expert", "expert_flops",
     "capacity_per_expert", "CapacityRow", "capacity_table", "ActivationBytes", "activation_bytes",
+    "MEMORY_SETTINGS", "saved_bytes",
     "CommBytes", "a2a_bytes", "agrs_bytes", "fsdp_bytes", "expert_weight_bytes",
     "a2a_agrs_crossover_ep", "fsdp_a2a_breakeven_tokens", "DecodeCost", "decode_alignment_cost",
     "TileCost", "tile_visits", "TileBound", "tile_overhead_bound",
@@ -304,6 +306,44 @@ def activation_bytes(tokens: int, rows: int, hidden_size: int, moe_intermediate_
     H, I = hidden_size, moe_intermediate_size
     return ActivationBytes(x=tokens * H * b, landed_rows=rows * H * b, gate_up=rows * 2 * I * b,
                            swiglu=rows * I * b, fc2_out=rows * H * b)
+
+
+#: The MoE memory settings of :func:`saved_bytes`, in order of what they drop.
+MEMORY_SETTINGS = ("default", "recompute_swiglu", "recompute_fc1", "recompute_fc1+fold",
+                   "recompute_fc1+fold+gather")
+
+
+def saved_bytes(rows: int, hidden_size: int, moe_intermediate_size: int, setting: str,
+                bytes_per_element: int = 2) -> int:
+    """Bytes the routed experts keep for backward per layer, without indices (issue 6).
+
+    ``rows`` = ``M``, the landed buffer's rows. By setting (``b`` bytes per element):
+
+    * ``default``: ``b·M·(2H + 3I)`` — landed rows, gate‖up, SwiGLU output, FC2 output
+      (the combine keeps the FC2 output for the routing weights' gradient);
+    * ``recompute_swiglu``: ``b·M·(2H + 2I)`` — no SwiGLU output;
+    * ``recompute_fc1``: ``b·M·2H`` — no gate‖up either;
+    * ``recompute_fc1+fold``: ``b·M·H`` — weights folded before FC2, so the FC2 output is
+      not kept: one copy of the landed rows (DESIGN.md's bound);
+    * ``recompute_fc1+fold+gather``: ``0`` — the rows are re-gathered from ``x`` (EP = 1).
+
+    On top come the int64 indices (``16·T·k`` bytes and ``8·M`` with ``recompute_gather``) and
+    the folded row weights (``b·M``); ``tests/test_moe_memory.py`` measures all of it with
+    ``saved_tensors_hooks``. Without activation checkpointing every MoE layer keeps this
+    until its backward.
+
+    Raises:
+        ValueError: an unknown setting (the message lists them).
+    """
+    if setting not in MEMORY_SETTINGS:
+        raise ValueError(f"saved_bytes: setting={setting!r}; choose one of {MEMORY_SETTINGS}")
+    if rows < 0:
+        raise ValueError(f"rows={rows!r} must be >= 0")
+    b = _positive_int("bytes_per_element", bytes_per_element)
+    H, I = hidden_size, moe_intermediate_size
+    per_row = {"default": 2 * H + 3 * I, "recompute_swiglu": 2 * H + 2 * I, "recompute_fc1": 2 * H,
+               "recompute_fc1+fold": H, "recompute_fc1+fold+gather": 0}[setting]
+    return b * rows * per_row
 
 
 # --------------------------------------------------------------------------- communication (§14)
@@ -774,6 +814,8 @@ def plan(shape: RankShape, counts: Sequence[int] | None = None,
         },
         "capacity": [asdict(r) for r in cap_rows],
         "activation_bytes": asdict(activation_bytes(T, aligned, H, I)),
+        "saved_bytes": {m: saved_bytes(aligned, H, I, m) for m in MEMORY_SETTINGS
+                        if s.ep_size == 1 or not m.endswith("gather")},
         "comm_bytes": {
             c.dispatcher: {"out": c.out_bytes, "back": c.back_bytes, "total": c.total}
             for c in (a2a, agrs, fsdp)
@@ -895,6 +937,10 @@ def format_plan(p: dict[str, Any]) -> str:
         ["SwiGLU [R,I]", _fmt_bytes(ab["swiglu"])],
         ["FC2 out [R,H]", _fmt_bytes(ab["fc2_out"])],
     ])]
+    sv = p["saved_bytes"]
+    parts += ["", "Kept for backward by the routed experts (bf16, one layer, without indices; "
+                  "model.* memory options)", _table(["setting", "bytes"], [
+        [m, _fmt_bytes(v)] for m, v in sv.items()])]
     cb = p["comm_bytes"]
     parts += ["", f"Bytes sent per rank per layer, forward (a2a dispatch {r['dispatch_dtype']}, "
                   "combine bf16)", _table(["dispatcher", "out", "back", "total"], [

@@ -100,6 +100,21 @@ def test_saved_bytes_match_formula(opts, expected):
     assert saved_bytes(*opts) == expected
 
 
+@pytest.mark.parametrize("setting,opts,extra", [
+    ("default", (False, False, False), 8 * T * K),
+    ("recompute_swiglu", (True, False, False), 8 * T * K),
+    ("recompute_fc1", (False, True, False), 8 * T * K),
+    ("recompute_fc1+fold", (False, True, True), B * (M + 1) + 16 * T * K),
+    ("recompute_fc1+fold+gather", (False, True, True, True), B * (M + 1) + 16 * T * K + 8 * (M + 1)),
+])
+def test_planner_saved_bytes_match_the_measurement(setting, opts, extra):
+    """``dropless-plan``'s per-setting figure (dropless.plan.saved_bytes) is what the layer keeps,
+    less the indices and folded row weights it leaves out."""
+    from dropless.plan import saved_bytes as plan_saved_bytes
+
+    assert saved_bytes(*opts) == plan_saved_bytes(M, H, I, setting, bytes_per_element=B) + extra
+
+
 def test_recompute_saves_at_most_one_copy_of_the_rows_plus_indices():
     got = saved_bytes(False, True, True)
     assert got <= B * M * H + B * (M + 1) + 16 * T * K

@@ -408,3 +408,20 @@ def test_cli_hydra_overrides(capsys):
     d = _run_json(capsys, ["--json", "--ep", "1", "--tokens-per-rank", "64",
                            f"model.hidden_size={2 * args.hidden_size}"])
     assert d["rank"]["hidden_size"] == 2 * args.hidden_size
+
+
+def test_saved_bytes_by_setting_at_the_seed_rank():
+    """Seed §4's rank (R = 65,792 aligned rows, H 7168, I 2048, bf16): the default keeps the
+    landed rows, gate||up, SwiGLU and FC2 output (0.88 + 0.50 + 0.25 + 0.88 GiB); recompute_fc1
+    with folded weights one copy of the rows; with recompute_gather nothing."""
+    from dropless.plan import MEMORY_SETTINGS, saved_bytes
+
+    R, H, I = 65_792, 7168, 2048
+    got = {m: saved_bytes(R, H, I, m) for m in MEMORY_SETTINGS}
+    assert got["default"] == R * (2 * H + 3 * I) * 2
+    assert round(got["default"] / 2**30, 2) == 2.51  # = 0.88 + 0.50 + 0.25 + 0.88, the seed's four buffers
+    assert got["recompute_fc1+fold"] == R * H * 2  # the landed rows, 0.88 GiB
+    assert got["recompute_fc1+fold+gather"] == 0
+    assert list(got.values()) == sorted(got.values(), reverse=True)
+    with pytest.raises(ValueError, match="choose one of"):
+        saved_bytes(R, H, I, "recompute_everything")
