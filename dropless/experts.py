@@ -133,6 +133,9 @@ class _FC1SwiGLU(torch.autograd.Function):
         h = _weighted_(_swiglu_fwd(h13, layout), row_w)
         ctx.layout, ctx.backend, ctx.recompute_fc1, ctx.box, ctx.wgrad = layout, backend, recompute_fc1, box, wgrad
         ctx.has_w, ctx.gather = row_w is not None, src_M is not None
+        # h13 is a non-differentiable output: without this, backward would get a materialised
+        # all-zero [M, 2I] gradient for it (0.5 GiB at the V3 rank's shape)
+        ctx.set_materialize_grads(False)
         empty = x_in.new_empty(0)
         ctx.save_for_backward(x_in, w13, row_w if row_w is not None else empty,
                               empty if recompute_fc1 else h13,
@@ -144,6 +147,8 @@ class _FC1SwiGLU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dh_MI, _dh13):
+        if dh_MI is None:  # h did not reach the loss
+            return (None,) * 10
         x_in, w13, row_w, h13, src_M, dest_Nk = ctx.saved_tensors
         layout, be, box = ctx.layout, ctx.backend, ctx.box
         x, box.rows = box.rows, None

@@ -257,3 +257,31 @@ def test_memory_options_under_activation_checkpointing(kw):
     assert torch.equal(got_counts, counts)
     for g, w in zip(got, want):
         assert ((g - w).abs().max() / w.abs().max()).item() < 1e-5
+
+
+@pytest.mark.parametrize("opts", [dict(recompute_swiglu=True), dict(recompute_fc1=True)])
+def test_recompute_backward_materialises_no_zero_gradients(opts):
+    """The FC1 node's second output (h13, non-differentiable) must not get an all-zero [M, 2I]
+    gradient allocated by autograd in backward (it did: +0.5 GiB at the V3 rank's shape)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dropless.layout import ExpertLayout
+
+    class ZerosSpy(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.__name__.startswith("zeros") and isinstance(out, torch.Tensor):
+                self.shapes.append(tuple(out.shape))
+            return out
+
+    ex = GroupedExperts(H, I, 4, **opts)
+    ex.init_weights(0, 0)
+    lay = ExpertLayout.from_counts(torch.tensor([10, 0, 20, 34]), 1, capacity=64)
+    y = ex(torch.randn(64, H, requires_grad=True), lay)
+    with ZerosSpy() as spy:
+        y.sum().backward()
+    assert (64, 2 * I) not in spy.shapes, spy.shapes
