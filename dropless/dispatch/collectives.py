@@ -107,6 +107,11 @@ class CollOp:
         return {"a2a": "a2a", "ag": "rs", "rs": "ag"}[self.kind]
 
 
+# torch 2.13 renames these two (the old names warn FutureWarning); torch < 2.13 has only the old ones
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _launch(kind: str, x: torch.Tensor, group: Any, out_splits, in_splits, what: str, comm: CommStats | None):
     """Issue one collective asynchronously. Returns ``(out, work)``; counts its bytes."""
     x = x.contiguous()
@@ -121,7 +126,7 @@ def _launch(kind: str, x: torch.Tensor, group: Any, out_splits, in_splits, what:
         recv = (sum(out_splits) - out_splits[me]) * row_bytes
     elif kind == "ag":
         out = x.new_empty((w * x.shape[0], *x.shape[1:]))
-        work = checked(lambda: dist.all_gather_into_tensor(out, x, group=group, async_op=True), what)
+        work = checked(lambda: _all_gather(out, x, group=group, async_op=True), what)
         sent = recv = (w - 1) * x.shape[0] * row_bytes
     elif kind == "rs":
         if x.shape[0] % w:
@@ -129,8 +134,8 @@ def _launch(kind: str, x: torch.Tensor, group: Any, out_splits, in_splits, what:
                              f"must be a multiple of the group size; every EP rank must pass the same number "
                              f"of tokens T to the agrs dispatcher")
         out = x.new_empty((x.shape[0] // w, *x.shape[1:]))
-        work = checked(lambda: dist.reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=group,
-                                                          async_op=True), what)
+        work = checked(lambda: _reduce_scatter(out, x, op=dist.ReduceOp.SUM, group=group,
+                                              async_op=True), what)
         sent = recv = (w - 1) * out.shape[0] * row_bytes
     else:  # pragma: no cover - internal
         raise ValueError(kind)
