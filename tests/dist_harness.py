@@ -324,3 +324,51 @@ def case08_worker(rank, world, name):
     (y * cot_all[sl]).sum().backward()
     return dict(y=y.detach(), x_grad=x.grad, rows_live=rows_live, rows_dropped=rows_dropped,
                 w13_grad=_full_expert(moe.experts.w13.grad))
+
+
+def shard_dense_worker(rank, world):
+    """train.shard_dense's placement and one forward/backward against the replicated model."""
+    import copy
+
+    from torch.distributed.tensor import DTensor, Shard
+
+    from dropless.model import Transformer
+    from dropless.train.shard import shard_dense_params
+
+    args = ModelArgs(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                     num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=2, q_lora_rank=16,
+                     kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                     n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+                     max_position_embeddings=64)
+    torch.manual_seed(0)
+    ref = Transformer(args)
+    ref.init_weights(0)
+    model = copy.deepcopy(ref)
+    shard_dense_params(model, world, "cpu")
+    expert_ids = {id(p) for p in model.expert_parameters()}
+    dense = [p for p in model.parameters() if id(p) not in expert_ids]
+    total = sum(p.numel() for p in dense)
+    local = sum(p.to_local().numel() for p in dense if isinstance(p, DTensor))
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(100 + rank))
+    target = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(200 + rank))
+
+    def loss_of(m):
+        logits = m(tokens)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 64).float(), target.reshape(-1))
+
+    loss, loss_ref = loss_of(model), loss_of(ref)
+    loss.backward()
+    loss_ref.backward()
+    worst = 0.0
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if id(p) in expert_ids:
+            continue
+        want = q.grad.clone()
+        dist.all_reduce(want)
+        want /= world  # FSDP2 averages over the ranks
+        got = p.grad.full_tensor()
+        worst = max(worst, ((got - want).norm() / want.norm().clamp_min(1e-30)).item())
+    return dict(dense_all_sharded=all(isinstance(p, DTensor) and p.placements == (Shard(0),) for p in dense),
+                experts_plain=not any(isinstance(p, DTensor) for p in model.expert_parameters()),
+                local_fraction=local / total, loss_rel=abs(loss.item() - loss_ref.item()) / abs(loss_ref.item()),
+                grad_rel=worst)

@@ -4,7 +4,8 @@ One optimizer step (:meth:`Trainer.train_step`)::
 
     for each of grad_accum micro-batches:   loss = CE(model(x), y) / grad_accum; backward
         (the MoE layers attach their sequence-wise aux loss to the backward themselves)
-    sync gradients          non-expert: all_reduce SUM over all ranks, / world
+    sync gradients          non-expert: all_reduce SUM over all ranks, / world (with
+                            train.shard_dense: FSDP2's reduce-scatter, averaged, instead)
                             expert, EP > 1: all_reduce SUM over dp (the ranks holding the same
                             experts), / world — an EP dispatcher already summed the EP
                             group's contributions on the owner (dropless/dispatch/mesh.py)
@@ -85,6 +86,8 @@ def check_train_config(cfg: DictConfig) -> None:
     for name in ("val_every", "ckpt_every"):
         need(int(t[name]) >= 0, f"train.{name}", t[name], "must be >= 0 (0: never / only at the end)")
     need(str(t.dtype) in ("auto", "bf16", "fp32"), "train.dtype", t.dtype, "must be auto, bf16 or fp32")
+    need(isinstance(t.get("shard_dense", False), bool), "train.shard_dense", t.get("shard_dense"),
+         "must be true or false")
     need(float(o.lr) > 0, "optim.lr", o.lr, "must be > 0")
     need(int(o.warmup_steps) >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
     need(0.0 <= float(o.min_lr_ratio) <= 1.0, "optim.min_lr_ratio", o.min_lr_ratio, "must lie in [0, 1]")
@@ -137,7 +140,9 @@ def build_model(args: ModelArgs, cfg: DictConfig, env: DistEnv) -> torch.nn.Modu
 
     ``dispatcher=local``: the MoE default. Others: ``dropless.dispatch.build_dispatcher``
     with this rank's EP group; ``fsdp`` additionally shards the experts with FSDP2
-    (``dropless.dispatch.fsdp.apply_fsdp``) over the dp mesh dimension.
+    (``dropless.dispatch.fsdp.apply_fsdp``) over the dp mesh dimension. With
+    ``train.shard_dense`` the non-expert parameters are FSDP2-sharded over all ranks
+    (:func:`dropless.train.shard.shard_dense_params`).
     """
     from dropless.model import Transformer
 
@@ -153,10 +158,15 @@ def build_model(args: ModelArgs, cfg: DictConfig, env: DistEnv) -> torch.nn.Modu
         model = Transformer(args, dispatcher_factory=factory,
                             activation_checkpointing=bool(cfg.train.activation_checkpointing))
     model.init_weights(int(cfg.seed))
+    shard_dense = bool(cfg.train.get("shard_dense", False)) and env.world_size > 1
     if name == "fsdp" and env.world_size > 1:
         from dropless.dispatch.fsdp import apply_fsdp
 
-        apply_fsdp(model, env.mesh)
+        apply_fsdp(model, env.mesh, root=not shard_dense)  # shard_dense makes the root itself
+    if shard_dense:
+        from dropless.train.shard import shard_dense_params
+
+        shard_dense_params(model, env.world_size, env.device.type)
     return model
 
 
@@ -232,15 +242,17 @@ def grad_norm_and_clip(params: list[torch.nn.Parameter], expert_ids: set[int], e
     """Global L2 norm of all gradients (host float); scales them to ``max_norm`` if larger.
 
     Replicated gradients count once; expert shards (EP > 1) are summed over the EP group;
-    FSDP2 DTensor shards over their dp mesh.
+    FSDP2 DTensor shards over their own mesh (the dp mesh of the fsdp dispatcher's experts,
+    all ranks for ``train.shard_dense``).
     """
     dev = env.device
-    rep, ep_sh, dt_sh = [], [], []
+    rep, ep_sh = [], []
+    dt_sh: dict[Any, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is None:
             continue
         if _is_dtensor(p.grad):
-            dt_sh.append(p.grad.to_local())
+            dt_sh.setdefault(p.grad.device_mesh.get_group(), []).append(p.grad.to_local())
         elif id(p) in expert_ids and env.ep_size > 1:
             ep_sh.append(p.grad)
         else:
@@ -256,10 +268,11 @@ def grad_norm_and_clip(params: list[torch.nn.Parameter], expert_ids: set[int], e
         s = sq(ep_sh)
         dist.all_reduce(s, group=env.ep_group)
         total = total + s
-    if env.distributed and dt_sh:
-        s = sq(dt_sh)
-        dist.all_reduce(s, group=env.dp_group)
-        total = total + s
+    if env.distributed:
+        for group, shards in dt_sh.items():  # each FSDP2 mesh's shards sum over that mesh's ranks
+            s = sq(shards)
+            dist.all_reduce(s, group=group)
+            total = total + s
     norm = float(total.sqrt())
     if max_norm and norm > max_norm:
         coef = max_norm / (norm + 1e-6)
