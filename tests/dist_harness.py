@@ -86,6 +86,12 @@ def _save(obj, path: Path) -> None:
     os.replace(tmp, path)  # atomic: the parent never reads half a file
 
 
+# Workers whose process groups are not torn down: after FSDP2 over a world DeviceMesh, gloo's
+# teardown aborted one rank at exit in about 1 run of 15 under pytest (the results are saved
+# before, atomically, so leaving at once loses nothing).
+_NO_TEARDOWN = {"shard_dense_worker"}
+
+
 def _entry(rank, world, port, fn_name, out_dir, args, pg_timeout_s):
     torch.set_num_threads(1)
     out = Path(out_dir) / f"rank{rank}.pt"
@@ -97,7 +103,7 @@ def _entry(rank, world, port, fn_name, out_dir, args, pg_timeout_s):
     except BaseException:
         _save({"error": traceback.format_exc()}, out)
         raise
-    if fn_name.startswith("timeout_"):
+    if fn_name.startswith("timeout_") or fn_name in _NO_TEARDOWN:
         os._exit(0)  # a broken group may block in destroy/atexit: leave at once
     dist.destroy_process_group()
 
@@ -368,6 +374,7 @@ def shard_dense_worker(rank, world):
         want /= world  # FSDP2 averages over the ranks
         got = p.grad.full_tensor()
         worst = max(worst, ((got - want).norm() / want.norm().clamp_min(1e-30)).item())
+    dist.barrier()  # both ranks done before either leaves (it leaves without teardown: _NO_TEARDOWN)
     return dict(dense_all_sharded=all(isinstance(p, DTensor) and p.placements == (Shard(0),) for p in dense),
                 experts_plain=not any(isinstance(p, DTensor) for p in model.expert_parameters()),
                 local_fraction=local / total, loss_rel=abs(loss.item() - loss_ref.item()) / abs(loss_ref.item()),
