@@ -198,3 +198,14 @@ def test_torchrun_world_size_not_fitting_the_mesh(tmp_path):
     assert r.returncode != 0
     assert "world size 2 does not fit the mesh" in r.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_resume_from_another_model_config_fails_clearly(tmp_path):
+    """A checkpoint without some of this model's weights (saved with n_shared_experts=0) is
+    refused by name before anything loads, not partially loaded."""
+    rd = tmp_path / "run"
+    run([f"run_dir={rd}", "train.steps=1", "train.val_every=0", "logging.mode=disabled", "model.n_shared_experts=0"])
+    from dropless.config import ConfigError
+
+    with pytest.raises(ConfigError, match="shared_experts.*saved by a different model"):
+        run([f"run_dir={rd}", "resume=true", "train.steps=2", "train.val_every=0", "logging.mode=disabled"])

@@ -32,6 +32,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from dropless.config import ConfigError
+
 __all__ = ["checkpoint_dir", "latest_checkpoint", "list_checkpoints", "save", "load", "prune"]
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
@@ -140,12 +142,15 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, t
     Returns: the loaded ``trainer`` dict (``step``, data position).
     Raises:
         FileNotFoundError: ``path`` holds no complete checkpoint.
+        ConfigError: the checkpoint lacks a weight, moment or trainer field of this model and
+            optimizer (saved by another config).
     """
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"{path}: not a complete checkpoint (no .metadata: missing, or its save was "
                                 "interrupted); pick one from list_checkpoints(run_dir) / latest_checkpoint(run_dir)")
     state, pairs = _state(model, optimizer, trainer, env, expert_fqns)
+    _check_complete(path, state)
     ctx = _quiet()
     try:
         dcp.load(state, checkpoint_id=str(path),
@@ -165,6 +170,21 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, t
     if rng is not None:
         _set_rng_state(rng, env.device)
     return dict(state["trainer"])
+
+
+def _check_complete(path: Path, state: dict) -> None:
+    """Raise ConfigError if the checkpoint lacks a weight, optimizer moment or trainer field that
+    ``state`` expects: the partial load (needed for other ranks' RNG states) would skip it silently."""
+    saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    want = [f"model.{k}" for k in state["model"]] + [f"trainer.{k}" for k in state["trainer"]]
+    for fqn, moments in state["optim"].get("state", {}).items():
+        want += [f"optim.state.{fqn}.{name}" for name in moments]
+    missing = [k for k in want if k not in saved]
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise ConfigError(f"{path}: the checkpoint has no {', '.join(missing[:5])}{more}: it was saved by a "
+                         "different model or optimizer; resume with the model.* and optim.* settings it was saved with, "
+                         "or start a new run_dir")
 
 
 def prune(run_dir: Path, keep: int) -> None:
