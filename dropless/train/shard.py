@@ -59,4 +59,3 @@ def shard_dense_params(model: nn.Module, world_size: int, device_type: str,
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=mine)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=set(experts))
     return mesh
-
