@@ -177,3 +177,28 @@ def test_errors_are_clear():
         grouped_mm(x, w, lay, "nope")
     assert {"torch", "loop"} <= set(list_backends())
     assert get_backend("loop").name == "loop" and get_backend("torch").name == "torch"
+
+
+@pytest.mark.parametrize("backend,dtype", [("torch", torch.float32), ("loop", torch.float64)])
+@pytest.mark.parametrize("a", [1, 8])
+def test_case01_wgrad_accumulator_over_chunks(backend, dtype, a):
+    """case-01 through :class:`WgradAccumulator` (num_token_chunks): the experts' gradient summed
+    over three chunks with the case's counts and NaN padding: dW[1], dW[4] exactly 0, the others
+    the float64 sum of the chunks' references."""
+    from dropless.ops.grouped_gemm import WgradAccumulator
+
+    w = torch.randn(6, 64, 32, generator=torch.Generator().manual_seed(7), dtype=torch.float64).to(dtype)
+    w.requires_grad_(True)
+    acc = WgradAccumulator(get_backend(backend))
+    w_c = acc.collect(w, "w")
+    want = torch.zeros(w.shape, dtype=torch.float64)
+    total = 0
+    for seed in (1, 2, 3):
+        lay, x, _, seg, _, g = make(CASE01, a, extra=5, dtype=dtype, seed=seed)
+        dy = torch.randn(x.shape[0], 32, generator=g).to(dtype)
+        total = total + (grouped_mm(x, w_c, lay, backend, wgrad=(acc, "w")) * dy).nan_to_num().sum()
+        want += reference(x.nan_to_num(), w.detach(), seg, dy)[2]
+    total.backward()
+    assert (w.grad[1] == 0).all() and (w.grad[4] == 0).all()
+    for i in (0, 2, 3, 5):
+        assert_close_scaled(w.grad[i], want[i], TOL[dtype], f"dW[{i}]")

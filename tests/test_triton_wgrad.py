@@ -186,3 +186,20 @@ def test_other_input_dtypes(in_dtype, accumulate):
     tw.grouped_wgrad_(dw, x, dy, lay, accumulate=accumulate)
     assert torch.isfinite(dw).all()
     assert rel(dw, exp) < (1e-5 if in_dtype == torch.float32 else 1e-4)
+
+
+@pytest.mark.parametrize("A", [1, 128])
+def test_case01_empty_experts_through_two_accumulated_chunks(A):
+    """case-01 (shared/cases): live rows [162, 0, 2577, 446, 0, 83], K = 64, N = 32, NaN padding,
+    as two chunks (the first written, the second added): dW[1] and dW[4] exactly 0, the others
+    the float64 sum of both chunks' per-expert references."""
+    counts = [162, 0, 2577, 446, 0, 83]
+    lay1, x1, dy1 = operands(counts, A, 64, 32, seed=10)
+    lay2, x2, dy2 = operands(counts, A, 64, 32, seed=11)
+    dw = torch.full((6, 64, 32), float("nan"), device=DEV, dtype=torch.float32)
+    tw.grouped_wgrad_(dw, x1, dy1, lay1, accumulate=False)
+    tw.grouped_wgrad_(dw, x2, dy2, lay2, accumulate=True)
+    ref = reference(x1, dy1, lay1) + reference(x2, dy2, lay2)
+    assert (dw[1] == 0).all() and (dw[4] == 0).all()
+    for i in (0, 2, 3, 5):
+        assert rel(dw[i], ref[i]) < tol(torch.float32), i
