@@ -32,6 +32,7 @@ import sys
 import torch
 
 from benchmarks.moe_layer import bench, emit
+from dropless.saved_bytes import SavedBytes
 
 
 SETTINGS = {"none": dict(), "swiglu": dict(recompute_swiglu=True, fold_routing_weights=True),
@@ -61,28 +62,14 @@ def measure(T, H, I, E, k, chunks: int, setting: str, explain: bool = False) -> 
 
     step()
     torch.cuda.synchronize()
-    skip = {p.untyped_storage().data_ptr() for p in params} | {x.untyped_storage().data_ptr()}
-    packed: list[torch.Tensor] = []
-    seen: dict[int, int] = {}
-
-    def pack(t):  # keep every packed tensor alive until backward: no address reuse between storages
-        packed.append(t)
-        return len(packed) - 1
-
-    def unpack(i):  # count what backward reads (a node of a graph dropped in forward never is)
-        t = packed[i]
-        st = t.untyped_storage()
-        if st.data_ptr() not in skip and t.device.type == "cuda":
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
     for p in params:
         p.grad = None
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+    with SavedBytes([*params, x]) as sb:
         y = moe(x)
     y.backward(gy)
-    del y, packed
-    saved = [sum(seen.values())]
+    del y
+    saved = sb.total()
+    del sb  # it holds every saved tensor: free them before measuring the peak
     for p in params:
         p.grad = None
     x.grad = None
@@ -100,7 +87,7 @@ def measure(T, H, I, E, k, chunks: int, setting: str, explain: bool = False) -> 
     del moe, x, gy
     return dict(**({"peak_owners_mib": owners} if owners else {}),
                 bench="moe_memory", T=T, H=H, I=I, E=E, k=k, chunks=chunks, setting=setting,
-                activation_peak_gib=round(peak / 2**30, 3), saved_gib=round(saved[0] / 2**30, 3),
+                activation_peak_gib=round(peak / 2**30, 3), saved_gib=round(saved / 2**30, 3),
                 landed_rows_gib=round(rows * H * 2 / 2**30, 3), fwdbwd_ms=round(ms, 3))
 
 

@@ -36,6 +36,13 @@ def init_expert_weights_(w13_eHI2: torch.Tensor, w2_eIH: torch.Tensor, seed: int
             w2_eIH[i].copy_(b)
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the experts compute in for input ``x``: autocast's when it is on, else ``x``'s."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
 def _swiglu_fwd(h13_MI2: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
     """``silu(gate) * up`` without autograd: the live-row Triton kernel on CUDA, torch ops elsewhere."""
     if use_triton(h13_MI2):
@@ -220,8 +227,14 @@ def expert_mlp_recompute(x_in, w13, w2, row_w, layout, backend, recompute_fc1: b
 
     Args:
         x_in: ``[M, H]`` landed rows, or None with ``source`` (re-gathered in backward).
+        w13: ``[e, H, 2I]``, w2: ``[e, I, H]``, in ``x_in``'s dtype.
+        row_w: ``[M]`` routing weight of each row (``fold_routing_weights``), or None.
+        layout: the rows' :class:`ExpertLayout`. backend: a grouped GEMM backend instance.
+        recompute_fc1: do not save ``h13``; FC2's backward reruns the FC1 GEMM.
         source: :class:`~dropless.permute.RowSource` of the rows (``recompute_gather``).
         wgrad: accumulator for ``dW13``/``dW2`` (chunked layer calls), or None to return them.
+    Returns:
+        ``[M, H]`` expert outputs (padding rows unspecified), in ``x_in``'s dtype.
     Saved for backward: the landed rows ``[M, H]`` (with ``source``: nothing beyond the
     source tokens and the int64 indices ``src_M``, ``dest_Nk``), ``h13 [M, 2I]`` unless
     ``recompute_fc1``, the row weights ``[M]`` if folded; never the SwiGLU output. Two
@@ -315,9 +328,7 @@ class GroupedExperts(nn.Module):
             ``[M, H]`` expert outputs in the compute dtype; padding rows unspecified.
         """
         ref = rows_MH if rows_MH is not None else source.x_NH
-        dt = ref.dtype
-        if torch.is_autocast_enabled(ref.device.type):
-            dt = torch.get_autocast_dtype(ref.device.type)
+        dt = compute_dtype(ref)
         if weights is None:
             weights = self.weights(dt)
         w13, w2, acc = weights.w13, weights.w2, weights.wgrad

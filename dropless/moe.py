@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dropless.config import ConfigError, ModelArgs
 from dropless.dispatch import Dispatcher, LocalDispatcher, Pending
-from dropless.experts import GroupedExperts
+from dropless.experts import GroupedExperts, compute_dtype
 from dropless.model.mlp import FeedForward
 from dropless.routing import Router
 
@@ -41,13 +41,6 @@ class _AttachAuxLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         return grad_out, torch.ones(ctx.aux_shape, dtype=ctx.aux_dtype, device=grad_out.device)
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype the experts compute in: autocast's when it is on, else ``x``'s."""
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
 
 
 def _is_fsdp_managed(module: nn.Module) -> bool:
@@ -207,7 +200,7 @@ class MoE(nn.Module):
         regather = a.recompute_gather and not a.poison_padding  # the poisoned debug path lands the rows
         weights = None
         if not _is_fsdp_managed(self.experts):  # FSDP2 gathers the weights in experts' forward
-            weights = self.experts.weights(_compute_dtype(x_TH), accumulate_wgrad=n_chunks > 1)
+            weights = self.experts.weights(compute_dtype(x_TH), accumulate_wgrad=n_chunks > 1)
 
         def issue(c):
             lo, hi = bounds[c], bounds[c + 1]

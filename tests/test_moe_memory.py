@@ -2,7 +2,8 @@
 
 Measured with ``torch.autograd.graph.saved_tensors_hooks`` over dispatch -> experts -> combine
 (local dispatcher, fp32 on CPU, A = 1 so M = R = T·k), counting each saved storage that
-backward reads once and leaving out parameters and the layer input (:class:`SavedBytes`), and
+backward reads once and leaving out parameters and the layer input
+(:class:`dropless.saved_bytes.SavedBytes`), and
 asserted against the formula of each option:
 
 =====================  =========================================================
@@ -26,43 +27,7 @@ import torch
 
 from dropless.dispatch import LocalDispatcher
 from dropless.experts import GroupedExperts
-
-class SavedBytes:
-    """Bytes of the distinct storages that autograd saved and backward then read.
-
-    ``with SavedBytes(skip) as sb:`` around the forward; after ``backward()``, ``sb.total()``.
-    Counting what backward unpacks leaves out tensors saved by nodes of graphs that were
-    dropped in forward (they never reach backward), and holding every packed tensor until
-    then keeps a freed storage's address from being reused by another one. ``skip``:
-    tensors not to count (parameters, the layer input)."""
-
-    def __init__(self, skip):
-        self.skip = {t.untyped_storage().data_ptr() for t in skip}
-        self.packed: list[torch.Tensor] = []
-        self.used: dict[int, int] = {}
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-
-    def _pack(self, t):
-        self.packed.append(t)
-        return len(self.packed) - 1
-
-    def _unpack(self, i):
-        t = self.packed[i]
-        st = t.untyped_storage()
-        if st.data_ptr() not in self.skip:
-            self.used[st.data_ptr()] = st.nbytes()
-        return t
-
-    def __enter__(self):
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
-
-    def total(self) -> int:
-        return sum(self.used.values())
-
+from dropless.saved_bytes import SavedBytes
 
 T, H, I, E, K = 64, 32, 16, 8, 2
 M = T * K
