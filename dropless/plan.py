@@ -947,7 +947,7 @@ def format_plan(p: dict[str, Any]) -> str:
         [name, _fmt_bytes(v["out"]), _fmt_bytes(v["back"]), _fmt_bytes(v["total"])]
         for name, v in cb.items()])]
     cr, ew = p["crossover"], p["expert_weight_bytes"]
-    parts += [f"a2a = agrs at EP = {cr['a2a_agrs_ep']:.2f};  fsdp = a2a at "
+    parts += [f"bytes break even: a2a = agrs at EP = {cr['a2a_agrs_ep']:.2f};  fsdp = a2a at "
               f"{cr['fsdp_a2a_tokens_per_rank']:,.0f} tokens per rank",
               f"expert weights held: EP {_fmt_bytes(ew['ep_local'])};  fsdp "
               f"{_fmt_bytes(ew['fsdp_layer'])} (x2 with prefetch: {_fmt_bytes(ew['fsdp_layer_prefetch'])})"]
@@ -958,7 +958,8 @@ def format_plan(p: dict[str, Any]) -> str:
                       _fmt_pct(t["overhead"])])
     trows += [["worst case", "", _fmt_int(t["tiles_min"]), _fmt_pct(t["worst"])],
               ["mean (seed's estimate)", "", _fmt_int(t["tiles_min"]), _fmt_pct(t["mean_seed"])]]
-    parts += ["", f"Unpadded tiles of {t['tile']} rows (megablox style)",
+    note = "" if t["tiles"] is not None else "; the tiles of real counts need --counts"
+    parts += ["", f"Unpadded tiles of {t['tile']} rows (megablox style{note})",
               _table(["", "tiles", "min", "overhead"], trows)]
     parts += ["", f"Decode: each expert rounds up to {t['tile']} rows", _table(
         ["sequences/rank", "rows/expert", "computed", "work"],
