@@ -53,16 +53,24 @@ def _swiglu_fwd(h13_MI2: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def _swiglu_bwd(h13_MI2: torch.Tensor, dh_MI: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
-    """Gradient ``[M, 2I]`` (d gate || d up) of :func:`_swiglu_fwd`, computed in fp32 (fp64 for fp64)."""
+def _swiglu_bwd(h13_MI2: torch.Tensor, dh_MI: torch.Tensor, layout: ExpertLayout,
+                row_w: torch.Tensor | None = None) -> torch.Tensor:
+    """Gradient ``[M, 2I]`` (d gate || d up) of :func:`_swiglu_fwd`, computed in fp32 (fp64 for fp64).
+
+    With ``row_w`` (``[M]`` folded routing weights) it is the gradient of ``swiglu(h13) · row_w``
+    (the weight rounded to ``h13``'s dtype, as in the forward), scaled inside the fp32
+    computation: no scaled ``[M, I]`` copy of ``dh_MI``.
+    """
     if use_triton(h13_MI2):
         from dropless.ops import triton_kernels
 
-        return triton_kernels.swiglu_bwd(h13_MI2, dh_MI, layout)
+        return triton_kernels.swiglu_bwd(h13_MI2, dh_MI, layout, row_w)
     acc = torch.promote_types(h13_MI2.dtype, torch.float32)
     gate, up = h13_MI2.to(acc).chunk(2, dim=-1)
     s = torch.sigmoid(gate)
     dh = dh_MI.to(acc)
+    if row_w is not None:
+        dh = dh * row_w.to(h13_MI2.dtype).to(acc).unsqueeze(1)
     return torch.cat([dh * up * s * (1 + gate * (1 - s)), dh * gate * s], dim=-1).to(h13_MI2.dtype)
 
 
@@ -96,11 +104,70 @@ def swiglu(h13_MI2: torch.Tensor, layout: ExpertLayout | None = None) -> torch.T
 
 
 class _RecomputeBox:
-    """Hands what FC2's backward rebuilt (landed rows, FC1 output) on to FC1's backward (runs right after)."""
+    """Hands the rebuilt FC1 output (and the landed rows, when they were saved) on to the next backward node.
+
+    :class:`_RecomputeAhead` (or else FC2's backward) fills it; FC2's backward reads it and
+    FC1's backward, which runs right after, takes it.
+    """
 
     def __init__(self) -> None:
         self.rows: torch.Tensor | None = None
         self.h13: torch.Tensor | None = None
+
+
+def _rebuild_h13(box: _RecomputeBox, x_in, w13, src_M, layout, backend) -> torch.Tensor:
+    """``box.h13`` = FC1 of the landed rows (re-gathered when ``src_M`` is given), unless already there."""
+    if box.h13 is None:
+        rows = _landed(x_in, src_M)
+        box.h13 = backend.gmm(rows, w13, layout)
+        # re-gathered rows are not kept for FC1's backward (it gathers again, a cheap copy):
+        # they would sit beside FC2's [M, H] gradient, the backward's largest buffers
+        box.rows = None if src_M is not None else rows
+    return box.h13
+
+
+class _RecomputeAhead(torch.autograd.Function):
+    """Identity on the layer's combined output ``y_TH``; its backward rebuilds FC1's output early.
+
+    It runs when ``y_TH`` gets its gradient, before the combine's backward lands the
+    ``[M, H]`` row gradient, so the re-gathered ``[M, H]`` rows used by the FC1 GEMM are
+    freed before that gradient exists (otherwise FC2's backward holds rows, ``h13`` and the
+    row gradient at once: the peak of a chunk's backward). Saves references to tensors the
+    expert nodes already save.
+    """
+
+    @staticmethod
+    def forward(ctx, y_TH, box, x_in, w13, src_M, layout, backend):
+        ctx.box, ctx.layout, ctx.backend, ctx.gather = box, layout, backend, src_M is not None
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x_in, w13, src_M if src_M is not None else x_in.new_empty(0))
+        return y_TH.view_as(y_TH)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is not None:
+            x_in, w13, src_M = ctx.saved_tensors
+            _rebuild_h13(ctx.box, x_in, w13, src_M if ctx.gather else None, ctx.layout, ctx.backend)
+        return grad, None, None, None, None, None, None
+
+
+class RecomputeAhead:
+    """Handle from :func:`expert_mlp_recompute` (``recompute_fc1``): :meth:`attach` it to the combined output.
+
+    ``y_TH = ahead.attach(y_TH)`` right after the combine of the same rows (before the next
+    chunk's experts run, so that autograd runs it just before this chunk's combine
+    backward). Optional: without it FC2's backward rebuilds ``h13`` itself, with a higher peak.
+    Not for FSDP2-managed experts (the weights are gathered again only when the experts'
+    outputs get their gradient, after this runs).
+    """
+
+    def __init__(self, box, x_in, w13, src_M, layout, backend):
+        self._args = (box, x_in, w13, src_M, layout, backend)
+
+    def attach(self, y_TH: torch.Tensor) -> torch.Tensor:
+        if not (torch.is_grad_enabled() and y_TH.requires_grad):
+            return y_TH
+        return _RecomputeAhead.apply(y_TH, *self._args)
 
 
 def _weighted_(a_MI: torch.Tensor, row_w: torch.Tensor | None) -> torch.Tensor:
@@ -158,22 +225,22 @@ class _FC1SwiGLU(torch.autograd.Function):
             return (None,) * 10
         x_in, w13, row_w, h13, src_M, dest_Nk = ctx.saved_tensors
         layout, be, box = ctx.layout, ctx.backend, ctx.box
-        x, box.rows = box.rows, None
-        if x is None:  # FC2's backward did not rebuild the rows
-            x = _landed(x_in, src_M if ctx.gather else None)
-        if ctx.recompute_fc1:
-            h13, box.h13 = box.h13, None
-            if h13 is None:  # FC2's backward did not run first: recompute here
-                h13 = be.gmm(x, w13, layout)
+        src = src_M if ctx.gather else None
+        if ctx.recompute_fc1:  # FC2's backward (or the ahead node) left it in the box
+            h13 = _rebuild_h13(box, x_in, w13, src, layout, be)
+            box.h13 = None
         d_row_w = None
         if ctx.has_w:
             a = _swiglu_fwd(h13, layout)
             # bf16 products summed in fp32: no [M, I] fp32 copies of dh and a (3 × M·I·4 bytes)
             d_row_w = torch.sum(dh_MI * a, dim=-1, dtype=torch.promote_types(a.dtype, torch.float32)).to(row_w.dtype)
             del a
-            dh_MI = dh_MI * row_w.to(dh_MI.dtype).unsqueeze(1)
-        dh13 = _swiglu_bwd(h13, dh_MI.contiguous(), layout)
-        del h13, dh_MI
+        dh13 = _swiglu_bwd(h13, dh_MI.contiguous(), layout, row_w if ctx.has_w else None)
+        del h13
+        # the rows only now, after h13 is freed: they never sit beside h13, dh and dh13 at once
+        x, box.rows = box.rows, None
+        if x is None:
+            x = _landed(x_in, src)
         dw13 = _wgrad(ctx.wgrad, "w13", x, dh13, layout, be, w13.dtype)
         del x
         dx = be.gmm(dh13, w13.transpose(1, 2), layout)
@@ -206,13 +273,8 @@ class _FC2Recompute(torch.autograd.Function):
         w2, x_in, w13, row_w, h13, src_M = ctx.saved_tensors
         layout, be = ctx.layout, ctx.backend
         dy_MH = dy_MH.contiguous()
-        if not ctx.has_h13:
-            rows = _landed(x_in, src_M if ctx.gather else None)
-            h13 = be.gmm(rows, w13, layout)
-            # re-gathered rows are not kept for FC1's backward (it gathers again, a cheap copy):
-            # they would sit beside this node's [M, H] gradient, the backward's largest buffers
-            ctx.box.rows, ctx.box.h13 = (None if ctx.gather else rows), h13
-            del rows
+        if not ctx.has_h13:  # rebuilt by the ahead node already, or here
+            h13 = _rebuild_h13(ctx.box, x_in, w13, src_M if ctx.gather else None, layout, be)
         h = _weighted_(_swiglu_fwd(h13, layout), row_w if ctx.has_w else None)
         del h13
         dw2 = _wgrad(ctx.wgrad, "w2", h, dy_MH, layout, be, w2.dtype)
@@ -222,7 +284,8 @@ class _FC2Recompute(torch.autograd.Function):
 
 
 def expert_mlp_recompute(x_in, w13, w2, row_w, layout, backend, recompute_fc1: bool,
-                         source: RowSource | None = None, wgrad: WgradAccumulator | None = None) -> torch.Tensor:
+                         source: RowSource | None = None, wgrad: WgradAccumulator | None = None,
+                         with_ahead: bool = False):
     """(gather) -> FC1 -> SwiGLU (× row weight) -> FC2 with selective recompute (MegaBlocks' memory-optimised MLP idea).
 
     Args:
@@ -233,8 +296,11 @@ def expert_mlp_recompute(x_in, w13, w2, row_w, layout, backend, recompute_fc1: b
         recompute_fc1: do not save ``h13``; FC2's backward reruns the FC1 GEMM.
         source: :class:`~dropless.permute.RowSource` of the rows (``recompute_gather``).
         wgrad: accumulator for ``dW13``/``dW2`` (chunked layer calls), or None to return them.
+        with_ahead: also return a :class:`RecomputeAhead` (None unless ``recompute_fc1``)
+            for the caller to attach to the combined output.
     Returns:
-        ``[M, H]`` expert outputs (padding rows unspecified), in ``x_in``'s dtype.
+        ``[M, H]`` expert outputs (padding rows unspecified), in ``x_in``'s dtype; with
+        ``with_ahead``, the pair ``(outputs, ahead)``.
     Saved for backward: the landed rows ``[M, H]`` (with ``source``: nothing beyond the
     source tokens and the int64 indices ``src_M``, ``dest_Nk``), ``h13 [M, 2I]`` unless
     ``recompute_fc1``, the row weights ``[M]`` if folded; never the SwiGLU output. Two
@@ -245,7 +311,10 @@ def expert_mlp_recompute(x_in, w13, w2, row_w, layout, backend, recompute_fc1: b
     if source is not None:
         x_in, src_M, dest_Nk = source.x_NH, source.src_M, source.dest_Nk
     h, h13 = _FC1SwiGLU.apply(x_in, w13, row_w, src_M, dest_Nk, layout, backend, recompute_fc1, box, wgrad)
-    return _FC2Recompute.apply(h, w2, x_in, w13, row_w, h13, src_M, layout, backend, box, wgrad)
+    y = _FC2Recompute.apply(h, w2, x_in, w13, row_w, h13, src_M, layout, backend, box, wgrad)
+    if not with_ahead:
+        return y
+    return y, (RecomputeAhead(box, x_in, w13, src_M, layout, backend) if recompute_fc1 else None)
 
 
 @dataclass
@@ -310,7 +379,8 @@ class GroupedExperts(nn.Module):
 
     def forward(self, rows_MH: torch.Tensor | None, layout: ExpertLayout,
                 row_weight_M: torch.Tensor | None = None, poison: bool = False, *,
-                weights: ExpertWeights | None = None, source: RowSource | None = None) -> torch.Tensor:
+                weights: ExpertWeights | None = None, source: RowSource | None = None,
+                with_ahead: bool = False):
         """Run the experts on the live rows.
 
         Args:
@@ -324,8 +394,11 @@ class GroupedExperts(nn.Module):
             source: the rows' :class:`~dropless.permute.RowSource` (``recompute_gather``):
                 the rows are gathered inside the FC1 node and re-gathered in backward, never
                 saved. Uses the recompute path (``h13`` saved unless ``recompute_fc1``).
+            with_ahead: return ``(outputs, ahead)``: ``ahead`` is a :class:`RecomputeAhead`
+                to attach to the combined output (``recompute_fc1`` only; else None).
         Returns:
-            ``[M, H]`` expert outputs in the compute dtype; padding rows unspecified.
+            ``[M, H]`` expert outputs in the compute dtype; padding rows unspecified (and
+            the ``ahead`` handle with ``with_ahead``).
         """
         ref = rows_MH if rows_MH is not None else source.x_NH
         dt = compute_dtype(ref)
@@ -342,7 +415,7 @@ class GroupedExperts(nn.Module):
                                w13, layout, self.backend)
                 check_operands(ref.new_empty(layout.capacity, w2.shape[1], dtype=dt), w2, layout, self.backend)
                 return expert_mlp_recompute(x, w13, w2, row_weight_M, layout, self.backend,
-                                            self.recompute_fc1, source=source, wgrad=acc)
+                                            self.recompute_fc1, source=source, wgrad=acc, with_ahead=with_ahead)
             if rows_MH is None:
                 rows_MH = permute_rows(source.x_NH, source.src_M, source.dest_Nk)
             x = rows_MH.to(dt)
@@ -359,4 +432,4 @@ class GroupedExperts(nn.Module):
             y = grouped_mm(h, w2, layout, self.backend, wgrad=(acc, "w2") if acc is not None else None)
             if poison:
                 y = poison_padding(y, layout)
-            return y
+            return (y, None) if with_ahead else y

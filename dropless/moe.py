@@ -191,7 +191,11 @@ class MoE(nn.Module):
         (``dispatcher=fsdp``) the weights exist only inside the experts' forward, so each
         chunk casts its own and autograd sums the gradients. With ``recompute_gather`` the
         dispatcher lands no rows (:meth:`~dropless.dispatch.Dispatcher.dispatch_source`): the
-        experts gather them from ``x_TH`` and gather again in backward.
+        experts gather them from ``x_TH`` and gather again in backward. With
+        ``recompute_fc1`` each chunk's combined output carries a
+        :class:`~dropless.experts.RecomputeAhead`, so that FC1's output is rebuilt (and the
+        re-gathered rows freed) before the combine's backward lands the ``[M, H]`` row
+        gradient (where the combine finishes at once, or N = 1; not under FSDP2).
         """
         a = self.args
         n_chunks = max(1, min(a.num_token_chunks, x_TH.shape[0])) if x_TH.shape[0] else 1
@@ -215,11 +219,17 @@ class MoE(nn.Module):
             d = pending.wait()
             if c + 1 < n_chunks:
                 pending = issue(c + 1)  # next chunk's dispatch overlaps this chunk's experts
-            y_MH = self.experts(d.rows_MH, d.layout, d.row_weight_M, poison=a.poison_padding, weights=weights,
-                                source=d.source if regather else None)
+            y_MH, ahead = self.experts(d.rows_MH, d.layout, d.row_weight_M, poison=a.poison_padding,
+                                       weights=weights, source=d.source if regather else None, with_ahead=True)
             live.append(d.layout.counts.sum())
             cap = max(cap, d.layout.capacity)
-            combines.append(disp.combine_async(y_MH, d.handle))
+            pending_y = disp.combine_async(y_MH, d.handle)
+            if ahead is not None and weights is not None and (pending_y.done or n_chunks == 1):
+                # FC1's output is rebuilt when this chunk's output gets its gradient, before the
+                # combine's backward lands the [M, H] row gradient; attached now (not after the
+                # last chunk) so that autograd reaches it right before this chunk's combine backward
+                pending_y = Pending(value=ahead.attach(pending_y.wait()))
+            combines.append(pending_y)
         outs = [p.wait() for p in combines]
         stats["rows_live"] = torch.stack(live).sum()
         stats["rows_capacity"] = torch.tensor(cap)

@@ -250,3 +250,35 @@ def test_recompute_backward_materialises_no_zero_gradients(opts):
     with ZerosSpy() as spy:
         y.sum().backward()
     assert (64, 2 * I) not in spy.shapes, spy.shapes
+
+
+@pytest.mark.parametrize("gather", [False, True])
+def test_fc1_output_is_rebuilt_before_each_chunks_combine_backward(monkeypatch, gather):
+    """With recompute_fc1 the FC1 output of a chunk is rebuilt when the chunk's combined output
+    gets its gradient, before the combine's backward lands the [M, H] row gradient (so the
+    re-gathered rows are freed first), one chunk at a time; results unchanged."""
+    from dropless import experts, permute
+
+    log = []
+    real_rebuild, real_bwd = experts._rebuild_h13, permute._CombineRows.backward
+
+    def rebuild(box, *a):
+        if box.h13 is None:
+            log.append("h13")
+        return real_rebuild(box, *a)
+
+    def combine_bwd(ctx, grad):
+        log.append("combine")
+        return real_bwd(ctx, grad)
+
+    monkeypatch.setattr(experts, "_rebuild_h13", rebuild)
+    monkeypatch.setattr(permute._CombineRows, "backward", staticmethod(combine_bwd))
+    kw = dict(recompute_fc1=True, fold_routing_weights=True, recompute_gather=gather, num_token_chunks=3)
+    got = _layer_run(**kw)
+    assert log == ["h13", "combine"] * 3, log
+    log.clear()
+    monkeypatch.setattr(experts.RecomputeAhead, "attach", lambda self, y: y)  # FC2's backward rebuilds it
+    plain = _layer_run(**kw)
+    assert log == ["combine", "h13"] * 3, log
+    for a, b in zip(got, plain):
+        assert torch.equal(a, b)

@@ -45,6 +45,14 @@ def test_swiglu_live_rows_only(counts, A):
     (torch.nn.functional.silu(x[:, :I]) * x[:, I:]).backward(dout.double())
     assert rel(dh[live], x.grad[live]) < TOL
     assert torch.isfinite(dh[live]).all() and torch.isfinite(out[live]).all()
+    # folded routing weights: the gradient of swiglu(h13) · w, w scaled in inside the kernel
+    w = torch.rand(M, device=DEV)
+    w[~live] = float("nan")
+    dhw = tk.swiglu_bwd(h13, dout, lay, w)
+    x.grad = None
+    wr = w.to(DT).double().unsqueeze(1)  # the forward multiplies by w in the rows' dtype
+    (torch.nn.functional.silu(x[:, :I]) * x[:, I:] * wr).backward(dout.double())
+    assert rel(dhw[live], x.grad[live]) < TOL
 
 
 @pytest.mark.parametrize("weighted", [True, False])

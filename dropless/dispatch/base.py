@@ -78,6 +78,11 @@ class Pending:
     def __init__(self, finish: Any = None, *, value: Any = None):
         self._finish, self._value, self._done = finish, value, finish is None
 
+    @property
+    def done(self) -> bool:
+        """True when there is nothing left to wait for (``wait()`` returns at once)."""
+        return self._done
+
     def wait(self) -> Any:
         if not self._done:
             self._value, self._finish, self._done = self._finish(), None, True

@@ -43,8 +43,9 @@ def _swiglu_fwd_kernel(h13_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, end_ptr,
 
 
 @triton.jit
-def _swiglu_bwd_kernel(h13_ptr, dout_ptr, dh13_ptr, tile_expert_ptr, tile_row_ptr, end_ptr, I,
-                       stride_h, stride_do, stride_dh, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _swiglu_bwd_kernel(h13_ptr, dout_ptr, w_ptr, dh13_ptr, tile_expert_ptr, tile_row_ptr, end_ptr, I,
+                       stride_h, stride_do, stride_dh, HAS_W: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
     tile = tl.program_id(0)
     ex = tl.load(tile_expert_ptr + tile)
     if ex < 0:
@@ -59,6 +60,9 @@ def _swiglu_bwd_kernel(h13_ptr, dout_ptr, dh13_ptr, tile_expert_ptr, tile_row_pt
     g = tl.load(base, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(base + I, mask=mask, other=0.0).to(tl.float32)
     do = tl.load(dout_ptr + r64 * stride_do + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_W:  # the routing weight folded into the SwiGLU output: d(out) = d(out · w) · w, in fp32
+        w = tl.load(w_ptr + rows, mask=rows < row_end, other=0.0).to(tl.float32)
+        do = do * w[:, None]
     s = tl.sigmoid(g)
     dg = do * u * s * (1.0 + g * (1.0 - s))
     du = do * g * s
@@ -174,17 +178,25 @@ def swiglu_fwd(h13_MI2: torch.Tensor, layout) -> torch.Tensor:
     return out
 
 
-def swiglu_bwd(h13_MI2: torch.Tensor, dout_MI: torch.Tensor, layout) -> torch.Tensor:
-    """Gradient ``[M, 2I]`` (d gate || d up) of :func:`swiglu_fwd` on live rows."""
+def swiglu_bwd(h13_MI2: torch.Tensor, dout_MI: torch.Tensor, layout, row_w_M: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """Gradient ``[M, 2I]`` (d gate || d up) of :func:`swiglu_fwd` on live rows.
+
+    With ``row_w_M`` (``[M]``, the folded routing weights) it is the gradient of
+    ``swiglu_fwd(h13) · row_w`` given ``dout_MI`` = d(that product): ``dout`` is scaled by the
+    row's weight (rounded to ``h13``'s dtype, as the forward multiplied it) in fp32 registers,
+    so no scaled ``[M, I]`` copy of ``dout`` is made.
+    """
     m, i2 = h13_MI2.shape
     i = i2 // 2
     h13_MI2, dout_MI = h13_MI2.contiguous(), dout_MI.contiguous()
     dh13 = h13_MI2.new_empty(m, i2)
     tile_expert, tile_row, n_tiles = layout.tiles(_SWIGLU_BLOCK_M)
     grid = (n_tiles, triton.cdiv(i, _SWIGLU_BLOCK_N))
-    _swiglu_bwd_kernel[grid](h13_MI2, dout_MI, dh13, tile_expert, tile_row, layout.end, i,
-                             h13_MI2.stride(0), dout_MI.stride(0), dh13.stride(0),
-                             BLOCK_M=_SWIGLU_BLOCK_M, BLOCK_N=_SWIGLU_BLOCK_N)
+    has_w = row_w_M is not None
+    _swiglu_bwd_kernel[grid](h13_MI2, dout_MI, row_w_M.to(h13_MI2.dtype).contiguous() if has_w else dout_MI, dh13, tile_expert,
+                             tile_row, layout.end, i, h13_MI2.stride(0), dout_MI.stride(0), dh13.stride(0),
+                             HAS_W=has_w, BLOCK_M=_SWIGLU_BLOCK_M, BLOCK_N=_SWIGLU_BLOCK_N)
     return dh13
 
 
