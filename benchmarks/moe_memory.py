@@ -27,6 +27,7 @@ Usage: ``python benchmarks/moe_memory.py [--chunks 1 2 4 8] [--quick]``. Needs C
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 
 import torch
@@ -73,6 +74,7 @@ def measure(T, H, I, E, k, chunks: int, setting: str, explain: bool = False) -> 
     for p in params:
         p.grad = None
     x.grad = None
+    gc.collect()  # garbage of earlier measurements freed during the step would make the peak read low
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()  # weights and the input, no gradients

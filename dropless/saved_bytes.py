@@ -31,7 +31,7 @@ class SavedBytes:
         self.skip = {t.untyped_storage().data_ptr() for t in skip}
         self.packed: list[torch.Tensor] = []
         self.used: dict[int, int] = {}
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks = None
 
     def _pack(self, t):
         self.packed.append(t)
@@ -45,11 +45,15 @@ class SavedBytes:
         return t
 
     def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc):
         self._hooks.__exit__(*exc)
+        # the hooks object holds bound methods of self: dropping it breaks the reference cycle,
+        # so ``del sb`` frees the packed tensors at once instead of at the next gc pass
+        self._hooks = None
 
     def total(self) -> int:
         """Bytes counted so far (call after backward)."""
