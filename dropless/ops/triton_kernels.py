@@ -23,32 +23,18 @@ import triton.language as tl
 
 
 @triton.jit
-def _swiglu_fwd_kernel(h13_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, end_ptr, I,
-                       stride_h, stride_o, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _swiglu_kernel(h13_ptr, dout_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, end_ptr, I,
+                   stride_h, stride_do, stride_o, BACKWARD: tl.constexpr, HAS_W: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One ``BLOCK_M`` row tile of one expert (masked at its end) × one ``BLOCK_N`` column block.
+
+    Forward: ``out[:, :I] = silu(gate) * up``. Backward: ``out = d gate || d up`` given
+    ``dout`` (scaled by the row weight ``w`` when ``HAS_W``). ``dout_ptr``/``w_ptr`` are unused
+    in the forward. Sums in fp32.
+    """
     tile = tl.program_id(0)
     ex = tl.load(tile_expert_ptr + tile)
-    if ex < 0:
-        return
-    row0 = tl.load(tile_row_ptr + tile)
-    row_end = tl.load(end_ptr + ex)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows[:, None] < row_end) & (cols[None, :] < I)
-    base = h13_ptr + rows[:, None].to(tl.int64) * stride_h + cols[None, :]
-    g = tl.load(base, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(base + I, mask=mask, other=0.0).to(tl.float32)
-    y = g * tl.sigmoid(g) * u
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_o + cols[None, :], y.to(out_ptr.dtype.element_ty),
-             mask=mask)
-
-
-@triton.jit
-def _swiglu_bwd_kernel(h13_ptr, dout_ptr, w_ptr, dh13_ptr, tile_expert_ptr, tile_row_ptr, end_ptr, I,
-                       stride_h, stride_do, stride_dh, HAS_W: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
-    tile = tl.program_id(0)
-    ex = tl.load(tile_expert_ptr + tile)
-    if ex < 0:
+    if ex < 0:  # a tile past the live rows
         return
     row0 = tl.load(tile_row_ptr + tile)
     row_end = tl.load(end_ptr + ex)
@@ -59,16 +45,19 @@ def _swiglu_bwd_kernel(h13_ptr, dout_ptr, w_ptr, dh13_ptr, tile_expert_ptr, tile
     base = h13_ptr + r64 * stride_h + cols[None, :]
     g = tl.load(base, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(base + I, mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(dout_ptr + r64 * stride_do + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    if HAS_W:  # the routing weight folded into the SwiGLU output: d(out) = d(out · w) · w, in fp32
-        w = tl.load(w_ptr + rows, mask=rows < row_end, other=0.0).to(tl.float32)
-        do = do * w[:, None]
     s = tl.sigmoid(g)
-    dg = do * u * s * (1.0 + g * (1.0 - s))
-    du = do * g * s
-    dbase = dh13_ptr + r64 * stride_dh + cols[None, :]
-    tl.store(dbase, dg.to(dh13_ptr.dtype.element_ty), mask=mask)
-    tl.store(dbase + I, du.to(dh13_ptr.dtype.element_ty), mask=mask)
+    obase = out_ptr + r64 * stride_o + cols[None, :]
+    if BACKWARD:
+        do = tl.load(dout_ptr + r64 * stride_do + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_W:  # the routing weight folded into the SwiGLU output: d(out) = d(out · w) · w, in fp32
+            w = tl.load(w_ptr + rows, mask=rows < row_end, other=0.0).to(tl.float32)
+            do = do * w[:, None]
+        dg = do * u * s * (1.0 + g * (1.0 - s))
+        du = do * g * s
+        tl.store(obase, dg.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(obase + I, du.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(obase, (g * s * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -173,8 +162,9 @@ def swiglu_fwd(h13_MI2: torch.Tensor, layout) -> torch.Tensor:
     out = h13_MI2.new_empty(m, i)
     tile_expert, tile_row, n_tiles = layout.tiles(_SWIGLU_BLOCK_M)
     grid = (n_tiles, triton.cdiv(i, _SWIGLU_BLOCK_N))
-    _swiglu_fwd_kernel[grid](h13_MI2, out, tile_expert, tile_row, layout.end, i, h13_MI2.stride(0),
-                             out.stride(0), BLOCK_M=_SWIGLU_BLOCK_M, BLOCK_N=_SWIGLU_BLOCK_N)
+    _swiglu_kernel[grid](h13_MI2, h13_MI2, h13_MI2, out, tile_expert, tile_row, layout.end, i, h13_MI2.stride(0),
+                         0, out.stride(0), BACKWARD=False, HAS_W=False, BLOCK_M=_SWIGLU_BLOCK_M,
+                         BLOCK_N=_SWIGLU_BLOCK_N)
     return out
 
 
@@ -194,9 +184,10 @@ def swiglu_bwd(h13_MI2: torch.Tensor, dout_MI: torch.Tensor, layout, row_w_M: to
     tile_expert, tile_row, n_tiles = layout.tiles(_SWIGLU_BLOCK_M)
     grid = (n_tiles, triton.cdiv(i, _SWIGLU_BLOCK_N))
     has_w = row_w_M is not None
-    _swiglu_bwd_kernel[grid](h13_MI2, dout_MI, row_w_M.to(h13_MI2.dtype).contiguous() if has_w else dout_MI, dh13, tile_expert,
-                             tile_row, layout.end, i, h13_MI2.stride(0), dout_MI.stride(0), dh13.stride(0),
-                             HAS_W=has_w, BLOCK_M=_SWIGLU_BLOCK_M, BLOCK_N=_SWIGLU_BLOCK_N)
+    w = row_w_M.to(h13_MI2.dtype).contiguous() if has_w else dout_MI
+    _swiglu_kernel[grid](h13_MI2, dout_MI, w, dh13, tile_expert, tile_row, layout.end, i, h13_MI2.stride(0),
+                         dout_MI.stride(0), dh13.stride(0), BACKWARD=True, HAS_W=has_w,
+                         BLOCK_M=_SWIGLU_BLOCK_M, BLOCK_N=_SWIGLU_BLOCK_N)
     return dh13
 
 
