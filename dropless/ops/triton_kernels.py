@@ -28,9 +28,9 @@ def _swiglu_kernel(h13_ptr, dout_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_row_
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One ``BLOCK_M`` row tile of one expert (masked at its end) × one ``BLOCK_N`` column block.
 
-    Forward: ``out[:, :I] = silu(gate) * up``. Backward: ``out = d gate || d up`` given
-    ``dout`` (scaled by the row weight ``w`` when ``HAS_W``). ``dout_ptr``/``w_ptr`` are unused
-    in the forward. Sums in fp32.
+    Forward: ``out [M, I] = silu(gate) * up``. Backward: ``out [M, 2I] = d gate || d up`` given
+    ``dout [M, I]`` (scaled by the row weight ``w [M]`` when ``HAS_W``); ``dout_ptr``/``w_ptr``
+    are unused in the forward. Computed in fp32, stored in ``out``'s dtype.
     """
     tile = tl.program_id(0)
     ex = tl.load(tile_expert_ptr + tile)
