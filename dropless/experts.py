@@ -10,7 +10,7 @@ from torch import nn
 
 from dropless.layout import ExpertLayout, poison_padding
 from dropless.ops import get_backend, grouped_mm, use_triton
-from dropless.ops.grouped_gemm import WgradAccumulator, check_operands
+from dropless.ops.grouped_gemm import WgradAccumulator, check_operands, grad_wanted
 from dropless.permute import RowSource, gather_rows, gather_sum, permute_rows
 
 
@@ -106,13 +106,14 @@ def swiglu(h13_MI2: torch.Tensor, layout: ExpertLayout | None = None) -> torch.T
 class _RecomputeBox:
     """Hands the rebuilt FC1 output (and the landed rows, when they were saved) on to the next backward node.
 
-    :class:`_RecomputeAhead` (or else FC2's backward) fills it; FC2's backward reads it and
-    FC1's backward, which runs right after, takes it.
+    :class:`RecomputeAhead`'s hook (or else FC2's backward) fills it; FC2's backward reads it
+    and FC1's backward, which runs right after, takes it.
     """
 
     def __init__(self) -> None:
         self.rows: torch.Tensor | None = None
         self.h13: torch.Tensor | None = None
+        self.fc2_saved: tuple | None = None  # FC2's saved tensors, unpacked once by the ahead hook
 
 
 def _rebuild_h13(box: _RecomputeBox, x_in, w13, src_M, layout, backend) -> torch.Tensor:
@@ -126,48 +127,29 @@ def _rebuild_h13(box: _RecomputeBox, x_in, w13, src_M, layout, backend) -> torch
     return box.h13
 
 
-class _RecomputeAhead(torch.autograd.Function):
-    """Identity on the layer's combined output ``y_TH``; its backward rebuilds FC1's output early.
-
-    It runs when ``y_TH`` gets its gradient, before the combine's backward lands the
-    ``[M, H]`` row gradient, so the re-gathered ``[M, H]`` rows used by the FC1 GEMM are
-    freed before that gradient exists (otherwise FC2's backward holds rows, ``h13`` and the
-    row gradient at once: the peak of a chunk's backward). Saves references to tensors the
-    expert nodes already save.
-    """
-
-    @staticmethod
-    def forward(ctx, y_TH, box, x_in, w13, src_M, layout, backend):
-        ctx.box, ctx.layout, ctx.backend, ctx.gather = box, layout, backend, src_M is not None
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(x_in, w13, src_M if src_M is not None else x_in.new_empty(0))
-        return y_TH.view_as(y_TH)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if grad is not None:
-            x_in, w13, src_M = ctx.saved_tensors
-            _rebuild_h13(ctx.box, x_in, w13, src_M if ctx.gather else None, ctx.layout, ctx.backend)
-        return grad, None, None, None, None, None, None
-
-
 class RecomputeAhead:
     """Handle from :func:`expert_mlp_recompute` (``recompute_fc1``): :meth:`attach` it to the combined output.
 
-    ``y_TH = ahead.attach(y_TH)`` right after the combine of the same rows (before the next
-    chunk's experts run, so that autograd runs it just before this chunk's combine
-    backward). Optional: without it FC2's backward rebuilds ``h13`` itself, with a higher peak.
-    Not for FSDP2-managed experts (the weights are gathered again only when the experts'
-    outputs get their gradient, after this runs).
+    ``y_TH = ahead.attach(y_TH)`` registers a gradient hook on the combined output of the
+    same rows. Autograd runs it right before the combine's backward, which lands the
+    ``[M, H]`` row gradient; the hook rebuilds FC1's output then (re-gathering the rows and
+    freeing them), so that FC2's backward no longer holds the rows, ``h13`` and the row
+    gradient at once (the peak of a chunk's backward). Optional: without it FC2's backward
+    rebuilds ``h13`` itself. Attach it to a tensor whose backward runs just before this
+    chunk's expert nodes (the output of a combine that finished at once): a hook on the
+    output of a later collective would run before every chunk's experts and rebuild every
+    chunk's ``h13`` up front. Not for FSDP2-managed experts (the weights are gathered again
+    only when the experts' outputs get their gradient, after the hook).
     """
 
-    def __init__(self, box, x_in, w13, src_M, layout, backend):
-        self._args = (box, x_in, w13, src_M, layout, backend)
+    def __init__(self, fc2_node):
+        self._fc2 = fc2_node  # the _FC2Recompute node (it holds what the rebuild needs)
 
     def attach(self, y_TH: torch.Tensor) -> torch.Tensor:
-        if not (torch.is_grad_enabled() and y_TH.requires_grad):
-            return y_TH
-        return _RecomputeAhead.apply(y_TH, *self._args)
+        if torch.is_grad_enabled() and y_TH.requires_grad:
+            fc2 = self._fc2
+            y_TH.register_hook(lambda grad: _FC2Recompute.rebuild_ahead(fc2))
+        return y_TH
 
 
 def _weighted_(a_MI: torch.Tensor, row_w: torch.Tensor | None) -> torch.Tensor:
@@ -226,27 +208,33 @@ class _FC1SwiGLU(torch.autograd.Function):
         x_in, w13, row_w, h13, src_M, dest_Nk = ctx.saved_tensors
         layout, be, box = ctx.layout, ctx.backend, ctx.box
         src = src_M if ctx.gather else None
-        if ctx.recompute_fc1:  # FC2's backward (or the ahead node) left it in the box
-            h13 = _rebuild_h13(box, x_in, w13, src, layout, be)
+        want_x, want_w13 = grad_wanted(ctx, 0), grad_wanted(ctx, 1)
+        want_rw = ctx.has_w and grad_wanted(ctx, 2)
+        if ctx.recompute_fc1:  # FC2's backward (or the ahead hook) left it in the box
+            h13 = _rebuild_h13(box, x_in, w13, src, layout, be) if (want_x or want_w13 or want_rw) else None
             box.h13 = None
-        d_row_w = None
-        if ctx.has_w:
+        d_row_w = dw13 = dx = None
+        if want_rw:
             a = _swiglu_fwd(h13, layout)
             # bf16 products summed in fp32: no [M, I] fp32 copies of dh and a (3 × M·I·4 bytes)
             d_row_w = torch.sum(dh_MI * a, dim=-1, dtype=torch.promote_types(a.dtype, torch.float32)).to(row_w.dtype)
             del a
+        x, box.rows = box.rows, None
+        if not (want_x or want_w13):
+            return None, None, d_row_w, None, None, None, None, None, None, None
         dh13 = _swiglu_bwd(h13, dh_MI.contiguous(), layout, row_w if ctx.has_w else None)
         del h13
-        # the rows only now, after h13 is freed: they never sit beside h13, dh and dh13 at once
-        x, box.rows = box.rows, None
-        if x is None:
-            x = _landed(x_in, src)
-        dw13 = _wgrad(ctx.wgrad, "w13", x, dh13, layout, be, w13.dtype)
+        if want_w13:
+            # the rows only now, after h13 is freed: they never sit beside h13, dh and dh13 at once
+            if x is None:
+                x = _landed(x_in, src)
+            dw13 = _wgrad(ctx.wgrad, "w13", x, dh13, layout, be, w13.dtype)
         del x
-        dx = be.gmm(dh13, w13.transpose(1, 2), layout)
-        del dh13
-        if ctx.gather:
-            dx = gather_sum(dx, dest_Nk, None)  # Σ over the k landed copies of each token, fp32
+        if want_x:
+            dx = be.gmm(dh13, w13.transpose(1, 2), layout)
+            del dh13
+            if ctx.gather:
+                dx = gather_sum(dx, dest_Nk, None)  # Σ over the k landed copies of each token, fp32
         return dx, dw13, d_row_w, None, None, None, None, None, None, None
 
 
@@ -270,17 +258,46 @@ class _FC2Recompute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy_MH):
-        w2, x_in, w13, row_w, h13, src_M = ctx.saved_tensors
+        box = ctx.box
+        saved, box.fc2_saved = box.fc2_saved, None  # unpacked by the ahead hook (once: checkpoint allows one)
+        w2, x_in, w13, row_w, h13, src_M = saved if saved is not None else ctx.saved_tensors
         layout, be = ctx.layout, ctx.backend
+        want_h, want_w2 = grad_wanted(ctx, 0), grad_wanted(ctx, 1)
         dy_MH = dy_MH.contiguous()
-        if not ctx.has_h13:  # rebuilt by the ahead node already, or here
-            h13 = _rebuild_h13(ctx.box, x_in, w13, src_M if ctx.gather else None, layout, be)
-        h = _weighted_(_swiglu_fwd(h13, layout), row_w if ctx.has_w else None)
+        if not ctx.has_h13:  # rebuilt by the ahead hook already, or here
+            h13 = _rebuild_h13(box, x_in, w13, src_M if ctx.gather else None, layout, be)
+        dw2 = dh = None
+        if want_w2:
+            h = _weighted_(_swiglu_fwd(h13, layout), row_w if ctx.has_w else None)
+            dw2 = _wgrad(ctx.wgrad, "w2", h, dy_MH, layout, be, w2.dtype)
+            del h
         del h13
-        dw2 = _wgrad(ctx.wgrad, "w2", h, dy_MH, layout, be, w2.dtype)
-        del h
-        dh = be.gmm(dy_MH, w2.transpose(1, 2), layout)
+        if want_h:
+            dh = be.gmm(dy_MH, w2.transpose(1, 2), layout)
+        else:  # FC1's backward will not run in this pass: nothing to hand on
+            box.h13 = box.rows = None
         return dh, dw2, None, None, None, None, None, None, None, None, None
+
+    @staticmethod
+    def rebuild_ahead(ctx) -> None:
+        """:class:`RecomputeAhead`'s hook: rebuild ``h13`` into the box before this node's backward.
+
+        Unpacks the saved tensors once and leaves them in the box for :meth:`backward`
+        (non-reentrant activation checkpointing lets a saved tensor be unpacked only once).
+        Does nothing when ``h13`` was saved or this node will not run in this pass.
+        """
+        if ctx.has_h13:
+            return
+        try:
+            if not torch._C._will_engine_execute_node(ctx):
+                return
+        except (RuntimeError, AttributeError):
+            pass
+        box = ctx.box
+        box.fc2_saved = ctx.saved_tensors
+        _, x_in, w13, _, _, src_M = box.fc2_saved
+        box.h13 = box.rows = None  # rebuilt fresh: a retained graph's weights may have changed since
+        _rebuild_h13(box, x_in, w13, src_M if ctx.gather else None, ctx.layout, ctx.backend)
 
 
 def expert_mlp_recompute(x_in, w13, w2, row_w, layout, backend, recompute_fc1: bool,
@@ -314,7 +331,7 @@ def expert_mlp_recompute(x_in, w13, w2, row_w, layout, backend, recompute_fc1: b
     y = _FC2Recompute.apply(h, w2, x_in, w13, row_w, h13, src_M, layout, backend, box, wgrad)
     if not with_ahead:
         return y
-    return y, (RecomputeAhead(box, x_in, w13, src_M, layout, backend) if recompute_fc1 else None)
+    return y, (RecomputeAhead(y.grad_fn) if recompute_fc1 and y.grad_fn is not None else None)
 
 
 @dataclass

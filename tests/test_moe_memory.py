@@ -282,3 +282,59 @@ def test_fc1_output_is_rebuilt_before_each_chunks_combine_backward(monkeypatch, 
     assert log == ["combine", "h13"] * 3, log
     for a, b in zip(got, plain):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kw", [dict(num_token_chunks=3), dict(num_token_chunks=1, recompute_fc1=True),
+                                dict(num_token_chunks=3, recompute_fc1=True, fold_routing_weights=True),
+                                dict(num_token_chunks=3, recompute_fc1=True, fold_routing_weights=True,
+                                     recompute_gather=True),
+                                dict(num_token_chunks=2, recompute_swiglu=True)])
+def test_partial_gradients_leave_no_stale_weight_gradient(kw):
+    """``autograd.grad`` w.r.t. the input only (retain_graph), then a full backward: the weights
+    get exactly the plain backward's gradients. The chunk accumulator used to add the first
+    pass's weight gradients too (nobody collected them), doubling them; a pass that asks
+    for some inputs only computes no other gradient."""
+    from dropless import ModelArgs
+    from dropless.moe import MoE
+
+    def run(first):
+        args = ModelArgs(hidden_size=32, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2,
+                         n_group=4, topk_group=2, aux_loss_alpha=1e-3, routed_scaling_factor=2.5, **kw)
+        m = MoE(args, 0)
+        m.init_weights(1)
+        x = torch.randn(2, 24, 32, generator=torch.Generator().manual_seed(5), requires_grad=True)
+        y = m(x)
+        gx = None
+        if first:
+            (gx,) = torch.autograd.grad(y.square().sum(), x, retain_graph=True)
+            assert all(p.grad is None for p in m.parameters())
+        y.square().sum().backward()
+        return gx, [x.grad] + [p.grad for p in m.parameters()]
+
+    gx, got = run(True)
+    _, want = run(False)
+    assert torch.allclose(gx, want[0], rtol=1e-6, atol=1e-7)
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, rtol=1e-6, atol=1e-7)
+
+
+def test_recompute_fc1_output_can_be_modified_in_place():
+    """With recompute_fc1 (N = 1, no shared expert, no aux loss) the layer output is a plain
+    tensor, as in the default path: the early rebuild is a gradient hook, not a view-returning
+    autograd Function (PyTorch forbids in-place ops on those)."""
+    from dropless import ModelArgs
+    from dropless.moe import MoE
+
+    outs = []
+    for opts in (dict(), dict(recompute_fc1=True, fold_routing_weights=True, recompute_gather=True)):
+        args = ModelArgs(hidden_size=32, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2,
+                         n_group=4, topk_group=2, n_shared_experts=0, aux_loss_alpha=0.0, **opts)
+        m = MoE(args, 0)
+        m.init_weights(1)
+        x = torch.randn(2, 24, 32, generator=torch.Generator().manual_seed(5), requires_grad=True)
+        y = m(x)
+        y.add_(1.0)
+        y.square().sum().backward()
+        outs.append([y.detach(), x.grad] + [p.grad for p in m.parameters()])
+    for g, w in zip(*outs):
+        assert torch.allclose(g, w, rtol=1e-5, atol=1e-6)

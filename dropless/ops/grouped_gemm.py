@@ -15,6 +15,25 @@ from dropless.layout import ExpertLayout
 from dropless.ops.backends import GemmBackend, get_backend
 
 
+def grad_wanted(ctx, i: int) -> bool:
+    """True when this backward pass uses input ``i``'s gradient of the node ``ctx``.
+
+    ``torch.autograd.grad`` (or ``backward(inputs=...)``) may ask for a subset; a gradient
+    nobody takes is not computed (and a weight gradient is not added into a chunk
+    accumulator that would then outlive the pass). Where autograd cannot tell (a leaf under
+    ``autograd.grad``), it is computed.
+    """
+    if not ctx.needs_input_grad[i]:
+        return False
+    node = ctx.next_functions[i][0]
+    if node is None:
+        return False
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except (RuntimeError, AttributeError):
+        return True
+
+
 class _GroupedMM(torch.autograd.Function):
     """out_MN = per-expert x_MK @ w_eKN over live rows; saves x and w (needed for dW and dX)."""
 
@@ -31,9 +50,9 @@ class _GroupedMM(torch.autograd.Function):
         # odd strides that grouped_mm rejects: make it dense first.
         dy_MN = dy_MN.contiguous()
         dx = dw = None
-        if ctx.needs_input_grad[0]:
+        if grad_wanted(ctx, 0):
             dx = ctx.backend.gmm(dy_MN, w_eKN.transpose(1, 2), ctx.layout)
-        if ctx.needs_input_grad[1]:
+        if grad_wanted(ctx, 1):  # not when autograd.grad() asks for other inputs only
             if ctx.wgrad is not None:
                 acc, name = ctx.wgrad
                 acc.add(name, x_MK, dy_MN, ctx.layout)
