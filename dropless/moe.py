@@ -225,9 +225,9 @@ class MoE(nn.Module):
             cap = max(cap, d.layout.capacity)
             pending_y = disp.combine_async(y_MH, d.handle)
             if ahead is not None and weights is not None and (pending_y.done or n_chunks == 1):
-                # FC1's output is rebuilt when this chunk's output gets its gradient, before the
-                # combine's backward lands the [M, H] row gradient; attached now (not after the
-                # last chunk) so that autograd reaches it right before this chunk's combine backward
+                # a hook rebuilds FC1's output right before this chunk's combine backward lands the
+                # [M, H] row gradient. Not on the output of an asynchronous collective with N > 1:
+                # those backward nodes run before every chunk's experts (all h13 rebuilt up front)
                 pending_y = Pending(value=ahead.attach(pending_y.wait()))
             combines.append(pending_y)
         outs = [p.wait() for p in combines]
