@@ -10,7 +10,8 @@ from torch import nn
 
 from dropless.layout import ExpertLayout, poison_padding
 from dropless.ops import get_backend, grouped_mm, use_triton
-from dropless.ops.grouped_gemm import WgradAccumulator, check_operands, grad_wanted
+from dropless.ops.backward import first_order_only, grad_wanted
+from dropless.ops.grouped_gemm import WgradAccumulator, check_operands
 from dropless.permute import RowSource, gather_rows, gather_sum, permute_rows
 
 
@@ -84,6 +85,7 @@ class _SwiGLU(torch.autograd.Function):
         return _swiglu_fwd(h13_MI2, layout)
 
     @staticmethod
+    @first_order_only
     def backward(ctx, dout_MI):
         (h13_MI2,) = ctx.saved_tensors
         return _swiglu_bwd(h13_MI2, dout_MI.contiguous(), ctx.layout), None
@@ -202,6 +204,7 @@ class _FC1SwiGLU(torch.autograd.Function):
         return h, h13
 
     @staticmethod
+    @first_order_only
     def backward(ctx, dh_MI, _dh13):
         if dh_MI is None:  # h did not reach the loss
             return (None,) * 10
@@ -257,6 +260,7 @@ class _FC2Recompute(torch.autograd.Function):
         return backend.gmm(h_MI, w2, layout)
 
     @staticmethod
+    @first_order_only
     def backward(ctx, dy_MH):
         box = ctx.box
         saved, box.fc2_saved = box.fc2_saved, None  # unpacked by the ahead hook (once: checkpoint allows one)

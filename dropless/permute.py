@@ -21,6 +21,7 @@ import torch
 
 from dropless.layout import ExpertLayout
 from dropless.ops import use_triton
+from dropless.ops.backward import first_order_only
 
 
 def sort_by_expert(expert_idx_Nk: torch.Tensor, num_experts: int, alignment: int = 1,
@@ -106,6 +107,7 @@ class _PermuteRows(torch.autograd.Function):
         return gather_rows(x_NH, src_M)
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_MH):
         (dest_Nk,) = ctx.saved_tensors
         return gather_sum(grad_MH, dest_Nk, None), None, None
@@ -122,6 +124,7 @@ class _CombineRows(torch.autograd.Function):
         return gather_sum(y_MH, dest_Nk, weight_Nk)
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_NH):
         saved = ctx.saved_tensors
         dest_Nk = saved[0]

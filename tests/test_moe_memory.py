@@ -338,3 +338,24 @@ def test_recompute_fc1_output_can_be_modified_in_place():
         outs.append([y.detach(), x.grad] + [p.grad for p in m.parameters()])
     for g, w in zip(*outs):
         assert torch.allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(recompute_swiglu=True), dict(recompute_fc1=True, fold_routing_weights=True),
+                                dict(recompute_gather=True, num_token_chunks=3)])
+def test_double_backward_raises_instead_of_a_wrong_result(kw):
+    """Second-order gradients through the routed experts are not supported: the custom backward
+    passes (Triton kernels, recomputed inputs, in-place accumulators) are not differentiable.
+    A gradient penalty through them must raise, not give a silently wrong value (recompute_swiglu
+    gave d/dW13 = -1.30e-3 against -5.0e-4 by finite differences)."""
+    from dropless import ModelArgs
+    from dropless.moe import MoE
+
+    args = ModelArgs(hidden_size=32, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2,
+                     n_group=4, topk_group=2, aux_loss_alpha=1e-3, routed_scaling_factor=2.5, **kw)
+    m = MoE(args, 0)
+    m.init_weights(1)
+    x = torch.randn(2, 24, 32, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    g = torch.randn(2, 24, 32, generator=torch.Generator().manual_seed(6))
+    for loss in (lambda y: y.square().sum(), lambda y: (y * g).sum()):  # the upstream gradient needs grad, or not
+        with pytest.raises(RuntimeError, match="second-order gradients"):
+            torch.autograd.grad(loss(m(x)), x, create_graph=True)

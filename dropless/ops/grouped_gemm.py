@@ -13,25 +13,7 @@ import torch
 
 from dropless.layout import ExpertLayout
 from dropless.ops.backends import GemmBackend, get_backend
-
-
-def grad_wanted(ctx, i: int) -> bool:
-    """True when this backward pass uses input ``i``'s gradient of the node ``ctx``.
-
-    ``torch.autograd.grad`` (or ``backward(inputs=...)``) may ask for a subset; a gradient
-    nobody takes is not computed (and a weight gradient is not added into a chunk
-    accumulator that would then outlive the pass). Where autograd cannot tell (a leaf under
-    ``autograd.grad``), it is computed.
-    """
-    if not ctx.needs_input_grad[i]:
-        return False
-    node = ctx.next_functions[i][0]
-    if node is None:
-        return False
-    try:
-        return bool(torch._C._will_engine_execute_node(node))
-    except (RuntimeError, AttributeError):
-        return True
+from dropless.ops.backward import first_order_only, grad_wanted
 
 
 class _GroupedMM(torch.autograd.Function):
@@ -44,6 +26,7 @@ class _GroupedMM(torch.autograd.Function):
         return backend.gmm(x_MK, w_eKN, layout)
 
     @staticmethod
+    @first_order_only
     def backward(ctx, dy_MN):
         x_MK, w_eKN = ctx.saved_tensors
         # an expanded or non-contiguous upstream gradient (e.g. from .sum()) has zero or
@@ -109,6 +92,7 @@ class _Collect(torch.autograd.Function):
         return w.view_as(w)
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad):
         dw = ctx.acc.pop(ctx.name)
         if grad is not None:  # a use of the weight outside the accumulator

@@ -1,0 +1,59 @@
+"""Helpers for the custom autograd backward passes of the routed-expert path.
+
+* :func:`first_order_only` — the backward passes of the MoE path's custom Functions are not
+  differentiable (Triton kernels, inputs rebuilt by recompute, in-place accumulators), so a
+  second-order gradient through them (``create_graph=True``) would silently treat them as
+  constants. The decorator raises instead.
+* :func:`grad_wanted` — which input gradients the running backward pass will use, so that
+  ``torch.autograd.grad`` w.r.t. some inputs computes (and accumulates) nothing else.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+def first_order_only(backward):
+    """Decorate a custom Function's ``backward``: raise when autograd records its graph.
+
+    Inside backward, grad mode is on exactly when the pass was started with
+    ``create_graph=True`` (double backward, gradient penalties).
+
+    Raises:
+        RuntimeError: on ``create_graph=True``, naming the node and what to do instead.
+    """
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                f"{type(ctx).__name__}: second-order gradients (create_graph=True) through the routed "
+                "MoE experts are not supported: their backward passes (Triton kernels, recomputed "
+                "inputs, in-place gradient accumulation) are not differentiable, and treating them as "
+                "constants would give a wrong result. Take the penalty's gradient without "
+                "create_graph, or keep the MoE layers out of the double-backward path.")
+        with torch.no_grad():
+            return backward(ctx, *grads)
+
+    return wrapper
+
+
+def grad_wanted(ctx, i: int) -> bool:
+    """True when this backward pass uses input ``i``'s gradient of the node ``ctx``.
+
+    ``torch.autograd.grad`` (or ``backward(inputs=...)``) may ask for a subset; a gradient
+    nobody takes is not computed (and a weight gradient is not added into a chunk
+    accumulator that would then outlive the pass). Where autograd cannot tell (a leaf under
+    ``autograd.grad``), it is computed.
+    """
+    if not ctx.needs_input_grad[i]:
+        return False
+    node = ctx.next_functions[i][0]
+    if node is None:
+        return False
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except (RuntimeError, AttributeError):
+        return True
