@@ -86,15 +86,20 @@ def test_recompute_saves_at_most_one_copy_of_the_rows_plus_indices():
     assert got < saved_bytes(False, False, False) / 2
 
 
-def _layer_run(**kw):
+def _small_moe(**kw):
+    """A small MoE layer (H 32, I 16, E 8, k 2; ModelArgs overrides in ``kw``) and its input ``[2, 24, 32]``."""
     from dropless import ModelArgs
     from dropless.moe import MoE
 
-    args = ModelArgs(hidden_size=32, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2,
-                     n_group=4, topk_group=2, aux_loss_alpha=1e-3, routed_scaling_factor=2.5, **kw)
-    m = MoE(args, 0)
+    opts = dict(hidden_size=32, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2,
+                n_group=4, topk_group=2, aux_loss_alpha=1e-3, routed_scaling_factor=2.5)
+    m = MoE(ModelArgs(**{**opts, **kw}), 0)
     m.init_weights(1)
-    x = torch.randn(2, 24, 32, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    return m, torch.randn(2, 24, 32, generator=torch.Generator().manual_seed(5), requires_grad=True)
+
+
+def _layer_run(**kw):
+    m, x = _small_moe(**kw)
     y = m(x)
     y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(6)))
     return [y, x.grad] + [p.grad for p in m.parameters()]
@@ -204,15 +209,8 @@ def test_memory_options_under_activation_checkpointing(kw):
     same output and gradients as the plain layer, and the router counts its tokens once."""
     from torch.utils.checkpoint import checkpoint
 
-    from dropless import ModelArgs
-    from dropless.moe import MoE
-
     def run(ckpt, **opts):
-        args = ModelArgs(hidden_size=32, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2,
-                         n_group=4, topk_group=2, aux_loss_alpha=1e-3, routed_scaling_factor=2.5, **opts)
-        m = MoE(args, 0)
-        m.init_weights(1)
-        x = torch.randn(2, 24, 32, generator=torch.Generator().manual_seed(5), requires_grad=True)
+        m, x = _small_moe(**opts)
         y = checkpoint(m, x, use_reentrant=False) if ckpt else m(x)
         y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(6)))
         return [y, x.grad] + [p.grad for p in m.parameters()], m.router.tokens_per_expert.clone()
@@ -294,15 +292,8 @@ def test_partial_gradients_leave_no_stale_weight_gradient(kw):
     get exactly the plain backward's gradients. The chunk accumulator used to add the first
     pass's weight gradients too (nobody collected them), doubling them; a pass that asks
     for some inputs only computes no other gradient."""
-    from dropless import ModelArgs
-    from dropless.moe import MoE
-
     def run(first):
-        args = ModelArgs(hidden_size=32, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2,
-                         n_group=4, topk_group=2, aux_loss_alpha=1e-3, routed_scaling_factor=2.5, **kw)
-        m = MoE(args, 0)
-        m.init_weights(1)
-        x = torch.randn(2, 24, 32, generator=torch.Generator().manual_seed(5), requires_grad=True)
+        m, x = _small_moe(**kw)
         y = m(x)
         gx = None
         if first:
@@ -322,16 +313,9 @@ def test_recompute_fc1_output_can_be_modified_in_place():
     """With recompute_fc1 (N = 1, no shared expert, no aux loss) the layer output is a plain
     tensor, as in the default path: the early rebuild is a gradient hook, not a view-returning
     autograd Function (PyTorch forbids in-place ops on those)."""
-    from dropless import ModelArgs
-    from dropless.moe import MoE
-
     outs = []
     for opts in (dict(), dict(recompute_fc1=True, fold_routing_weights=True, recompute_gather=True)):
-        args = ModelArgs(hidden_size=32, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2,
-                         n_group=4, topk_group=2, n_shared_experts=0, aux_loss_alpha=0.0, **opts)
-        m = MoE(args, 0)
-        m.init_weights(1)
-        x = torch.randn(2, 24, 32, generator=torch.Generator().manual_seed(5), requires_grad=True)
+        m, x = _small_moe(n_shared_experts=0, aux_loss_alpha=0.0, **opts)
         y = m(x)
         y.add_(1.0)
         y.square().sum().backward()
@@ -347,14 +331,7 @@ def test_double_backward_raises_instead_of_a_wrong_result(kw):
     passes (Triton kernels, recomputed inputs, in-place accumulators) are not differentiable.
     A gradient penalty through them must raise, not give a silently wrong value (recompute_swiglu
     gave d/dW13 = -1.30e-3 against -5.0e-4 by finite differences)."""
-    from dropless import ModelArgs
-    from dropless.moe import MoE
-
-    args = ModelArgs(hidden_size=32, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2,
-                     n_group=4, topk_group=2, aux_loss_alpha=1e-3, routed_scaling_factor=2.5, **kw)
-    m = MoE(args, 0)
-    m.init_weights(1)
-    x = torch.randn(2, 24, 32, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    m, x = _small_moe(**kw)
     g = torch.randn(2, 24, 32, generator=torch.Generator().manual_seed(6))
     for loss in (lambda y: y.square().sum(), lambda y: (y * g).sum()):  # the upstream gradient needs grad, or not
         with pytest.raises(RuntimeError, match="second-order gradients"):
