@@ -11,7 +11,7 @@ from torch import nn
 from dropless.layout import ExpertLayout, poison_padding
 from dropless.ops import get_backend, grouped_mm, use_triton
 from dropless.ops.backward import first_order_only, grad_wanted
-from dropless.ops.grouped_gemm import WgradAccumulator, check_operands
+from dropless.ops.grouped_gemm import WgradAccumulator, check_operands, weight_grad
 from dropless.permute import RowSource, gather_rows, gather_sum, permute_rows
 
 
@@ -164,14 +164,6 @@ def _landed(x_in: torch.Tensor, src_M: torch.Tensor | None) -> torch.Tensor:
     return x_in if src_M is None else gather_rows(x_in, src_M)
 
 
-def _wgrad(wgrad, name, x_MK, dy_MN, layout, backend, dtype):
-    """``dW`` to return to autograd, or None after adding it into the layer call's accumulator."""
-    if wgrad is not None:
-        wgrad.add(name, x_MK, dy_MN, layout)
-        return None
-    return backend.gmm_wgrad(x_MK, dy_MN, layout).to(dtype)
-
-
 class _FC1SwiGLU(torch.autograd.Function):
     """(gather) -> FC1 (gate||up) -> SwiGLU (× row weight), without saving the SwiGLU output.
 
@@ -231,7 +223,7 @@ class _FC1SwiGLU(torch.autograd.Function):
             # the rows only now, after h13 is freed: they never sit beside h13, dh and dh13 at once
             if x is None:
                 x = _landed(x_in, src)
-            dw13 = _wgrad(ctx.wgrad, "w13", x, dh13, layout, be, w13.dtype)
+            dw13 = weight_grad(x, dh13, layout, be, w13.dtype, (ctx.wgrad, "w13") if ctx.wgrad is not None else None)
         del x
         if want_x:
             dx = be.gmm(dh13, w13.transpose(1, 2), layout)
@@ -273,7 +265,7 @@ class _FC2Recompute(torch.autograd.Function):
         dw2 = dh = None
         if want_w2:
             h = _weighted_(_swiglu_fwd(h13, layout), row_w if ctx.has_w else None)
-            dw2 = _wgrad(ctx.wgrad, "w2", h, dy_MH, layout, be, w2.dtype)
+            dw2 = weight_grad(h, dy_MH, layout, be, w2.dtype, (ctx.wgrad, "w2") if ctx.wgrad is not None else None)
             del h
         del h13
         if want_h:

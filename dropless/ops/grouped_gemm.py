@@ -36,12 +36,26 @@ class _GroupedMM(torch.autograd.Function):
         if grad_wanted(ctx, 0):
             dx = ctx.backend.gmm(dy_MN, w_eKN.transpose(1, 2), ctx.layout)
         if grad_wanted(ctx, 1):  # not when autograd.grad() asks for other inputs only
-            if ctx.wgrad is not None:
-                acc, name = ctx.wgrad
-                acc.add(name, x_MK, dy_MN, ctx.layout)
-            else:
-                dw = ctx.backend.gmm_wgrad(x_MK, dy_MN, ctx.layout).to(w_eKN.dtype)
+            dw = weight_grad(x_MK, dy_MN, ctx.layout, ctx.backend, w_eKN.dtype, ctx.wgrad)
         return dx, dw, None, None, None
+
+
+def weight_grad(x_MK: torch.Tensor, dy_MN: torch.Tensor, layout: ExpertLayout, backend: GemmBackend,
+                dtype: torch.dtype, wgrad: "tuple[WgradAccumulator, str] | None" = None) -> torch.Tensor | None:
+    """The grouped weight gradient ``dW[i] = x[live_i]^T @ dy[live_i]`` of one layer call's GEMM.
+
+    Args:
+        x_MK: ``[M, K]`` the GEMM's input rows. dy_MN: ``[M, N]`` its output gradient.
+        layout: the rows' layout. backend: the grouped GEMM backend. dtype: the weight's dtype.
+        wgrad: ``(accumulator, name)`` to add ``dW`` into instead (chunked layer calls).
+    Returns:
+        ``[e, K, N]`` in ``dtype`` for autograd, or None after adding it into the accumulator.
+    """
+    if wgrad is not None:
+        acc, name = wgrad
+        acc.add(name, x_MK, dy_MN, layout)
+        return None
+    return backend.gmm_wgrad(x_MK, dy_MN, layout).to(dtype)
 
 
 def grouped_mm(x_MK: torch.Tensor, w_eKN: torch.Tensor, layout: ExpertLayout,
