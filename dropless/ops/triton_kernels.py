@@ -69,7 +69,9 @@ def _gather_sum_kernel(rows_ptr, dest_ptr, w_ptr, out_ptr, H, stride_r, stride_o
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for j in tl.static_range(K):
         d = tl.load(dest_ptr + n * K + j)
-        live = d >= 0  # a choice routed elsewhere is masked: its row is never read
+        # a choice routed elsewhere is masked: its row is never read. The test is made on a
+        # [BLOCK_H] block, not the scalar: Triton 3.9's interpreter turns `block & scalar` into int32
+        live = (cols * 0 + d) >= 0
         r = tl.load(rows_ptr + tl.maximum(d, 0).to(tl.int64) * stride_r + cols, mask=cmask & live,
                     other=0.0).to(tl.float32)
         if HAS_W:
@@ -85,13 +87,12 @@ def _combine_bwd_kernel(grad_ptr, rows_ptr, dest_ptr, w_ptr, grad_rows_ptr, grad
     n = tl.program_id(0)
     for j in tl.static_range(K):
         d = tl.load(dest_ptr + n * K + j)
-        live = d >= 0
         d64 = tl.maximum(d, 0).to(tl.int64)
         w = tl.load(w_ptr + n * K + j).to(tl.float32)
         dot = tl.zeros([BLOCK_H], dtype=tl.float32)
         for hb in tl.static_range(NUM_HB):
             cols = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-            m = (cols < H) & live
+            m = (cols < H) & ((cols * 0 + d) >= 0)  # block-shaped test, as in _gather_sum_kernel
             g = tl.load(grad_ptr + n.to(tl.int64) * stride_g + cols, mask=m, other=0.0).to(tl.float32)
             tl.store(grad_rows_ptr + d64 * stride_gr + cols, (g * w).to(grad_rows_ptr.dtype.element_ty), mask=m)
             if NEED_GW:
