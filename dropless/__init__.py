@@ -20,21 +20,15 @@ from dropless.config import ConfigError, ModelArgs
 from dropless.dispatch import build_dispatcher
 from dropless.experts import GroupedExperts
 from dropless.layout import ExpertLayout
+from dropless.model import Transformer
 from dropless.moe import MoE
 from dropless.ops import grouped_mm, list_backends
 from dropless.permute import combine_rows, permute_rows
 from dropless.routing import Router, update_router_biases
 
 __all__ = [
-    "ConfigError", "ExpertLayout", "GroupedExperts", "ModelArgs", "MoE", "Router", "build_dispatcher",
+    "ConfigError", "ExpertLayout", "GroupedExperts", "ModelArgs", "MoE", "Router", "Transformer", "build_dispatcher",
     "combine_rows", "grouped_mm", "list_backends", "permute_rows", "update_router_biases",
 ]
 __version__ = "0.1.0"
 
-
-def __getattr__(name):  # the model imports dropless.moe; load it on first use
-    if name == "Transformer":
-        from dropless.model import Transformer
-
-        return Transformer
-    raise AttributeError(f"module 'dropless' has no attribute {name!r}")

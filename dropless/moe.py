@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from dropless.config import ConfigError, ModelArgs
 from dropless.dispatch import Dispatcher, LocalDispatcher, Pending
 from dropless.experts import GroupedExperts, compute_dtype
-from dropless.model.mlp import FeedForward
+from dropless.mlp import FeedForward
 from dropless.routing import Router
 
 
@@ -96,7 +96,7 @@ class MoE(nn.Module):
     Attributes:
         router: :class:`~dropless.routing.Router`.
         experts: :class:`~dropless.experts.GroupedExperts` holding the ``e = E/EP`` local experts.
-        shared_experts: :class:`~dropless.model.mlp.FeedForward` of width
+        shared_experts: :class:`~dropless.mlp.FeedForward` of width
             ``n_shared_experts · moe_intermediate_size`` on every token, or None.
         last_stats: device tensors of the last forward: ``rows_dropped``, ``rows_padded``
             (capacity-factor baseline; 0 when dropless), ``rows_live``, ``rows_capacity``.

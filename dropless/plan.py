@@ -49,6 +49,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Sequence
 
 from dropless.config import ModelArgs
+from dropless.model.params import ParamCounts, model_flops_per_token, moe_flops_per_token, param_counts
 
 MiB = 2**20
 GiB = 2**30
@@ -562,138 +563,6 @@ def tile_overhead_bound(rows: int, segments: int, tile: int) -> TileBound:
     tiles_min = -(-rows // tile)
     worst = (segments - 1) / tiles_min
     return TileBound(tiles_min, worst, worst / 2)
-
-
-# --------------------------------------------------------------------------- model totals
-@dataclass(frozen=True)
-class ParamCounts:
-    """Analytic parameter counts of a DeepSeek-V3-shaped model (no MTP module).
-
-    Attributes:
-        total: every parameter (embedding, attention + norms, dense MLPs,
-            router weights, routed and shared experts, final norm, untied head).
-        activated: parameters one token's forward pass uses: ``total`` minus the
-            routed experts it does not pick (``E − k`` per MoE layer) and minus
-            the input embedding table (a lookup, not a matmul; cf. Kaplan et al.
-            2020 who count non-embedding parameters). The output head is counted.
-        embedding: the input embedding ``V·H``.
-        attention: all layers' MLA projections and their norms (q_norm, kv_norm).
-        dense_mlp: the first-k-dense SwiGLU layers.
-        routed_experts: all routed experts of all MoE layers.
-        shared_experts: all shared experts.
-        router: all router weights ``[E, H]`` (the selection bias is a buffer, not counted).
-        norms: the per-layer input / post-attention RMSNorms and the final norm.
-        head: the output projection ``[V, H]``.
-    """
-
-    total: int
-    activated: int
-    embedding: int = 0
-    attention: int = 0
-    dense_mlp: int = 0
-    routed_experts: int = 0
-    shared_experts: int = 0
-    router: int = 0
-    norms: int = 0
-    head: int = 0
-
-
-def _attention_params(args: ModelArgs) -> tuple[int, int]:
-    """(matmul params, norm params) of one MLA block (DeepSeek-V2/V3 MLA, no biases)."""
-    H, N = args.hidden_size, args.num_attention_heads
-    qk, C, Dr = args.qk_head_dim, args.kv_lora_rank, args.qk_rope_head_dim
-    Q = args.q_lora_rank or 0
-    if Q > 0:
-        q_mm, q_norm = H * Q + Q * N * qk, Q          # wq_a, wq_b; q_norm
-    else:
-        q_mm, q_norm = H * N * qk, 0                  # wq
-    kv_mm = H * (C + Dr) + C * N * (args.qk_nope_head_dim + args.v_head_dim)  # wkv_a, wkv_b
-    o_mm = N * args.v_head_dim * H                     # wo
-    return q_mm + kv_mm + o_mm, q_norm + C
-
-
-def param_counts(args: ModelArgs) -> ParamCounts:
-    """Parameters of the model ``args`` describes, counted analytically (no MTP module).
-
-    Per layer: MLA (``wq_a [Q,H]``, ``q_norm [Q]``, ``wq_b [N·(Dn+Dr),Q]``, or ``wq``
-    without q_lora; ``wkv_a [C+Dr,H]``, ``kv_norm [C]``, ``wkv_b [N·(Dn+Dv),C]``,
-    ``wo [H,N·Dv]``), two RMSNorms ``[H]``, then either a dense SwiGLU
-    ``3·H·intermediate_size`` or an MoE (router ``[E,H]``, ``E`` routed and
-    ``n_shared_experts`` shared SwiGLU experts of ``3·H·I``). Plus the embedding
-    ``[V,H]``, the final norm ``[H]`` and an untied output head ``[V,H]`` (tied:
-    counted once).
-
-    DeepSeek-V3 (:meth:`ModelArgs.deepseek_v3_671b`): total 671,026,404,352
-    ≈ 671B; activated 36,625,603,584 ≈ 37B (paper: "671B total parameters with
-    37B activated for each token"; the 14B MTP module is not counted).
-    """
-    H, V = args.hidden_size, args.vocab_size
-    L = args.num_hidden_layers
-    moe_ids = args.moe_layer_ids()
-    n_moe = len(moe_ids)
-    n_dense = L - n_moe
-    attn_mm, attn_norm = _attention_params(args)
-    expert = 3 * H * args.moe_intermediate_size
-    embedding = V * H
-    head = 0 if args.tie_word_embeddings else V * H
-    attention = L * (attn_mm + attn_norm)
-    dense_mlp = n_dense * 3 * H * args.intermediate_size
-    routed = n_moe * args.n_routed_experts * expert
-    shared = n_moe * args.n_shared_experts * expert
-    router = n_moe * args.n_routed_experts * H
-    norms = L * 2 * H + H
-    total = embedding + attention + dense_mlp + routed + shared + router + norms + head
-    activated_routed = n_moe * args.num_experts_per_tok * expert
-    activated = total - routed + activated_routed - (embedding if head else 0)
-    return ParamCounts(total=total, activated=activated, embedding=embedding, attention=attention,
-                       dense_mlp=dense_mlp, routed_experts=routed, shared_experts=shared,
-                       router=router, norms=norms, head=head)
-
-
-def moe_flops_per_token(args: ModelArgs, seq_len: int, routed_rows_per_token: float | None = None,
-                        causal: bool = True) -> float:
-    """Training FLOPs per token (forward + backward), counting the routed rows actually computed.
-
-    ``6 · (matmul params a token touches) + 6 · L · N · (Dqk + Dv) · S · c``,
-    with ``c = 1/2`` for causal attention (1 otherwise). The matmul params are
-    the MLA projections, dense MLPs, routers, shared experts, the output head
-    and ``routed_rows_per_token`` routed experts per MoE layer (the embedding
-    lookup and the norms are not matmuls). The attention term is PaLM's
-    (Chowdhery et al. 2022, appendix B: ``6N + 12·L·H·Q·T``) written for MLA's
-    unequal query/key and value head dims and halved for causal masking.
-
-    Args:
-        args: the model.
-        seq_len: tokens per sequence ``S``.
-        routed_rows_per_token: mean routed rows computed per token; None = ``k``
-            (dropless computes exactly ``k`` live rows per token: use this for
-            MFU). With a capacity factor pass ``(T·k − dropped)/T``; the
-            padding rows are not useful work and are not counted.
-        causal: halve the score/value term for a causal mask.
-    Returns: FLOPs per token (float).
-    """
-    _positive_int("seq_len", seq_len)
-    rows = args.num_experts_per_tok if routed_rows_per_token is None else routed_rows_per_token
-    if rows < 0:
-        raise ValueError(f"routed_rows_per_token={rows!r} must be >= 0")
-    H, V, L = args.hidden_size, args.vocab_size, args.num_hidden_layers
-    n_moe = args.num_moe_layers
-    attn_mm, _ = _attention_params(args)
-    expert = 3 * H * args.moe_intermediate_size
-    matmul = (L * attn_mm + (L - n_moe) * 3 * H * args.intermediate_size
-              + n_moe * (args.n_routed_experts * H + args.n_shared_experts * expert + rows * expert)
-              + V * H)
-    attn = 6 * L * args.num_attention_heads * (args.qk_head_dim + args.v_head_dim) * seq_len
-    return 6.0 * matmul + attn * (0.5 if causal else 1.0)
-
-
-def model_flops_per_token(args: ModelArgs, seq_len: int, causal: bool = True) -> float:
-    """Training FLOPs per token: ``6 × activated matmul params + attention`` (dropless: k rows per token).
-
-    See :func:`moe_flops_per_token` for the formula (PaLM appendix B, causal
-    halving). DeepSeek-V3 at S = 4,096: ≈ 2.50e11.
-    """
-    return moe_flops_per_token(args, seq_len, None, causal)
 
 
 # --------------------------------------------------------------------------- the rank plan

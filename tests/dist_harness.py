@@ -180,7 +180,7 @@ def _mutate_all_gather_backward():
 def layer_worker(rank, world, scenarios):
     """For each scenario dict(name, dispatcher, alignment, fold, biased): MoE on this rank's slice."""
     from dropless.dispatch import build_dispatcher
-    from dropless.dispatch.fsdp import apply_fsdp
+    from dropless.train.shard import apply_fsdp
     from dropless.dispatch.mesh import build_mesh
     from dropless.moe import MoE
 

@@ -8,7 +8,7 @@ Typical use under torchrun::
 
     from dropless.dispatch import build_dispatcher
     from dropless.dispatch.mesh import build_mesh, init_distributed
-    from dropless.dispatch.fsdp import apply_fsdp
+    from dropless.train.shard import apply_fsdp
 
     init_distributed(timeout_s=300)                      # gloo on CPU, nccl on GPU
     mesh = build_mesh(world, ep_size, "cpu", n_routed_experts=args.n_routed_experts)
@@ -21,8 +21,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from dropless.config import ConfigError
+from dropless.dispatch.a2a import A2ADispatcher
+from dropless.dispatch.agrs import AGRSDispatcher
 from dropless.dispatch.base import CommStats, Dispatched, Dispatcher, Pending
+from dropless.dispatch.collectives import group_size
+from dropless.dispatch.deepep import DeepEPDispatcher
+from dropless.dispatch.fsdp import FSDPDispatcher
 from dropless.dispatch.local import LocalDispatcher
+from dropless.dispatch.mesh import ep_group as _ep_group
 
 DISPATCHERS = ("local", "a2a", "agrs", "fsdp", "deepep")
 
@@ -45,10 +52,6 @@ def build_dispatcher(name: str, args: Any, ep_group: Any = None, **opts: Any) ->
             ``deep_ep`` (the message says how to install it); ``n_routed_experts`` not divisible
             by the EP size; an EP group > 1 for ``local``/``fsdp``.
     """
-    from dropless.config import ConfigError
-    from dropless.dispatch.collectives import group_size
-    from dropless.dispatch.mesh import ep_group as _ep_group
-
     key = str(name).lower()
     if key not in DISPATCHERS:
         raise ConfigError(f"dispatcher.name={name!r}: unknown; pick one of {', '.join(DISPATCHERS)}")
@@ -63,22 +66,18 @@ def build_dispatcher(name: str, args: Any, ep_group: Any = None, **opts: Any) ->
                               "(only deepep has options: version, num_max_tokens_per_rank)")
         if key == "local":
             return LocalDispatcher(num_experts)
-        from dropless.dispatch.fsdp import FSDPDispatcher
         return FSDPDispatcher(num_experts)
     ep = group_size(group)
     if num_experts % ep:
         raise ConfigError(f"n_routed_experts={num_experts} is not divisible by the EP size {ep} "
                           f"(dispatcher={key}); pick dispatcher.ep_size among the divisors of {num_experts}")
     if key == "deepep":
-        from dropless.dispatch.deepep import DeepEPDispatcher
         return DeepEPDispatcher(num_experts, group, **opts)
     if opts:
         raise ConfigError(f"dispatcher={key}: unknown options {sorted(opts)}; {key} takes none "
                           "(only deepep has options: version, num_max_tokens_per_rank)")
     if key == "a2a":
-        from dropless.dispatch.a2a import A2ADispatcher
         return A2ADispatcher(num_experts, group)
-    from dropless.dispatch.agrs import AGRSDispatcher
     return AGRSDispatcher(num_experts, group)
 
 

@@ -32,10 +32,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from dropless.config import ConfigError
 from dropless.dispatch.base import Dispatched, Dispatcher
 from dropless.dispatch.collectives import group_rank, group_size
+from dropless.dispatch.local import scatter_row_weights
 from dropless.layout import ExpertLayout, align_up
 from dropless.permute import combine_rows, permute_rows, sort_by_expert
 
@@ -246,7 +248,6 @@ class DeepEPDispatcher(Dispatcher):
         self._deep_ep = require_deep_ep()
         if version not in (1, 2):
             raise ConfigError(f"dispatcher.version={version}: DeepEP paths are 1 (Buffer) or 2 (ElasticBuffer)")
-        import torch.distributed as dist
         if group is None:
             if not (dist.is_available() and dist.is_initialized()):
                 raise ConfigError("dispatcher=deepep: torch.distributed is not initialised; launch with torchrun "
@@ -292,7 +293,6 @@ class DeepEPDispatcher(Dispatcher):
             cap = capacity if capacity is not None else max(int(sum(counts_list)), 0)
             rows_MH, layout, dest_Nk = expand_received(recv_x, recv_idx, self.num_local_experts, alignment, cap)
             if fold_weights:
-                from dropless.dispatch.local import scatter_row_weights
                 row_w = scatter_row_weights(recv_w, dest_Nk, layout.capacity)
                 return Dispatched(rows_MH, layout, row_w, DeepEPHandle(1, self._last[0], dest_Nk, None))
             return Dispatched(rows_MH, layout, None, DeepEPHandle(1, self._last[0], dest_Nk, recv_w))

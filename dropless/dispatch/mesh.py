@@ -18,7 +18,9 @@ import datetime
 import os
 from typing import Any
 
+import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from dropless.config import ConfigError
 
@@ -43,7 +45,6 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return False
     if backend is None:
-        import torch
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     kw: dict[str, Any] = {"backend": backend}
     if timeout_s is not None:
@@ -105,7 +106,6 @@ def build_mesh(world_size: int, ep_size: int, device_type: str = "cpu", *,
     if actual != world_size:
         raise ConfigError(f"build_mesh: world_size={world_size} but the process group has {actual} ranks; "
                           "pass world_size=torch.distributed.get_world_size()")
-    from torch.distributed.device_mesh import init_device_mesh
     return init_device_mesh(device_type, (world_size // ep_size, ep_size), mesh_dim_names=("dp", "ep"))
 
 

@@ -26,10 +26,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dropless.config import ConfigError, ModelArgs
+from dropless.mlp import FeedForward
 from dropless.model.attention import MLA
-from dropless.model.mlp import FeedForward
 from dropless.model.norm import RMSNorm
 from dropless.model.rope import rope_cos_sin
+from dropless.moe import MoE
 
 
 class Block(nn.Module):
@@ -55,9 +56,6 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.moe_enabled = self.layer_id in args.moe_layer_ids()
         if self.moe_enabled:
-            # Imported here: dropless.moe imports dropless.model.mlp.
-            from dropless.moe import MoE
-
             self.moe = MoE(args, self.layer_id, dispatcher)
         else:
             self.feed_forward = FeedForward(args.hidden_size, args.intermediate_size)

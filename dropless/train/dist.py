@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from dropless.config import ConfigError
-from dropless.dispatch.mesh import check_ep_size
+from dropless.dispatch.mesh import build_mesh, check_ep_size
 
 __all__ = ["DistEnv", "resolve_ep_size", "check_mesh", "init_distributed", "default_num_threads"]
 
@@ -156,8 +156,6 @@ def init_distributed(cfg: Any, n_routed_experts: int) -> DistEnv:
         timeout = datetime.timedelta(seconds=float(cfg.train.get("dist_timeout_s", 600)))
         kw = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(backend=backend, timeout=timeout, **kw)
-    from dropless.dispatch.mesh import build_mesh
-
     env.mesh = build_mesh(world, ep, device.type)
     env.ep_group = env.mesh.get_group("ep") if ep > 1 else None
     env.dp_group = env.mesh.get_group("dp")

@@ -1,5 +1,10 @@
-"""Shard the non-expert parameters over all ranks with FSDP2 (``train.shard_dense``).
+"""FSDP2 over a built model, applied from the training side: the experts (``dispatcher=fsdp``)
+and the non-expert parameters (``train.shard_dense``).
 
+:func:`apply_fsdp` shards every MoE layer's ``experts`` over the dp ranks (the ``fsdp``
+dispatcher, EP = 1; the bytes it moves are described in :mod:`dropless.dispatch.fsdp`).
+
+:func:`shard_dense_params` shards the non-expert parameters over all ranks.
 Without it every rank holds every non-expert parameter (attention, dense layers, shared
 experts, router, embeddings, head) with its AdamW state, and the trainer all-reduces their
 gradients: at the DeepSeek-V3 shape that is ≈ 17 B parameters per rank
@@ -19,9 +24,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
-__all__ = ["shard_dense_params"]
+from dropless.dispatch.fsdp import FSDPDispatcher
+from dropless.moe import MoE
+
+__all__ = ["apply_fsdp", "shard_dense_params"]
 
 
 def shard_dense_params(model: nn.Module, world_size: int, device_type: str,
@@ -42,9 +53,6 @@ def shard_dense_params(model: nn.Module, world_size: int, device_type: str,
     """
     if world_size <= 1:
         return None
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-
     if not hasattr(model, "layers") or not hasattr(model, "expert_parameters"):
         raise ValueError("shard_dense_params: expected a dropless.model.Transformer (with .layers and "
                          f".expert_parameters()), got {type(model).__name__}")
@@ -59,3 +67,83 @@ def shard_dense_params(model: nn.Module, world_size: int, device_type: str,
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=mine)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=set(experts))
     return mesh
+
+
+def _moe_layers(module: nn.Module) -> list[MoE]:
+    return [m for m in module.modules() if isinstance(m, MoE)]
+
+
+def apply_fsdp(module: nn.Module, mesh: Any, *, reshard_after_forward: bool = True,
+               mp_policy: Any = None, prefetch: bool = True, root: bool = True) -> list[nn.Module]:
+    """Shard the ``experts`` of every MoE layer in ``module`` with FSDP2 over the dp ranks.
+
+    Args:
+        module: an :class:`~dropless.moe.MoE` or a model holding MoE layers (in forward order
+            as ``module.modules()`` lists them, which is the decoder's layer order).
+        mesh: a :class:`DeviceMesh` from :func:`dropless.dispatch.mesh.build_mesh` (its ``"dp"``
+            dimension is used; with dims ``("dp", "ep")`` the ep size must be 1) or a 1-D mesh.
+        reshard_after_forward: free the gathered weights after forward (re-gather in backward).
+        mp_policy: an optional FSDP2 ``MixedPrecisionPolicy``.
+        prefetch: set explicit forward/backward prefetch between consecutive layers' experts.
+        root: also apply ``fully_shard`` to ``module`` itself with every non-expert parameter
+            ignored (they stay plain tensors), so that all experts share one FSDP root (needed
+            for the prefetch). Set False if the caller shards ``module`` itself afterwards.
+    Returns:
+        the sharded ``experts`` modules, in order.
+    Raises:
+        ValueError: no MoE layer found; the mesh has an ep dimension > 1; an MoE layer whose
+            dispatcher is not EP = 1 (``fsdp``/``local``).
+    Notes:
+        The experts' gradients are averaged over the dp ranks (FSDP2's default), which is what
+        a trainer averaging the other parameters' gradients over the world expects. Call it
+        before building the optimizer (the parameters become DTensors).
+    """
+    dp_mesh = mesh
+    names = getattr(mesh, "mesh_dim_names", None)
+    if names and "dp" in names:
+        if "ep" in names and mesh["ep"].size() != 1:
+            raise ValueError(f"apply_fsdp: the mesh has ep={mesh['ep'].size()}; the fsdp dispatcher needs "
+                             "EP = 1 (dispatcher.ep_size=1)")
+        dp_mesh = mesh["dp"]
+    elif mesh.ndim != 1:
+        raise ValueError(f"apply_fsdp: need a mesh with a 'dp' dimension or a 1-D mesh, got dims {names}")
+    layers = _moe_layers(module)
+    if not layers:
+        raise ValueError("apply_fsdp: no dropless.moe.MoE layer in the module; pass the model (or MoE layer) "
+                         "whose experts are to be sharded")
+    dp = dp_mesh.size()
+    kwargs: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    sharded = []
+    for moe in layers:
+        if moe.dispatcher.ep_size != 1:
+            raise ValueError(f"apply_fsdp: MoE layer {moe.layer_id} uses dispatcher "
+                             f"{moe.dispatcher.name!r} with EP={moe.dispatcher.ep_size}; fsdp needs EP = 1: "
+                             "build the layers with dispatcher=fsdp (dispatcher.ep_size=1)")
+        params = list(moe.experts.parameters())
+        full_param_bytes = sum(p.numel() * _dtype_bytes(getattr(mp_policy, "param_dtype", None), p) for p in params)
+        full_grad_bytes = sum(p.numel() * _dtype_bytes(getattr(mp_policy, "reduce_dtype", None), p) for p in params)
+        fully_shard(moe.experts, **kwargs)
+        if isinstance(moe.dispatcher, FSDPDispatcher):
+            moe.dispatcher.attach(full_param_bytes // dp, full_grad_bytes // dp, dp, reshard_after_forward)
+        sharded.append(moe.experts)
+    if root:
+        # one FSDP root over the whole module, managing none of the other parameters (they stay plain
+        # tensors for the trainer's data-parallel reduction): it lazily initialises every experts
+        # module together, which cross-module prefetch needs, and waits for their gradient
+        # reduce-scatters at the end of backward.
+        expert_ids = {id(p) for ex in sharded for p in ex.parameters()}
+        others = {p for p in module.parameters() if id(p) not in expert_ids}
+        fully_shard(module, mesh=dp_mesh, ignored_params=others)
+    if prefetch and len(sharded) > 1:
+        for i, ex in enumerate(sharded):
+            if i + 1 < len(sharded):
+                ex.set_modules_to_forward_prefetch([sharded[i + 1]])
+            if i > 0:
+                ex.set_modules_to_backward_prefetch([sharded[i - 1]])
+    return sharded
+
+
+def _dtype_bytes(dtype: torch.dtype | None, p: torch.Tensor) -> int:
+    return (torch.empty((), dtype=dtype).element_size() if dtype is not None else p.element_size())

@@ -140,7 +140,7 @@ def build_model(args: ModelArgs, cfg: DictConfig, env: DistEnv) -> torch.nn.Modu
 
     ``dispatcher=local``: the MoE default. Others: ``dropless.dispatch.build_dispatcher``
     with this rank's EP group; ``fsdp`` additionally shards the experts with FSDP2
-    (``dropless.dispatch.fsdp.apply_fsdp``) over the dp mesh dimension. With
+    (``dropless.train.shard.apply_fsdp``) over the dp mesh dimension. With
     ``train.shard_dense`` the non-expert parameters are FSDP2-sharded over all ranks
     (:func:`dropless.train.shard.shard_dense_params`).
     """
@@ -160,7 +160,7 @@ def build_model(args: ModelArgs, cfg: DictConfig, env: DistEnv) -> torch.nn.Modu
     model.init_weights(int(cfg.seed))
     shard_dense = bool(cfg.train.get("shard_dense", False)) and env.world_size > 1
     if name == "fsdp" and env.world_size > 1:
-        from dropless.dispatch.fsdp import apply_fsdp
+        from dropless.train.shard import apply_fsdp
 
         apply_fsdp(model, env.mesh, root=not shard_dense)  # shard_dense makes the root itself
     if shard_dense:
@@ -341,7 +341,7 @@ class Trainer:
             want = "bf16" if env.device.type == "cuda" else "fp32"
         self.autocast_dtype = torch.bfloat16 if want == "bf16" else None
 
-        from dropless.plan import param_counts
+        from dropless.model.params import param_counts
         self.param_counts = param_counts(self.args)
         self.peak_flops = peak_flops(env.device, cfg.logging)
         self.tokens_per_step = env.world_size * self.accum * self.batch * self.seq_len
@@ -454,7 +454,7 @@ class Trainer:
                 sent += int(b.get("bytes_sent", 0))
                 recv += int(b.get("bytes_received", 0))
         tok_s = self.tokens_per_step / dt
-        from dropless.plan import moe_flops_per_token
+        from dropless.model.params import moe_flops_per_token
         rows = self.args.num_experts_per_tok
         if self.moe_layers and dropped_v:
             rows -= dropped_v / (self.tokens_per_step * len(self.moe_layers))

@@ -1,4 +1,4 @@
-"""SwiGLU feed-forward network (dense layers and the MoE's shared experts).
+"""SwiGLU feed-forward network, shared by the dense decoder layers and the MoE's shared experts.
 
 ``FeedForward(dim, hidden_dim)(x) = w2( silu(w1 x) * w3 x )`` — the gated
 linear unit with a SiLU gate of Shazeer, "GLU Variants Improve Transformer"
