@@ -425,3 +425,29 @@ def test_saved_bytes_by_setting_at_the_seed_rank():
     assert list(got.values()) == sorted(got.values(), reverse=True)
     with pytest.raises(ValueError, match="choose one of"):
         saved_bytes(R, H, I, "recompute_everything")
+
+
+def test_cli_small_model_counts_in_a_unit_that_shows_them(capsys):
+    # the CPU default (configs/model/tiny.yaml): 1.48 M parameters, not "0.00 B"
+    from dropless.train.config import compose, model_args
+
+    pc = P.param_counts(model_args(compose([])))
+    assert P.main(["--ep", "1"]) == 0
+    out = capsys.readouterr().out
+    total = next(l for l in out.splitlines() if l.startswith("parameters, total"))
+    active = next(l for l in out.splitlines() if l.startswith("parameters, activated"))
+    assert total.split()[-2:] == [f"{pc.total / 1e6:.2f}", "M"] and "0.00" not in total, total
+    assert active.split()[-2:] == [f"{pc.activated / 1e3:.2f}", "K"], active
+    assert P.main(["--model", "deepseek_v3_671b"]) == 0
+    total = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("parameters, total"))
+    assert total.split()[-2:] == ["671.03", "B"], total
+
+
+def test_cli_help_is_plain_text(capsys):
+    with pytest.raises(SystemExit) as ei:
+        P.main(["--help"])
+    assert ei.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: dropless-plan") and "--counts" in out
+    for markup in ("``", ":func:", ":class:", ":mod:"):
+        assert markup not in out, markup

@@ -1,0 +1,7 @@
+"""``python -m dropless.plan``: the same as ``dropless-plan``."""
+
+import sys
+
+from dropless.plan.cli import main
+
+sys.exit(main())

@@ -1,0 +1,138 @@
+"""``dropless-plan``: the planner's command line (Hydra overrides as for training, or ``--model``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Sequence
+
+from dropless.config import ModelArgs
+from dropless.plan.report import RankShape, format_plan, plan
+from dropless.train.config import compose, model_args
+
+__all__ = ["main"]
+
+
+# --------------------------------------------------------------------------- CLI
+_MODELS = {"deepseek_v3_671b": ModelArgs.deepseek_v3_671b}
+# The seed's reference rank (§1): 64-way EP (V3 paper), 8,192 tokens per rank (DeepEP's setting).
+_MODEL_DEFAULTS = {"deepseek_v3_671b": {"ep": 64, "tokens_per_rank": 8192, "seq_len": 4096}}
+
+
+def _int_list(name: str, s: str) -> list[int]:
+    try:
+        return [int(x) for x in s.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise ValueError(f"{name}={s!r}: give comma-separated integers, e.g. 21733,15004,17982,10817")
+
+
+def _float_list(name: str, s: str) -> list[float]:
+    try:
+        return [float(x) for x in s.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise ValueError(f"{name}={s!r}: give comma-separated numbers, e.g. 1.0,1.5")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dropless-plan",
+        description="Per-rank compute, memory and communication of one MoE layer of a recipe "
+                    "before a job is launched. Takes the training's Hydra overrides.")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides as for training, key=value")
+    p.add_argument("--model", default=None,
+                   help="'deepseek_v3_671b' or a path to a DeepSeek-V3 config.json, instead of "
+                        "composing the Hydra config (defaults: EP 64, 8,192 tokens per rank)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--counts", default=None, help="rows per local expert of one rank, e.g. "
+                   "21733,15004,17982,10817 (length E/EP)")
+    p.add_argument("--capacity-factor", default="1.0,1.5", help="capacity factors to compare")
+    p.add_argument("--tile", type=int, default=128, help="tile height (rows), default 128")
+    p.add_argument("--alignment", type=int, default=None,
+                   help="expert alignment A (default: the model's expert_alignment)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--fp8-dispatch", dest="fp8_dispatch", action="store_true", default=True,
+                   help="a2a dispatch in fp8, 1 B per element (default)")
+    g.add_argument("--bf16-dispatch", dest="fp8_dispatch", action="store_false",
+                   help="a2a dispatch in bf16, 2 B per element")
+    p.add_argument("--ep", type=int, default=None, help="EP size (overrides dispatcher.ep_size)")
+    p.add_argument("--tokens-per-rank", type=int, default=None,
+                   help="T (default: train.micro_batch_size x train.seq_len)")
+    p.add_argument("--seq-len", type=int, default=None, help="S for FLOPs per token")
+    return p
+
+
+def _from_hydra(overrides: Sequence[str]) -> tuple[ModelArgs, int | None, int | None, int | None]:
+    """(args, ep, tokens_per_rank, seq_len) from the training config."""
+    cfg = compose(list(overrides))
+    args = model_args(cfg)
+    ep = None
+    disp = cfg.get("dispatcher") if hasattr(cfg, "get") else None
+    if disp is not None:
+        ep = disp.get("ep_size")
+        if ep is None and disp.get("name") in ("local", "fsdp"):
+            ep = 1
+    tokens = seq_len = None
+    train = cfg.get("train") if hasattr(cfg, "get") else None
+    if train is not None and train.get("seq_len") is not None:
+        seq_len = int(train.get("seq_len"))
+        if train.get("micro_batch_size") is not None:
+            tokens = int(train.get("micro_batch_size")) * seq_len
+    return args, (int(ep) if ep is not None else None), tokens, seq_len
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console script ``dropless-plan``. Returns 0; bad input exits with status 2 and the message."""
+    parser = _parser()
+    ns = parser.parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        for o in ns.overrides:
+            if "=" not in o:
+                raise ValueError(f"override {o!r} is not key=value (e.g. dispatcher=a2a "
+                                 "model.hidden_size=1024)")
+        defaults: dict[str, int] = {}
+        if ns.model is not None:
+            if ns.overrides:
+                raise ValueError("--model and Hydra overrides do not mix: drop --model to compose "
+                                 "the training config, or drop the overrides")
+            if ns.model in _MODELS:
+                args = _MODELS[ns.model]()
+                defaults = _MODEL_DEFAULTS.get(ns.model, {})
+            elif os.path.isfile(ns.model):
+                args = ModelArgs.from_json(ns.model)
+            else:
+                raise ValueError(f"--model={ns.model!r}: give one of {sorted(_MODELS)} or the path "
+                                 "of a config.json")
+            ep, tokens, seq_len = defaults.get("ep"), defaults.get("tokens_per_rank"), \
+                defaults.get("seq_len")
+        else:
+            args, ep, tokens, seq_len = _from_hydra(ns.overrides)
+        if ns.ep is not None:
+            ep = ns.ep
+        if ep is None:
+            env = os.environ.get("WORLD_SIZE")
+            if env is None:
+                raise ValueError("the EP size is not set (dispatcher.ep_size is null = world size): "
+                                 "pass --ep N or dispatcher.ep_size=N")
+            ep = int(env)
+        if ns.tokens_per_rank is not None:
+            tokens = ns.tokens_per_rank
+        if tokens is None:
+            raise ValueError("tokens per rank unknown: pass --tokens-per-rank N or set "
+                             "train.micro_batch_size and train.seq_len")
+        if ns.seq_len is not None:
+            seq_len = ns.seq_len
+        shape = RankShape.from_args(args, tokens, ep, ns.alignment)
+        counts = _int_list("--counts", ns.counts) if ns.counts else None
+        cfs = _float_list("--capacity-factor", ns.capacity_factor) if ns.capacity_factor else []
+        result = plan(shape, counts, cfs, ns.tile, ns.fp8_dispatch, args=args, seq_len=seq_len)
+    except ValueError as exc:
+        parser.exit(2, f"dropless-plan: error: {exc}\n")
+    text = json.dumps(result, indent=2) if ns.json else format_plan(result)
+    try:
+        print(text)
+    except BrokenPipeError:  # `dropless-plan | head`: the reader left; not an error
+        sys.stdout = open(os.devnull, "w")
+    return 0
+
