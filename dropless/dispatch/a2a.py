@@ -41,12 +41,11 @@ each way). A row is ``H·itemsize`` bytes; the rank's own rows are not counted.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from dropless.dispatch.base import Dispatched, Dispatcher, Pending
-from dropless.dispatch.collectives import CollOp, group_rank, group_size, start, wait
+from dropless.dispatch.collectives import CollOp, start, wait
 from dropless.dispatch.local import scatter_row_weights
 from dropless.permute import combine_rows, permute_rows, sort_by_expert
 
@@ -77,26 +76,20 @@ class A2ADispatcher(Dispatcher):
         group: the EP process group (e.g. ``mesh["ep"].get_group()``, or ``dist.group.WORLD``);
             None: EP = 1, nothing moves (single-rank runs and tests).
     Raises:
-        ValueError: ``E`` not divisible by the group size.
+        ConfigError: ``E`` not divisible by the group size.
         CollectiveError: a collective failed or timed out (a peer died or stopped taking part).
     """
 
     name = "a2a"
 
-    def __init__(self, num_experts: int, group: Any = None):
-        super().__init__(num_experts, ep_size=group_size(group), ep_rank=group_rank(group))
-        self.group = group
-
     # ------------------------------------------------------------------ dispatch
     def dispatch_async(self, x_TH, topk_idx_Tk, topk_weight_Tk, *, alignment=1, capacity=None,
                        fold_weights=False) -> Pending:
         ep, e = self.ep_size, self.num_local_experts
-        t, k = topk_idx_Tk.shape
-        what = f"{self.name} dispatcher (EP rank {self.ep_rank}/{ep})"
         # 1. sort by global expert -> send order (grouped by destination rank, then expert)
         send_layout, send_dest_Tk, send_src = sort_by_expert(topk_idx_Tk, self.num_experts, 1)
         counts_E = send_layout.counts  # int32 [E]
-        counts_op = CollOp("a2a", self.group, what + ": count all-to-all", [e] * ep, [e] * ep, self.comm)
+        counts_op = CollOp("a2a", self.group, self._what("count all-to-all"), [e] * ep, [e] * ep, self.comm)
         recv_counts = start(counts_E, counts_op)
         # 2. while the counts travel: gather the send buffer straight from x_TH
         send_NH = permute_rows(x_TH, send_src, send_dest_Tk)
@@ -107,11 +100,11 @@ class A2ADispatcher(Dispatcher):
         send_splits, recv_splits = [int(v) for v in totals[:ep]], [int(v) for v in totals[ep:]]
         n_send, n_recv = sum(send_splits), sum(recv_splits)
         # 4. issue the rows (and folded weights)
-        rows_op = CollOp("a2a", self.group, what + ": row all-to-all", recv_splits, send_splits, self.comm)
+        rows_op = CollOp("a2a", self.group, self._what("row all-to-all"), recv_splits, send_splits, self.comm)
         recv_RH = start(send_NH[:n_send], rows_op)
         w_op = recv_w = None
         if fold_weights:
-            w_op = CollOp("a2a", self.group, what + ": weight all-to-all", recv_splits, send_splits, self.comm)
+            w_op = CollOp("a2a", self.group, self._what("weight all-to-all"), recv_splits, send_splits, self.comm)
             recv_w = start(send_w[:n_send].unsqueeze(1), w_op)
         # 5. while the rows travel: each received row's local expert, and where it lands
         local_ids = torch.arange(e, device=counts_E.device).repeat(ep)
@@ -133,15 +126,10 @@ class A2ADispatcher(Dispatcher):
 
         return Pending(finish)
 
-    def dispatch(self, x_TH, topk_idx_Tk, topk_weight_Tk, *, alignment=1, capacity=None, fold_weights=False):
-        return self.dispatch_async(x_TH, topk_idx_Tk, topk_weight_Tk, alignment=alignment, capacity=capacity,
-                                   fold_weights=fold_weights).wait()
-
     # ------------------------------------------------------------------- combine
     def combine_async(self, y_MH, handle: A2AHandle) -> Pending:
-        what = f"{self.name} dispatcher (EP rank {self.ep_rank}/{self.ep_size}): combine all-to-all"
         back_RH = combine_rows(y_MH, handle.recv_dest_R1, None)  # received order, live rows only
-        op = CollOp("a2a", self.group, what, handle.send_splits, handle.recv_splits, self.comm)
+        op = CollOp("a2a", self.group, self._what("combine all-to-all"), handle.send_splits, handle.recv_splits, self.comm)
         sent = start(back_RH, op)
 
         def finish() -> torch.Tensor:
@@ -149,6 +137,3 @@ class A2ADispatcher(Dispatcher):
             return combine_rows(back_NH, handle.send_dest_Tk, handle.weight_Tk)
 
         return Pending(finish)
-
-    def combine(self, y_MH, handle: A2AHandle):
-        return self.combine_async(y_MH, handle).wait()

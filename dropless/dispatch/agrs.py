@@ -31,12 +31,11 @@ output terms (reduce-scatter of ``dx``, all-gather of ``dy``) and the weights' `
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from dropless.dispatch.base import Dispatched, Dispatcher, Pending
-from dropless.dispatch.collectives import CollOp, group_rank, group_size, start, wait
+from dropless.dispatch.collectives import CollOp, start, wait
 from dropless.dispatch.local import scatter_row_weights
 from dropless.permute import combine_rows, permute_rows, sort_by_expert
 
@@ -65,18 +64,13 @@ class AGRSDispatcher(Dispatcher):
 
     name = "agrs"
 
-    def __init__(self, num_experts: int, group: Any = None):
-        super().__init__(num_experts, ep_size=group_size(group), ep_rank=group_rank(group))
-        self.group = group
-
     def dispatch_async(self, x_TH, topk_idx_Tk, topk_weight_Tk, *, alignment=1, capacity=None,
                        fold_weights=False) -> Pending:
         t, k = topk_idx_Tk.shape
         e = self.num_local_experts
-        what = f"{self.name} dispatcher (EP rank {self.ep_rank}/{self.ep_size})"
-        x_op = CollOp("ag", self.group, what + ": token all-gather", comm=self.comm)
-        i_op = CollOp("ag", self.group, what + ": expert-id all-gather", comm=self.comm)
-        w_op = CollOp("ag", self.group, what + ": weight all-gather", comm=self.comm)
+        x_op = CollOp("ag", self.group, self._what("token all-gather"), comm=self.comm)
+        i_op = CollOp("ag", self.group, self._what("expert-id all-gather"), comm=self.comm)
+        w_op = CollOp("ag", self.group, self._what("weight all-gather"), comm=self.comm)
         xg = start(x_TH, x_op)
         ig = start(topk_idx_Tk.to(torch.int64), i_op)
         wg = start(topk_weight_Tk, w_op)
@@ -97,16 +91,8 @@ class AGRSDispatcher(Dispatcher):
 
         return Pending(finish)
 
-    def dispatch(self, x_TH, topk_idx_Tk, topk_weight_Tk, *, alignment=1, capacity=None, fold_weights=False):
-        return self.dispatch_async(x_TH, topk_idx_Tk, topk_weight_Tk, alignment=alignment, capacity=capacity,
-                                   fold_weights=fold_weights).wait()
-
     def combine_async(self, y_MH, handle: AGRSHandle) -> Pending:
-        what = f"{self.name} dispatcher (EP rank {self.ep_rank}/{self.ep_size}): output reduce-scatter"
         partial_NH = combine_rows(y_MH, handle.dest_Nk, handle.weight_Nk)  # [EP·T, H], local choices only
-        op = CollOp("rs", self.group, what, comm=self.comm)
+        op = CollOp("rs", self.group, self._what("output reduce-scatter"), comm=self.comm)
         out = start(partial_NH, op)
         return Pending(lambda: wait(out, op))
-
-    def combine(self, y_MH, handle: AGRSHandle):
-        return self.combine_async(y_MH, handle).wait()

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from dropless.dispatch.collectives import CommStats, group_rank, group_size
+from dropless.dispatch.mesh import local_expert_count
 from dropless.layout import ExpertLayout
 from dropless.permute import RowSource
 
@@ -43,27 +45,6 @@ class Dispatched:
     row_weight_M: torch.Tensor | None
     handle: Any
     source: RowSource | None = None
-
-
-@dataclass
-class CommStats:
-    """Bytes this rank sent and received in collectives since the last :meth:`reset` (host ints).
-
-    Counted from the shapes handed to the collectives (payload bytes, as DESIGN.md's cost
-    table counts them), forward and backward together.
-    """
-
-    bytes_sent: int = 0
-    bytes_received: int = 0
-
-    def add(self, sent: int, received: int) -> None:
-        self.bytes_sent += int(sent)
-        self.bytes_received += int(received)
-
-    def reset(self) -> dict[str, int]:
-        out = {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received}
-        self.bytes_sent = self.bytes_received = 0
-        return out
 
 
 class Pending:
@@ -92,25 +73,36 @@ class Pending:
 class Dispatcher(ABC):
     """Base class: see the module docstring.
 
+    Subclasses implement :meth:`dispatch_async` and :meth:`combine_async` (the two-phase
+    calls); :meth:`dispatch` and :meth:`combine` are those calls waited on at once.
+
+    Args:
+        num_experts: ``E`` (``n_routed_experts``).
+        group: the EP process group (e.g. ``mesh["ep"].get_group()``, or ``dist.group.WORLD``);
+            None: EP = 1, nothing moves.
     Attributes:
         name: the config flag (``dispatcher=…``).
-        ep_size, ep_rank: the expert-parallel group's size and this rank's place in it.
+        expert_parallel: False for a dispatcher that keeps every expert on every rank
+            (``local``, ``fsdp``: EP = 1 always).
+        group: the EP process group (None: EP = 1).
+        ep_size, ep_rank: the EP group's size and this rank's place in it.
         comm: :class:`CommStats` of this dispatcher.
+    Raises:
+        ConfigError (a ValueError): ``E`` not a positive multiple of the EP group's size.
     """
 
     name: str = "base"
+    expert_parallel: bool = True
     #: True when the landed rows are a local gather of the rank's tokens (EP = 1), so the
     #: experts can re-gather them in backward (``recompute_gather``; :meth:`dispatch_source`).
     gathers_locally: bool = False
 
-    def __init__(self, num_experts: int, ep_size: int = 1, ep_rank: int = 0):
-        if num_experts <= 0:
-            raise ValueError(f"n_routed_experts={num_experts}: must be positive")
-        if num_experts % ep_size:
-            raise ValueError(
-                f"n_routed_experts={num_experts} is not divisible by the expert-parallel size "
-                f"EP={ep_size}; pick an EP that divides it")
-        self.num_experts, self.ep_size, self.ep_rank = num_experts, ep_size, ep_rank
+    def __init__(self, num_experts: int, group: Any = None):
+        self.group = group
+        self.ep_size, self.ep_rank = group_size(group), group_rank(group)
+        local_expert_count(num_experts, self.ep_size, experts_name="n_routed_experts",
+                           fix=f"dispatcher={self.name}")
+        self.num_experts = num_experts
         self.comm = CommStats()
 
     @property
@@ -123,10 +115,18 @@ class Dispatcher(ABC):
         """Global id of local expert 0."""
         return self.ep_rank * self.num_local_experts
 
+    def _what(self, collective: str) -> str:
+        """``"a2a dispatcher (EP rank 1/4): row all-to-all"``: names a collective in error messages."""
+        return f"{self.name} dispatcher (EP rank {self.ep_rank}/{self.ep_size}): {collective}"
+
     @abstractmethod
-    def dispatch(self, x_TH: torch.Tensor, topk_idx_Tk: torch.Tensor, topk_weight_Tk: torch.Tensor, *,
-                 alignment: int = 1, capacity: int | None = None, fold_weights: bool = False) -> Dispatched:
-        """Land this rank's rows for its local experts.
+    def dispatch_async(self, x_TH: torch.Tensor, topk_idx_Tk: torch.Tensor, topk_weight_Tk: torch.Tensor, *,
+                       alignment: int = 1, capacity: int | None = None, fold_weights: bool = False) -> Pending:
+        """Issue the dispatch of this rank's rows to their local experts; ``.wait()`` lands them.
+
+        Work placed between the two (e.g. the previous chunk's experts) overlaps the
+        dispatcher's collectives; a dispatcher with nothing to wait for returns a finished
+        :class:`Pending`.
 
         Args:
             x_TH: ``[T, H]`` the rank's tokens.
@@ -135,14 +135,27 @@ class Dispatcher(ABC):
             alignment: ``A``. capacity: static ``M`` (None: the dispatcher's exact bound).
             fold_weights: return ``row_weight_M`` and combine as a plain sum.
         Returns:
-            :class:`Dispatched`: ``rows_MH`` in ``x_TH``'s dtype with its :class:`ExpertLayout`.
+            :class:`Pending` of a :class:`Dispatched`: ``rows_MH`` in ``x_TH``'s dtype with its
+            :class:`ExpertLayout`.
         Raises:
-            CollectiveError: (EP dispatchers) a collective failed or timed out.
+            CollectiveError: (EP dispatchers, at ``wait()`` or before) a collective failed or
+                timed out.
         """
 
     @abstractmethod
+    def combine_async(self, y_MH: torch.Tensor, handle: Any) -> Pending:
+        """Issue the combine of ``[M, H]`` expert outputs; ``.wait()`` gives ``[T, H]`` in the
+        original token order (weighted sum over k, fp32 accumulation)."""
+
+    def dispatch(self, x_TH: torch.Tensor, topk_idx_Tk: torch.Tensor, topk_weight_Tk: torch.Tensor, *,
+                 alignment: int = 1, capacity: int | None = None, fold_weights: bool = False) -> Dispatched:
+        """:meth:`dispatch_async` waited on at once: the :class:`Dispatched`."""
+        return self.dispatch_async(x_TH, topk_idx_Tk, topk_weight_Tk, alignment=alignment, capacity=capacity,
+                                   fold_weights=fold_weights).wait()
+
     def combine(self, y_MH: torch.Tensor, handle: Any) -> torch.Tensor:
-        """``[M, H]`` expert outputs -> ``[T, H]`` in the original token order (weighted sum over k)."""
+        """:meth:`combine_async` waited on at once: ``y_TH``."""
+        return self.combine_async(y_MH, handle).wait()
 
     def dispatch_source(self, x_TH: torch.Tensor, topk_idx_Tk: torch.Tensor, topk_weight_Tk: torch.Tensor, *,
                         alignment: int = 1, capacity: int | None = None, fold_weights: bool = False) -> Dispatched:
@@ -157,21 +170,6 @@ class Dispatcher(ABC):
         raise NotImplementedError(
             f"dispatcher={self.name!r} lands rows received from other ranks; recompute_gather needs a "
             "dispatcher that gathers locally (local or fsdp): set recompute_gather=false or change the dispatcher")
-
-    # -- two-phase API (overlap); the defaults run the one-phase call eagerly -------------
-    def dispatch_async(self, x_TH: torch.Tensor, topk_idx_Tk: torch.Tensor, topk_weight_Tk: torch.Tensor, *,
-                       alignment: int = 1, capacity: int | None = None, fold_weights: bool = False) -> Pending:
-        """Issue the dispatch; ``.wait()`` on the result gives the :class:`Dispatched`.
-
-        Work placed between the two (e.g. the previous chunk's experts) overlaps the
-        dispatcher's collectives. Same arguments as :meth:`dispatch`.
-        """
-        return Pending(value=self.dispatch(x_TH, topk_idx_Tk, topk_weight_Tk, alignment=alignment,
-                                           capacity=capacity, fold_weights=fold_weights))
-
-    def combine_async(self, y_MH: torch.Tensor, handle: Any) -> Pending:
-        """Issue the combine; ``.wait()`` gives ``y_TH``. Same arguments as :meth:`combine`."""
-        return Pending(value=self.combine(y_MH, handle))
 
     def comm_stats(self, reset: bool = True) -> dict[str, int]:
         """Bytes sent/received since the last reset (forward and backward); reset them if asked.

@@ -22,7 +22,7 @@ Why not ``torch.distributed.nn.functional.all_to_all_single``: it is differentia
 with gloo and uneven splits (checked: correct gradients on 2 ranks), but it waits inside the
 call, so nothing can overlap the transfer; this pair is the asynchronous equivalent.
 
-Bytes (:class:`~dropless.dispatch.base.CommStats`), counted from the shapes handed to each
+Bytes (:class:`CommStats`), counted from the shapes handed to each
 collective, only for data that leaves / enters the rank (the chunk a rank keeps for itself
 is not counted): all-to-all: rows sent to / received from other ranks × row bytes;
 all-gather of an ``[n, ...]`` chunk over ``W`` ranks: ``(W-1)·chunk`` each way; reduce-scatter
@@ -41,9 +41,28 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dropless.dispatch.base import CommStats
+__all__ = ["CollectiveError", "CollOp", "CommStats", "start", "wait", "group_size", "group_rank", "checked"]
 
-__all__ = ["CollectiveError", "CollOp", "start", "wait", "group_size", "group_rank", "checked"]
+
+@dataclass
+class CommStats:
+    """Bytes this rank sent and received in collectives since the last :meth:`reset` (host ints).
+
+    Counted from the shapes handed to the collectives (payload bytes, as DESIGN.md's cost
+    table counts them), forward and backward together.
+    """
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    def add(self, sent: int, received: int) -> None:
+        self.bytes_sent += int(sent)
+        self.bytes_received += int(received)
+
+    def reset(self) -> dict[str, int]:
+        out = {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received}
+        self.bytes_sent = self.bytes_received = 0
+        return out
 
 
 class CollectiveError(RuntimeError):
@@ -74,7 +93,7 @@ def checked(fn, what: str):
         raise CollectiveError(
             f"dropless: {what} did not complete: a peer rank died or stopped taking part, or it did not "
             f"finish within the process group's timeout (init_process_group(timeout=...); "
-            f"dropless.dispatch.mesh.init_distributed(timeout_s=...)). Every rank of the group must run the same layers with the "
+            f"dropless.dispatch.mesh.start_process_group(timeout_s=...); train.dist_timeout_s). Every rank of the group must run the same layers with the "
             f"same shapes. Underlying error: {err}") from err
 
 

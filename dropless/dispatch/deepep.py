@@ -35,8 +35,7 @@ import torch
 import torch.distributed as dist
 
 from dropless.config import ConfigError
-from dropless.dispatch.base import Dispatched, Dispatcher
-from dropless.dispatch.collectives import group_rank, group_size
+from dropless.dispatch.base import Dispatched, Dispatcher, Pending
 from dropless.dispatch.local import scatter_row_weights
 from dropless.layout import ExpertLayout, align_up
 from dropless.permute import combine_rows, permute_rows, sort_by_expert
@@ -253,8 +252,8 @@ class DeepEPDispatcher(Dispatcher):
                 raise ConfigError("dispatcher=deepep: torch.distributed is not initialised; launch with torchrun "
                                   "(DeepEP has no single-process path)")
             group = dist.group.WORLD
-        super().__init__(num_experts, ep_size=group_size(group), ep_rank=group_rank(group))
-        self.group, self.version = group, version
+        super().__init__(num_experts, group)
+        self.version = version
         self.num_max_tokens_per_rank = num_max_tokens_per_rank
         self._v1 = self._v2 = None
         self._last = None
@@ -284,7 +283,11 @@ class DeepEPDispatcher(Dispatcher):
                                                    hidden=x.shape[1], num_topk=num_topk)
         return self._v2
 
-    def dispatch(self, x_TH, topk_idx_Tk, topk_weight_Tk, *, alignment=1, capacity=None, fold_weights=False):
+    def dispatch_async(self, x_TH, topk_idx_Tk, topk_weight_Tk, *, alignment=1, capacity=None,
+                       fold_weights=False) -> Pending:  # DeepEP's calls return when the rows have landed
+        return Pending(value=self._dispatch(x_TH, topk_idx_Tk, topk_weight_Tk, alignment, capacity, fold_weights))
+
+    def _dispatch(self, x_TH, topk_idx_Tk, topk_weight_Tk, alignment, capacity, fold_weights) -> Dispatched:
         idx = topk_idx_Tk.to(self._deep_ep.topk_idx_t) if hasattr(self._deep_ep, "topk_idx_t") else topk_idx_Tk
         w = topk_weight_Tk.float()
         if self.version == 1:
@@ -303,7 +306,10 @@ class DeepEPDispatcher(Dispatcher):
             return Dispatched(recv_x, layout, recv_w, DeepEPHandle(2, handle, None, None))
         return Dispatched(recv_x, layout, None, DeepEPHandle(2, handle, None, recv_w))
 
-    def combine(self, y_MH, handle: DeepEPHandle):
+    def combine_async(self, y_MH, handle: DeepEPHandle) -> Pending:
+        return Pending(value=self._combine(y_MH, handle))
+
+    def _combine(self, y_MH, handle: DeepEPHandle) -> torch.Tensor:
         if handle.version == 1:
             partial = reduce_to_received(y_MH, handle.dest_Nk, handle.weight)
             return _V1Combine.apply(partial, self, handle.handle)

@@ -25,7 +25,6 @@ backward: ``(dp-1)·P`` again when resharded after forward, plus the gradient re
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from dropless.dispatch.local import LocalDispatcher
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dropless.dispatch.base import Dispatched, Dispatcher
+from dropless.dispatch.base import Dispatched, Dispatcher, Pending
 from dropless.permute import RowSource, combine_rows, permute_rows, sort_by_expert
 
 
@@ -50,13 +50,16 @@ class LocalDispatcher(Dispatcher):
     """
 
     name = "local"
+    expert_parallel = False
     gathers_locally = True
 
     def __init__(self, num_experts: int):
-        super().__init__(num_experts, ep_size=1, ep_rank=0)
+        super().__init__(num_experts)
 
-    def dispatch(self, x_TH, topk_idx_Tk, topk_weight_Tk, *, alignment=1, capacity=None, fold_weights=False):
-        return self._land(x_TH, topk_idx_Tk, topk_weight_Tk, alignment, capacity, fold_weights, gather=True)
+    def dispatch_async(self, x_TH, topk_idx_Tk, topk_weight_Tk, *, alignment=1, capacity=None,
+                       fold_weights=False) -> Pending:
+        return Pending(value=self._land(x_TH, topk_idx_Tk, topk_weight_Tk, alignment, capacity, fold_weights,
+                                        gather=True))
 
     def dispatch_source(self, x_TH, topk_idx_Tk, topk_weight_Tk, *, alignment=1, capacity=None,
                         fold_weights=False):
@@ -69,5 +72,5 @@ class LocalDispatcher(Dispatcher):
         return Dispatched(rows_MH, layout, row_w, LocalHandle(dest_Tk, None if fold_weights else topk_weight_Tk),
                           RowSource(x_TH, src_M, dest_Tk))
 
-    def combine(self, y_MH, handle: LocalHandle):
-        return combine_rows(y_MH, handle.dest_Tk, handle.weight_Tk)
+    def combine_async(self, y_MH, handle: LocalHandle) -> Pending:
+        return Pending(value=combine_rows(y_MH, handle.dest_Tk, handle.weight_Tk))

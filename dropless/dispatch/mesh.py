@@ -1,4 +1,4 @@
-"""The ``dp × ep`` device mesh, and process-group start-up with a timeout.
+"""The ``dp × ep`` device mesh, the one process-group starter, and the rule that EP divides ``E``.
 
 Ranks are laid out with ``ep`` innermost: EP group ``i`` holds ranks ``[i·EP, (i+1)·EP)``
 (consecutive ranks, i.e. GPUs of one node for NVLink all-to-alls), and the dp groups
@@ -24,33 +24,74 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from dropless.config import ConfigError
 
-__all__ = ["build_mesh", "init_distributed", "check_ep_size", "ep_group"]
+__all__ = ["build_mesh", "check_ep_size", "ep_group", "local_expert_count", "start_process_group"]
 
 
-def init_distributed(backend: str | None = None, timeout_s: float | None = None) -> bool:
-    """Initialise the default process group from torchrun's environment, with a timeout.
+def start_process_group(device: str | torch.device | None = None, timeout_s: float | None = None, *,
+                        single_rank: bool = False) -> bool:
+    """Start the default process group: THE place dropless calls ``init_process_group``.
+
+    Under torchrun (``RANK`` and ``WORLD_SIZE`` set) the group comes from its environment;
+    without it, ``single_rank=True`` makes a one-rank group on an in-memory store (no ports).
 
     Args:
-        backend: None = ``"nccl"`` when CUDA is available, else ``"gloo"``.
-        timeout_s: collective timeout in seconds: a rank that dies or stops taking part makes
-            the others raise after at most about this long instead of hanging (gloo honours it
-            directly; NCCL needs ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` left at its default, which
-            tears the job down on timeout). None = torch's default (10 min for NCCL, 30 for gloo).
+        device: the rank's device (or its type): ``gloo`` on CPU, ``nccl`` on CUDA (bound to
+            that device). None: CUDA's current device when CUDA is available, else the CPU.
+        timeout_s: collective timeout in seconds (``train.dist_timeout_s``): a rank that dies or
+            stops taking part makes the others raise after at most about this long instead of
+            hanging (gloo honours it directly; NCCL needs ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` left
+            at its default, which tears the job down on timeout). None: torch's default
+            (10 min for NCCL, 30 for gloo).
+        single_rank: without torchrun's environment, make a one-rank group instead of none.
     Returns:
-        True if this call initialised the group, False if it was already initialised or the
-        environment holds no torchrun variables (a single process then needs no group).
+        True if this call started the group; False if one already existed, or there is no
+        torchrun environment and ``single_rank`` is False (a single process needs no group).
     """
     if dist.is_initialized():
         return False
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return False
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    kw: dict[str, Any] = {"backend": backend}
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    kw: dict[str, Any] = {"backend": "nccl" if device.type == "cuda" else "gloo"}
     if timeout_s is not None:
         kw["timeout"] = datetime.timedelta(seconds=float(timeout_s))
-    dist.init_process_group(**kw)
-    return True
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if device.type == "cuda" and device.index is not None:
+            kw["device_id"] = device
+        dist.init_process_group(**kw)
+        return True
+    if single_rank:
+        dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kw)
+        return True
+    return False
+
+
+def local_expert_count(n_routed_experts: int, ep_size: int, *, ep_name: str = "dispatcher.ep_size",
+                       experts_name: str = "model.n_routed_experts", fix: str = "") -> int:
+    """``e = E / EP``, the routed experts on each EP rank: THE check that EP divides ``E``.
+
+    Args:
+        n_routed_experts: ``E``; ep_size: ``EP``.
+        ep_name, experts_name: how the caller's user spells the two (config keys by default;
+            the planner's ``ep_size`` / ``n_routed_experts``), for the message.
+        fix: appended to the message (e.g. the caller's option that sets EP).
+    Returns:
+        ``E // EP``.
+    Raises:
+        ConfigError (a ValueError): ``EP`` is not a positive integer, or does not divide ``E``.
+    """
+    tail = f" ({fix})" if fix else ""
+    if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
+        raise ConfigError(f"{ep_name}={ep_size!r}: must be a positive integer (1 = no expert parallelism){tail}")
+    if isinstance(n_routed_experts, bool) or not isinstance(n_routed_experts, int) or n_routed_experts < 1:
+        raise ConfigError(f"{experts_name}={n_routed_experts!r}: must be a positive integer")
+    if n_routed_experts % ep_size:
+        divisors = [d for d in range(1, n_routed_experts + 1) if n_routed_experts % d == 0]
+        raise ConfigError(
+            f"{ep_name}={ep_size} does not divide {experts_name}={n_routed_experts}: every EP rank holds the "
+            f"same number of experts ({experts_name} / {ep_name}); pick an EP size from the divisors of "
+            f"{n_routed_experts}: {divisors}{tail}")
+    return n_routed_experts // ep_size
 
 
 def check_ep_size(world_size: int, ep_size: int, n_routed_experts: int | None = None) -> None:
@@ -64,10 +105,8 @@ def check_ep_size(world_size: int, ep_size: int, n_routed_experts: int | None = 
             f"world size {world_size} does not fit the mesh: dispatcher.ep_size={ep_size} must divide "
             f"the number of processes (dp = world / ep). Launch a multiple of {ep_size} processes "
             f"(torchrun --nproc_per_node ...) or set dispatcher.ep_size to a divisor of {world_size}.")
-    if n_routed_experts is not None and n_routed_experts % ep_size:
-        raise ConfigError(
-            f"dispatcher.ep_size={ep_size} does not divide model.n_routed_experts={n_routed_experts}: "
-            "each EP rank holds n_routed_experts / ep_size experts. Pick ep_size from its divisors.")
+    if n_routed_experts is not None:
+        local_expert_count(n_routed_experts, ep_size)
 
 
 def build_mesh(world_size: int, ep_size: int, device_type: str = "cpu", *,
@@ -92,16 +131,10 @@ def build_mesh(world_size: int, ep_size: int, device_type: str = "cpu", *,
     """
     check_ep_size(world_size, ep_size, n_routed_experts)
     if not dist.is_initialized():
-        if world_size == 1 and "WORLD_SIZE" not in os.environ:
-            backend = "gloo" if device_type == "cpu" else "nccl"
-            kw: dict[str, Any] = {}
-            if timeout_s is not None:
-                kw["timeout"] = datetime.timedelta(seconds=float(timeout_s))
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kw)
-        elif not init_distributed("gloo" if device_type == "cpu" else None, timeout_s):
+        if not start_process_group(None if device_type == "cuda" else "cpu", timeout_s, single_rank=world_size == 1):
             raise ConfigError(f"build_mesh: world_size={world_size} but torch.distributed is not initialised and "
                               "no torchrun environment (RANK, WORLD_SIZE) is set; launch with torchrun or call "
-                              "dropless.dispatch.mesh.init_distributed() first")
+                              "dropless.dispatch.mesh.start_process_group() first")
     actual = dist.get_world_size()
     if actual != world_size:
         raise ConfigError(f"build_mesh: world_size={world_size} but the process group has {actual} ranks; "

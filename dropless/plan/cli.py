@@ -9,6 +9,7 @@ import sys
 from typing import Sequence
 
 from dropless.config import ModelArgs
+from dropless.dispatch.registry import check_dispatcher_ep, dispatcher_class
 from dropless.plan.report import RankShape, format_plan, plan
 from dropless.train.config import compose, model_args
 
@@ -71,8 +72,10 @@ def _from_hydra(overrides: Sequence[str]) -> tuple[ModelArgs, int | None, int | 
     disp = cfg.get("dispatcher") if hasattr(cfg, "get") else None
     if disp is not None:
         ep = disp.get("ep_size")
-        if ep is None and disp.get("name") in ("local", "fsdp"):
+        if ep is None and not dispatcher_class(disp.get("name")).expert_parallel:
             ep = 1
+        if ep is not None:
+            check_dispatcher_ep(disp.get("name"), int(ep))
     tokens = seq_len = None
     train = cfg.get("train") if hasattr(cfg, "get") else None
     if train is not None and train.get("seq_len") is not None:

@@ -1,6 +1,6 @@
 """The planner's cost model: rows, FLOPs, bytes and tiles of one MoE layer on one rank.
 
-Plain Python arithmetic on ints and floats (no torch), one function per formula.
+Plain Python arithmetic on ints and floats, one function per formula.
 The formulas and the reference figures come from the seed
 ``seeds/003_…`` ("Dropless 与分组矩阵乘"); each function names its section.
 The seed's reference rank (§1): DeepSeek-V3, H = 7168, I = 2048, E = 256,
@@ -39,6 +39,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
+from dropless.dispatch.mesh import local_expert_count
+
 MiB = 2**20
 GiB = 2**30
 
@@ -67,10 +69,6 @@ def cf_key(cf: float) -> str:
     return repr(float(cf))
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def align_up(n: int, a: int) -> int:
     """Round the row count ``n`` up to a multiple of ``a`` (``a >= 1``). Seed §3."""
     positive_int("alignment", a, "use 1 (no alignment) or a tile height such as 128")
@@ -80,17 +78,15 @@ def align_up(n: int, a: int) -> int:
 def local_experts(n_routed_experts: int, ep_size: int) -> int:
     """``e = E / EP``, the routed experts that live on one rank (seed §1: 256 / 64 = 4).
 
+    The rule is :func:`dropless.dispatch.mesh.local_expert_count`'s, named as the planner's
+    arguments are.
+
     Raises:
-        ValueError: ``ep_size`` is not a positive divisor of ``n_routed_experts``.
+        ValueError (a ConfigError): ``ep_size`` is not a positive divisor of ``n_routed_experts``.
     """
     positive_int("n_routed_experts", n_routed_experts)
-    if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size <= 0 \
-            or n_routed_experts % ep_size:
-        raise ValueError(
-            f"ep_size={ep_size!r} does not divide n_routed_experts={n_routed_experts}: every rank "
-            f"must hold the same number of experts; pick an EP size from "
-            f"{_divisors(n_routed_experts)} (--ep N or dispatcher.ep_size=N)")
-    return n_routed_experts // ep_size
+    return local_expert_count(n_routed_experts, ep_size, ep_name="ep_size", experts_name="n_routed_experts",
+                              fix="--ep N or dispatcher.ep_size=N")
 
 
 def check_counts(counts: Iterable[int], n_local: int) -> list[int]:

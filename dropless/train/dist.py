@@ -6,7 +6,8 @@ One process (no ``torchrun`` environment): world size 1, no process group. Under
 GPU per local rank), with ``train.dist_timeout_s`` so a dead rank makes the others fail
 instead of hang.
 
-Mesh: ``ep = dispatcher.ep_size`` (null: the world size for ``a2a``/``agrs``/``deepep``,
+The process group is started by :func:`dropless.dispatch.mesh.start_process_group` (the one
+starter). Mesh: ``ep = dispatcher.ep_size`` (null: the world size for ``a2a``/``agrs``/``deepep``,
 1 for ``local``/``fsdp``), ``dp = world / ep``; built by
 :func:`dropless.dispatch.mesh.build_mesh` with dims ``("dp", "ep")``. Every rank reads
 different data (the EP ranks too), so data is sharded over all ``world`` ranks.
@@ -18,7 +19,6 @@ is not a multiple of ``ep_size``; ``n_routed_experts`` is not a multiple of ``ep
 
 from __future__ import annotations
 
-import datetime
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -27,12 +27,12 @@ import torch
 import torch.distributed as dist
 
 from dropless.config import ConfigError
-from dropless.dispatch.mesh import build_mesh, check_ep_size
+from dropless.dispatch.collectives import CollectiveError
+from dropless.dispatch.mesh import build_mesh, check_ep_size, start_process_group
+from dropless.dispatch.registry import check_dispatcher_ep, default_ep_size
 
-__all__ = ["DistEnv", "resolve_ep_size", "check_mesh", "init_distributed", "default_num_threads"]
-
-_EP_DEFAULT_WORLD = ("a2a", "agrs", "deepep")
-
+__all__ = ["DistEnv", "resolve_ep_size", "check_mesh", "init_distributed", "default_num_threads",
+           "collective_failure", "elastic_restart"]
 
 @dataclass
 class DistEnv:
@@ -76,17 +76,20 @@ class DistEnv:
 
 
 def resolve_ep_size(dispatcher_cfg: Any, world_size: int) -> int:
-    """``dispatcher.ep_size``, with null meaning the world size (a2a/agrs/deepep) or 1."""
+    """``dispatcher.ep_size``, with null meaning the world size (a2a/agrs/deepep) or 1 (local/fsdp).
+
+    Raises:
+        ConfigError: not a positive integer; ``> 1`` for a dispatcher that keeps every expert
+            on every rank (:func:`dropless.dispatch.registry.check_dispatcher_ep`).
+    """
     ep = dispatcher_cfg.get("ep_size")
     name = str(dispatcher_cfg.name)
     if ep is None:
-        return world_size if name in _EP_DEFAULT_WORLD else 1
+        return default_ep_size(name, world_size)
     ep = int(ep)
     if ep <= 0:
         raise ConfigError(f"dispatcher.ep_size={ep}: must be a positive integer (or null)")
-    if name in ("local", "fsdp") and ep != 1:
-        raise ConfigError(f"dispatcher.ep_size={ep} with dispatcher={name}: {name} keeps every expert "
-                          "on every rank (EP = 1); use dispatcher=a2a or agrs for expert parallelism")
+    check_dispatcher_ep(name, ep)
     return ep
 
 
@@ -151,12 +154,63 @@ def init_distributed(cfg: Any, n_routed_experts: int) -> DistEnv:
     env = DistEnv(rank, world, local_rank, local_world, device, ep, dp)
     if world == 1:
         return env
-    if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        timeout = datetime.timedelta(seconds=float(cfg.train.get("dist_timeout_s", 600)))
-        kw = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend=backend, timeout=timeout, **kw)
+    start_process_group(device, float(cfg.train.get("dist_timeout_s", 600)))
     env.mesh = build_mesh(world, ep, device.type)
     env.ep_group = env.mesh.get_group("ep") if ep > 1 else None
     env.dp_group = env.mesh.get_group("dp")
     return env
+
+
+_PEER_FAILURE_MARKS = ("gloo", "NCCL", "Timed out", "timed out", "Connection closed by peer",
+                       "Connection reset by peer")
+
+
+def collective_failure(err: BaseException, timeout_s: float, rank: int, world_size: int) -> str | None:
+    """The message for an error that a failed or timed-out collective raised; None for any other error.
+
+    A rank that dies or stops taking part leaves its peers' next collective to fail: at once
+    when its connection closes, else after the process group's timeout
+    (``train.dist_timeout_s``). gloo reports both as a plain RuntimeError naming gloo's
+    transport; NCCL as :class:`torch.distributed.DistError`; the dispatchers as
+    :class:`~dropless.dispatch.collectives.CollectiveError`.
+
+    Args:
+        err: the exception the run raised.
+        timeout_s: ``train.dist_timeout_s``.
+        rank, world_size: this process's place, for the message.
+    """
+    dist_error = getattr(dist, "DistError", None)
+    ours = isinstance(err, CollectiveError) or (dist_error is not None and isinstance(err, dist_error))
+    if not ours and not (isinstance(err, RuntimeError) and any(m in str(err) for m in _PEER_FAILURE_MARKS)):
+        return None
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return (f"rank {rank} of {world_size}: a collective failed or did not complete within "
+            f"train.dist_timeout_s={timeout_s:g} s: a peer rank died or stopped taking part (see its log). "
+            "If a step legitimately takes longer than that, raise train.dist_timeout_s. "
+            f"Underlying error: {first[:500]}")
+
+
+def elastic_restart(cfg: Any) -> int:
+    """Make a torchrun restart continue the run: ``resume=true`` when torchrun restarted the workers.
+
+    torchrun (``--max-restarts N``) restarts every worker when one fails and counts the restarts
+    in ``TORCHELASTIC_RESTART_COUNT``; with a count > 0 this sets ``cfg.resume = True``, so the
+    run continues from the newest complete checkpoint in ``run_dir`` (or starts at step 0 if
+    none was written yet).
+
+    Args:
+        cfg: the composed config (modified in place).
+    Returns:
+        the restart count (0: the first start, or no torchrun).
+    Raises:
+        ConfigError: torchrun may restart the job (``TORCHELASTIC_MAX_RESTARTS`` > 0) but
+            ``run_dir`` is null, so a restart would not find the run's checkpoints.
+    """
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    max_restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if (restarts > 0 or max_restarts > 0) and not cfg.get("run_dir"):
+        raise ConfigError(f"torchrun may restart this job (--max-restarts {max_restarts}) but run_dir is null: a "
+                          "restart would start a new dated run directory instead of continuing; set run_dir=PATH")
+    if restarts > 0 and not cfg.resume:
+        cfg.resume = True
+    return restarts

@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from dropless.dispatch.fsdp import FSDPDispatcher
+from dropless.dispatch.registry import check_dispatcher_ep
 from dropless.moe import MoE
 
 __all__ = ["apply_fsdp", "shard_dense_params"]
@@ -91,8 +92,9 @@ def apply_fsdp(module: nn.Module, mesh: Any, *, reshard_after_forward: bool = Tr
     Returns:
         the sharded ``experts`` modules, in order.
     Raises:
-        ValueError: no MoE layer found; the mesh has an ep dimension > 1; an MoE layer whose
-            dispatcher is not EP = 1 (``fsdp``/``local``).
+        ValueError: no MoE layer found; the mesh has neither a ``"dp"`` dimension nor one dimension.
+        ConfigError (a ValueError): the mesh has an ep dimension > 1, or an MoE layer's
+            dispatcher has EP > 1 (fsdp needs EP = 1).
     Notes:
         The experts' gradients are averaged over the dp ranks (FSDP2's default), which is what
         a trainer averaging the other parameters' gradients over the world expects. Call it
@@ -101,9 +103,8 @@ def apply_fsdp(module: nn.Module, mesh: Any, *, reshard_after_forward: bool = Tr
     dp_mesh = mesh
     names = getattr(mesh, "mesh_dim_names", None)
     if names and "dp" in names:
-        if "ep" in names and mesh["ep"].size() != 1:
-            raise ValueError(f"apply_fsdp: the mesh has ep={mesh['ep'].size()}; the fsdp dispatcher needs "
-                             "EP = 1 (dispatcher.ep_size=1)")
+        if "ep" in names:
+            check_dispatcher_ep("fsdp", mesh["ep"].size())
         dp_mesh = mesh["dp"]
     elif mesh.ndim != 1:
         raise ValueError(f"apply_fsdp: need a mesh with a 'dp' dimension or a 1-D mesh, got dims {names}")
@@ -117,10 +118,7 @@ def apply_fsdp(module: nn.Module, mesh: Any, *, reshard_after_forward: bool = Tr
         kwargs["mp_policy"] = mp_policy
     sharded = []
     for moe in layers:
-        if moe.dispatcher.ep_size != 1:
-            raise ValueError(f"apply_fsdp: MoE layer {moe.layer_id} uses dispatcher "
-                             f"{moe.dispatcher.name!r} with EP={moe.dispatcher.ep_size}; fsdp needs EP = 1: "
-                             "build the layers with dispatcher=fsdp (dispatcher.ep_size=1)")
+        check_dispatcher_ep("fsdp", moe.dispatcher.ep_size)
         params = list(moe.experts.parameters())
         full_param_bytes = sum(p.numel() * _dtype_bytes(getattr(mp_policy, "param_dtype", None), p) for p in params)
         full_grad_bytes = sum(p.numel() * _dtype_bytes(getattr(mp_policy, "reduce_dtype", None), p) for p in params)
