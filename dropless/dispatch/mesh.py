@@ -58,7 +58,13 @@ def start_process_group(device: str | torch.device | None = None, timeout_s: flo
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if device.type == "cuda" and device.index is not None:
             kw["device_id"] = device
-        dist.init_process_group(**kw)
+        store, rank, world = next(dist.rendezvous("env://", **({"timeout": kw["timeout"]} if "timeout" in kw else {})))
+        # torchrun keeps its store across the restarts of --max-restarts: without a prefix of the
+        # start, a restarted rank can read a dead rank's address from the previous start and fail
+        # to connect ("Gloo connectFullMesh failed ... Connection refused")
+        start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(store=dist.PrefixStore(f"dropless/start{start}/", store), rank=rank,
+                                world_size=world, **kw)
         return True
     if single_rank:
         dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kw)

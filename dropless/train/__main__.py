@@ -9,9 +9,12 @@ Usage::
     dropless-train recipe=h200_single                # a complete experiment from recipes/
     torchrun --nproc_per_node 4 -m dropless.train dispatcher=a2a
     dropless-train resume=true run_dir=runs/try      # continue from the newest checkpoint
+    torchrun --max-restarts 1 --nproc_per_node 2 -m dropless.train run_dir=runs/try
+                                                     # a restart after a failure resumes by itself
 
-``--cfg`` prints the resolved config and exits. Exit status: 0 done, 2 bad config or data
-(the message names the field), 130 stopped by Ctrl-C after saving a checkpoint.
+``--cfg`` prints the resolved config and exits. Exit status: 0 done, 1 a peer rank died or
+stopped taking part (the message names ``train.dist_timeout_s``, within which it comes), 2 bad
+config or data (the message names the field), 130 stopped by Ctrl-C after saving a checkpoint.
 """
 
 from __future__ import annotations
@@ -48,23 +51,37 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from dropless.config import ConfigError
     from dropless.train.config import compose
+    from dropless.train.dist import collective_failure, elastic_restart
 
     rank = int(os.environ.get("RANK", "0"))
     try:
         cfg = compose(overrides)
+        restarts = elastic_restart(cfg)
         if show_cfg:
             print(OmegaConf.to_yaml(cfg, resolve=True), end="")
             return 0
+        from dropless.train.trainer import Trainer, check_train_config
+
+        check_train_config(cfg)  # ranges, before the config is printed
         if rank == 0:
             print("[dropless] resolved config:\n" + OmegaConf.to_yaml(cfg, resolve=True), flush=True)
-        from dropless.train.trainer import Trainer
-
+            if restarts:
+                print(f"[dropless] torchrun restart {restarts}: resuming from the newest complete checkpoint",
+                      flush=True)
         trainer = Trainer(cfg)
     except ConfigError as e:
         print(f"dropless-train: error: {e}", file=sys.stderr, flush=True)
         return 2
     try:
         summary = trainer.train()
+    except RuntimeError as e:
+        msg = collective_failure(e, float(cfg.train.get("dist_timeout_s", 600)), trainer.env.rank,
+                                 trainer.env.world_size)
+        if msg is not None:
+            print(f"dropless-train: error: {msg}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(1)  # the process group is broken: tearing it down (here or at exit) could block again
+        raise
     finally:
         trainer.close()
     return 130 if summary["interrupted"] else 0

@@ -1,8 +1,13 @@
 """Checkpoints with ``torch.distributed.checkpoint`` (DCP): model, optimizer, step, data, RNG.
 
 Layout: ``<run_dir>/checkpoints/step_00000300/`` is one DCP checkpoint (``.metadata`` plus
-one ``__<rank>_0.distcp`` file per writing rank). DCP writes ``.metadata`` last, so a
-directory with it is complete; :func:`latest_checkpoint` returns the newest complete one.
+one ``__<rank>_0.distcp`` file per writing rank) and its completion marker ``COMPLETE``.
+
+Atomic (a rank killed mid-save never leaves a checkpoint that loads): every rank writes into
+``step_00000300.partial/``; after all ranks' files and DCP's ``.metadata`` are written, rank 0
+writes ``COMPLETE`` and renames the directory to ``step_00000300``. Only a directory of that
+name holding the marker is listed, loaded or resumed from; ``*.partial`` leftovers and
+directories without the marker are ignored with a log line, and :func:`prune` deletes them.
 
 State saved (one dict, every rank calls :func:`save` collectively):
 
@@ -16,11 +21,13 @@ State saved (one dict, every rank calls :func:`save` collectively):
   every rank).
 * ``rng``: ``rank{r}`` -> this rank's torch CPU (and CUDA) generator state.
 
-Errors: :class:`FileNotFoundError` for a checkpoint directory without ``.metadata``.
+Errors: :class:`FileNotFoundError` for a checkpoint directory without its completion marker.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import re
 import shutil
 import warnings
@@ -28,30 +35,54 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from dropless.config import ConfigError
 
-__all__ = ["checkpoint_dir", "latest_checkpoint", "list_checkpoints", "save", "load", "prune"]
+__all__ = ["MARKER", "checkpoint_dir", "incomplete_checkpoints", "is_complete", "latest_checkpoint", "list_checkpoints",
+           "load", "prune", "save"]
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
+_PARTIAL = ".partial"
+MARKER = "COMPLETE"  #: written last, by rank 0, once every rank's part of the checkpoint is on disk
+_log = logging.getLogger(__name__)
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    """``<run_dir>/checkpoints/step_XXXXXXXX`` (8 digits) for optimizer step ``step``."""
     return Path(run_dir) / "checkpoints" / f"step_{int(step):08d}"
 
 
+def is_complete(path: Path) -> bool:
+    """True if ``path`` is a finished checkpoint: its save reached the completion marker."""
+    return (Path(path) / MARKER).is_file() and (Path(path) / ".metadata").is_file()
+
+
+def incomplete_checkpoints(run_dir: Path) -> list[Path]:
+    """Directories under ``<run_dir>/checkpoints`` left by a save that did not finish (never loaded)."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and (
+        p.name.endswith(_PARTIAL) or (_STEP_RE.match(p.name) and not is_complete(p))))
+
+
 def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints in ``run_dir`` as ``(step, path)``, oldest first."""
+    """Complete checkpoints in ``run_dir`` as ``(step, path)``, oldest first.
+
+    A directory that an interrupted save left (see the module docstring) is not listed; each is
+    logged once per call (``logging`` warning) so a skipped save is visible.
+    """
     root = Path(run_dir) / "checkpoints"
     out = []
     if root.is_dir():
         for p in root.iterdir():
             m = _STEP_RE.match(p.name)
-            if m and (p / ".metadata").is_file():
+            if m and is_complete(p):
                 out.append((int(m.group(1)), p))
+    for p in incomplete_checkpoints(run_dir):
+        _log.warning("ignoring %s: its save did not finish (no %s marker); it is never loaded", p, MARKER)
     return sorted(out)
 
 
@@ -121,16 +152,37 @@ def _quiet():
 
 def save(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainer: dict, env: Any,
          expert_fqns: set[str]) -> Path:
-    """Save a checkpoint to ``path`` (collective: every rank calls it). Returns ``path``."""
+    """Save a checkpoint to ``path`` atomically (collective: every rank calls it). Returns ``path``.
+
+    Written into ``<path>.partial`` and renamed to ``path`` by rank 0 after the completion
+    marker, once every rank's files are on disk; a rank killed before that leaves only the
+    ``.partial`` directory, which is never loaded. An existing ``path`` (the same step saved
+    again) is replaced.
+    """
+    path = Path(path)
+    partial = path.with_name(path.name + _PARTIAL)
     state, _ = _state(model, optimizer, trainer, env, expert_fqns)
+    if env.is_main:
+        shutil.rmtree(partial, ignore_errors=True)  # a leftover of a save that was killed
+        partial.mkdir(parents=True)
+    env.barrier()
     ctx = _quiet()
     try:
-        dcp.save(state, checkpoint_id=str(path))
+        dcp.save(state, checkpoint_id=str(partial))
     finally:
         ctx.__exit__(None, None, None)
-    if env.world_size > 1:
-        dist.barrier()
-    return Path(path)
+    env.barrier()  # every rank's shards are written
+    if env.is_main:
+        marker = partial / MARKER
+        with open(marker, "w") as f:
+            f.write(f"step {int(trainer.get('step', -1))}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(partial, path)
+    env.barrier()
+    return path
 
 
 def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainer: dict, env: Any,
@@ -146,8 +198,8 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, t
             optimizer (saved by another config).
     """
     path = Path(path)
-    if not (path / ".metadata").is_file():
-        raise FileNotFoundError(f"{path}: not a complete checkpoint (no .metadata: missing, or its save was "
+    if not is_complete(path):
+        raise FileNotFoundError(f"{path}: not a complete checkpoint (no {MARKER} marker: missing, or its save was "
                                 "interrupted); pick one from list_checkpoints(run_dir) / latest_checkpoint(run_dir)")
     state, pairs = _state(model, optimizer, trainer, env, expert_fqns)
     _check_complete(path, state)
@@ -183,12 +235,16 @@ def _check_complete(path: Path, state: dict) -> None:
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise ConfigError(f"{path}: the checkpoint has no {', '.join(missing[:5])}{more}: it was saved by a "
-                         "different model or optimizer; resume with the model.* and optim.* settings it was saved with, "
-                         "or start a new run_dir")
+                          "different model or optimizer; resume with the model.* and optim.* settings it was saved "
+                          "with, or start a new run_dir")
 
 
 def prune(run_dir: Path, keep: int) -> None:
-    """Delete all but the newest ``keep`` complete checkpoints (call on one rank); keep <= 0: keep all."""
+    """Delete what interrupted saves left, and all but the newest ``keep`` complete checkpoints
+    (call on one rank, after a save); keep <= 0: keep every complete one."""
+    for p in incomplete_checkpoints(run_dir):
+        _log.warning("deleting %s: its save did not finish", p)
+        shutil.rmtree(p, ignore_errors=True)
     if keep <= 0:
         return
     for _, p in list_checkpoints(run_dir)[:-keep]:

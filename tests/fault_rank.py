@@ -1,0 +1,60 @@
+"""One ``dropless-train`` rank under torchrun, with a fault injected for the fault tests.
+
+Run as ``python -m torch.distributed.run ... tests/fault_rank.py OVERRIDES...``; every rank
+calls :func:`dropless.train.__main__.main` with the overrides. The fault comes from the
+environment (set by the test, read here only), on rank ``FAULT_RANK`` of the first start
+(``TORCHELASTIC_RESTART_COUNT`` 0):
+
+* ``FAULT=stall``: before optimizer step ``FAULT_STEP`` the rank writes the time to
+  ``FAULT_MARK`` and sleeps forever (it stops taking part, without dying).
+* ``FAULT=kill_in_save``: in the checkpoint save of step ``FAULT_STEP``, after this rank's
+  DCP files are written and before the save completes, the rank SIGKILLs itself.
+
+Every rank writes its pid to ``FAULT_PID_DIR/rank{R}.start{N}`` (if set), so a test can kill
+it from outside.
+"""
+
+import faulthandler
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch.distributed.checkpoint as dcp
+
+from dropless.train import checkpoint
+from dropless.train.__main__ import main
+from dropless.train.trainer import Trainer
+
+rank = int(os.environ.get("RANK", "0"))
+start = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+if os.environ.get("FAULT_PID_DIR"):
+    Path(os.environ["FAULT_PID_DIR"], f"rank{rank}.start{start}").write_text(str(os.getpid()))
+faulthandler.dump_traceback_later(float(os.environ.get("FAULT_DUMP_AFTER_S", "120")), exit=False)  # a hang shows where
+fault, at = os.environ.get("FAULT", ""), int(os.environ.get("FAULT_STEP", "-1"))
+
+if start == 0 and rank == int(os.environ.get("FAULT_RANK", "1")):
+    if fault == "stall":
+        train_step = Trainer.train_step
+
+        def stalled_step(self):
+            if self.step == at:
+                Path(os.environ["FAULT_MARK"]).write_text(repr(time.time()))
+                while True:
+                    time.sleep(60)
+            return train_step(self)
+
+        Trainer.train_step = stalled_step
+    elif fault == "kill_in_save":
+        dcp_save = dcp.save
+
+        def killed_save(state, checkpoint_id=None, **kw):
+            out = dcp_save(state, checkpoint_id=checkpoint_id, **kw)
+            if int(state["trainer"]["step"]) == at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return out
+
+        checkpoint.dcp.save = killed_save
+
+sys.exit(main(sys.argv[1:]))
