@@ -150,3 +150,53 @@ def test_default_threads_share_the_cores():
     assert default_num_threads(1) == cores
     assert default_num_threads(2) == max(1, cores // 2)
     assert default_num_threads(cores * 4) == 1
+
+
+# --------------------------------------------------------------------------- typed schemas (issue 11 items 12-13)
+@pytest.mark.parametrize("override,field", [
+    ("train.steps=abc", "train.steps"), ("train.shard_dense=maybe", "train.shard_dense"),
+    ("train.dist_timeout_s=soon", "train.dist_timeout_s"), ("optim.lr=abc", "optim.lr"),
+    ("optim.betas=0.9", "optim.betas"), ("optim.grad_clip=big", "optim.grad_clip"), ("seed=abc", "seed"),
+    ("num_threads=abc", "num_threads"), ("resume=perhaps", "resume"), ("data.vocab_size=many", "data.vocab_size"),
+    ("logging.log_every=often", "logging.log_every"), ("dispatcher.ep_size=two", "dispatcher.ep_size"),
+])
+def test_wrong_type_is_a_composition_error_naming_the_field(override, field):
+    with pytest.raises(ConfigError, match=f"full_key: {field}\\b"):
+        compose([override])
+
+
+@pytest.mark.parametrize("override,field", [("train.steps=abc", "train.steps"), ("optim.betas=0.9", "optim.betas"),
+                                            ("seed=abc", "seed"), ("num_threads=-1", "num_threads=-1"),
+                                            ("num_threads=0", "num_threads=0")])
+def test_cli_bad_value_exits_2_before_the_config_is_printed(capsys, override, field):
+    from dropless.train.__main__ import main
+
+    assert main([override, "train.steps=1"] if "steps" not in override else [override]) == 2
+    out, err = capsys.readouterr()
+    assert "resolved config" not in out and field in err and "Traceback" not in err, (out, err)
+
+
+def test_every_group_option_and_recipe_fits_its_schema():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    for group in ("model", "dispatcher", "gemm", "optim", "data", "logging"):
+        for f in sorted((root / group).glob("*.yaml")):
+            cfg = compose([f"{group}={f.stem}"])
+            assert OmegaConf.is_config(cfg[group]), (group, f.stem)
+    for name in list_recipes():
+        compose([f"recipe={name}"])
+    cfg = compose(["data=bin", "data.path=/data/train.bin", "data.vocab_size=50257", "optim.betas=[0.8,0.9]"])
+    assert cfg.data.vocab_size == 50257 and list(cfg.optim.betas) == [0.8, 0.9]
+    assert isinstance(compose(["train.dist_timeout_s=5"]).train.dist_timeout_s, float)
+
+
+def test_misspelled_key_gets_one_hint_the_closest_key(capsys):
+    from dropless.train.__main__ import main
+
+    assert main(["train.step=5"]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean train.steps=5?" in err and "+train.step" not in err, err
+    assert main(["optim.weight_decy=0"]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean optim.weight_decay=0?" in err and "To append" not in err, err

@@ -25,12 +25,16 @@ Errors: :class:`ConfigError` (a ``ValueError``) naming the field and the fix.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import re
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
+from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from dropless.config import ConfigError, ModelArgs
+from dropless.train.schema import SCHEMAS
 
 __all__ = ["compose", "model_args", "repo_root", "config_dir", "recipe_dir", "list_recipes",
            "ConfigError"]
@@ -65,16 +69,20 @@ def list_recipes() -> list[str]:
 
 
 def _register() -> None:
-    """Register the ``${dropless_root:}`` resolver and the ModelArgs schema (idempotent)."""
+    """Register the ``${dropless_root:}`` resolver and the typed schemas (idempotent).
+
+    ``model/schema`` is :class:`ModelArgs`; the others are :data:`dropless.train.schema.SCHEMAS`.
+    """
     if not OmegaConf.has_resolver(_RESOLVER):
         OmegaConf.register_new_resolver(_RESOLVER, lambda: str(repo_root()))
-    from hydra.core.config_store import ConfigStore
-
+    store = ConfigStore.instance()
     try:  # typed schema: wrong types and unknown keys are caught at composition
         node = OmegaConf.structured(ModelArgs)
     except Exception:  # a field type OmegaConf cannot express: fall back to untyped defaults
         node = OmegaConf.create(dataclasses.asdict(ModelArgs()))
-    ConfigStore.instance().store(group="model", name="schema", node=node)
+    store.store(group="model", name="schema", node=node)
+    for group, name, schema in SCHEMAS:
+        store.store(group=group, name=name, node=schema)
 
 
 def _rewrite(overrides: Sequence[str]) -> list[str]:
@@ -124,28 +132,62 @@ def compose(overrides: Sequence[str] = (), config_name: str = "config") -> DictC
     if was:  # compose inside someone else's Hydra context: use our own, then give it back
         saved = gh.hydra
         gh.clear()
+    failure = None
     try:
         with initialize_config_dir(config_dir=str(cdir), version_base=None, job_name="dropless"):
             cfg = hydra_compose(config_name=config_name, overrides=ov)
     except (HydraException, OmegaConfBaseException) as e:
-        msg = str(e).strip()
-        cause = e.__cause__
-        while cause is not None:  # Hydra wraps the OmegaConf error that names the type problem
-            msg += "\n" + str(cause).strip()
-            cause = cause.__cause__
-        hint = ""
-        if "Could not override" in msg or "not in struct" in msg.lower() or "Key '" in msg:
-            hint = ("\nEvery config key already exists in configs/; check the spelling "
-                    "(print the resolved config with `dropless-train --cfg`).")
-        if "recipes" in msg:
-            hint += f"\nAvailable recipes (recipe=NAME): {', '.join(list_recipes())}"
-        raise ConfigError(f"config composition failed for overrides {list(overrides)}:\n{msg}{hint}") from e
+        failure = e
     finally:
         if was:
             gh.clear()
             gh.initialize(saved)
+    if failure is not None:
+        raise ConfigError(_composition_message(failure, overrides)) from failure
     OmegaConf.set_struct(cfg, True)
     return cfg
+
+
+def _config_keys() -> list[str]:
+    """Every dotted key of the default config (``train.steps``, ``optim``, ``model.hidden_size``, …)."""
+    def walk(node: Any, prefix: str) -> list[str]:
+        out = []
+        for k, v in node.items():
+            key = f"{prefix}{k}"
+            out.append(key)
+            if isinstance(v, DictConfig):
+                out += walk(v, key + ".")
+        return out
+
+    return walk(compose([]), "")
+
+
+def _composition_message(err: Exception, overrides: Sequence[str]) -> str:
+    """Hydra's explanation (and the OmegaConf error it wraps) with dropless's one hint for unknown keys.
+
+    Hydra suggests ``+key=value`` for a key that does not exist; dropless refuses ``+`` (every key it
+    reads exists already), so that line is replaced by the closest existing key.
+    """
+    lines = [str(err).strip()]
+    cause = err.__cause__
+    while cause is not None:  # Hydra wraps the OmegaConf error that names the type problem
+        lines.append(str(cause).strip())
+        cause = cause.__cause__
+    msg = "\n".join(line for line in "\n".join(lines).splitlines() if not line.startswith("To append to your config"))
+    hint = ""
+    unknown = re.search(r"Could not override '([^']+)'", msg)
+    if unknown or "not in struct" in msg.lower():
+        hint = ("\nEvery key dropless reads already exists in configs/ (a '+key' would be read by nobody); check the "
+                "spelling (`dropless-train --cfg` prints the resolved config).")
+        if unknown:
+            key = unknown.group(1)
+            close = difflib.get_close_matches(key, _config_keys(), n=1, cutoff=0.6)
+            value = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == key), "...")
+            if close:
+                hint = f"\n'{key}' is not a config key: did you mean {close[0]}={value}?" + hint
+    if "recipes" in msg:
+        hint += f"\nAvailable recipes (recipe=NAME): {', '.join(list_recipes())}"
+    return f"config composition failed for overrides {list(overrides)}:\n{msg}{hint}"
 
 
 def model_args(cfg: DictConfig) -> ModelArgs:

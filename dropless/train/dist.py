@@ -34,6 +34,7 @@ from dropless.dispatch.registry import check_dispatcher_ep, default_ep_size
 __all__ = ["DistEnv", "resolve_ep_size", "check_mesh", "init_distributed", "default_num_threads",
            "collective_failure", "elastic_restart"]
 
+
 @dataclass
 class DistEnv:
     """Where this process stands.
@@ -109,8 +110,7 @@ def default_num_threads(local_world_size: int) -> int:
     Deterministic (no dependence on the machine's load), so that a resumed run uses the same
     thread count, hence the same arithmetic, as the run it continues. On a machine that other
     processes keep busy, set ``num_threads=1``: intra-op threads that wait for each other stall
-    when the cores are taken (measured on 2 busy cores: 40 steps of the CPU default in 40 s
-    with 2 threads, 8 s with 1).
+    when the cores are taken (README, "Two commands").
 
     Args:
         local_world_size: processes on this node.
@@ -149,8 +149,8 @@ def init_distributed(cfg: Any, n_routed_experts: int) -> DistEnv:
     ep = resolve_ep_size(cfg.dispatcher, world)
     dp = check_mesh(world, ep, n_routed_experts)
     device = _device(cfg.get("device", "auto"), local_rank)
-    threads = cfg.get("num_threads")
-    torch.set_num_threads(int(threads) if threads else default_num_threads(local_world))
+    threads = cfg.get("num_threads")  # >= 1 or null (dropless.train.trainer.check_train_config)
+    torch.set_num_threads(int(threads) if threads is not None else default_num_threads(local_world))
     env = DistEnv(rank, world, local_rank, local_world, device, ep, dp)
     if world == 1:
         return env

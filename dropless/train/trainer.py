@@ -99,6 +99,8 @@ def check_train_config(cfg: DictConfig) -> None:
          "must be >= 0 (0: never)")
     need(str(cfg.logging.mode) in ("offline", "online", "disabled"), "logging.mode", cfg.logging.mode,
          "must be offline, online or disabled")
+    need(cfg.num_threads is None or int(cfg.num_threads) >= 1, "num_threads", cfg.num_threads,
+         "must be >= 1 (CPU threads per process), or null for the cores divided by the local processes")
 
 
 def resolve_run_dir(cfg: DictConfig, env: DistEnv) -> Path:
