@@ -180,9 +180,9 @@ def _mutate_all_gather_backward():
 def layer_worker(rank, world, scenarios):
     """For each scenario dict(name, dispatcher, alignment, fold, biased): MoE on this rank's slice."""
     from dropless.dispatch import build_dispatcher
-    from dropless.train.shard import apply_fsdp
     from dropless.dispatch.mesh import build_mesh
     from dropless.moe import MoE
+    from dropless.train.shard import apply_fsdp
 
     mesh_ep = build_mesh(world, world, "cpu")
     mesh_dp = build_mesh(world, 1, "cpu")

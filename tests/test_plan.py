@@ -12,8 +12,8 @@ import json
 
 import pytest
 
-from dropless.config import ModelArgs
 from dropless import plan as P
+from dropless.config import ModelArgs
 
 H, I, E, K, EP, T = 7168, 2048, 256, 8, 64, 8192
 COUNTS = [21733, 15004, 17982, 10817]

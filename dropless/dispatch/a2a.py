@@ -129,7 +129,8 @@ class A2ADispatcher(Dispatcher):
     # ------------------------------------------------------------------- combine
     def combine_async(self, y_MH, handle: A2AHandle) -> Pending:
         back_RH = combine_rows(y_MH, handle.recv_dest_R1, None)  # received order, live rows only
-        op = CollOp("a2a", self.group, self._what("combine all-to-all"), handle.send_splits, handle.recv_splits, self.comm)
+        op = CollOp("a2a", self.group, self._what("combine all-to-all"), handle.send_splits, handle.recv_splits,
+                    self.comm)
         sent = start(back_RH, op)
 
         def finish() -> torch.Tensor:

@@ -92,9 +92,9 @@ def checked(fn, what: str):
     except RuntimeError as err:
         raise CollectiveError(
             f"dropless: {what} did not complete: a peer rank died or stopped taking part, or it did not "
-            f"finish within the process group's timeout (init_process_group(timeout=...); "
-            f"dropless.dispatch.mesh.start_process_group(timeout_s=...); train.dist_timeout_s). Every rank of the group must run the same layers with the "
-            f"same shapes. Underlying error: {err}") from err
+            f"finish within the process group's timeout (train.dist_timeout_s; "
+            f"dropless.dispatch.mesh.start_process_group(timeout_s=...)). Every rank of the group must run the same "
+            f"layers with the same shapes. Underlying error: {err}") from err
 
 
 @dataclass

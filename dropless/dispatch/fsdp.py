@@ -10,8 +10,7 @@ reduce-scatters the weight gradients (averaged over the dp ranks, FSDP2's defaul
 layer's experts are prefetched while this one computes (forward: explicit
 ``set_modules_to_forward_prefetch``; backward: ``set_modules_to_backward_prefetch``).
 
-Works on CPU with gloo (torch >= 2.6 FSDP2; tested here with world sizes 2 and 4) and on GPU
-with NCCL.
+Needs torch >= 2.6 (FSDP2); runs on CPU with gloo and on GPU with NCCL.
 
 Bytes (DESIGN.md: "all expert weights of the layer; independent of T"): counted
 analytically from the sharded parameters, since FSDP2 issues the collectives itself. Per

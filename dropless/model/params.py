@@ -165,7 +165,6 @@ def model_flops_per_token(args: ModelArgs, seq_len: int, causal: bool = True) ->
     return moe_flops_per_token(args, seq_len, None, causal)
 
 
-
 # --------------------------------------------------------------------------- counted on a built model
 def _moe_modules(model: nn.Module) -> list[nn.Module]:
     if hasattr(model, "moe_layers"):

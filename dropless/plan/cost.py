@@ -22,7 +22,7 @@ EP ≈ 7, ≈ 131,000 tokens per rank            :func:`a2a_agrs_crossover_ep`,
 +199 %, +37 % (mean ≈ +19 %)                 :func:`tile_overhead_bound`
 32 rows per expert, 4× at A = 128            :func:`decode_alignment_cost`
 3.00 / 2.25 / 0.375 GiB (295B config)        :func:`activation_bytes`
-saved-for-backward by memory option          :func:`saved_bytes` (issue 6, not a seed figure)
+saved-for-backward by memory option          :func:`saved_bytes` (not a seed figure)
 671B total, 37B activated                    :func:`dropless.model.params.param_counts`
 ==========================================  ==============================
 
@@ -304,7 +304,7 @@ MEMORY_SETTINGS = ("default", "recompute_swiglu", "recompute_fc1", "recompute_fc
 
 def saved_bytes(rows: int, hidden_size: int, moe_intermediate_size: int, setting: str,
                 bytes_per_element: int = 2) -> int:
-    """Bytes the routed experts keep for backward per layer, without indices (issue 6).
+    """Bytes the routed experts keep for backward per layer, without indices (the ``model.*`` memory options).
 
     ``rows`` = ``M``, the landed buffer's rows. By setting (``b`` bytes per element):
 
