@@ -65,6 +65,7 @@ class Pending:
         return self._done
 
     def wait(self) -> Any:
+        """The result: finishes the call on the first use (blocking on its collectives), then returns it."""
         if not self._done:
             self._value, self._finish, self._done = self._finish(), None, True
         return self._value

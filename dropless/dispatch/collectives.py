@@ -56,10 +56,12 @@ class CommStats:
     bytes_received: int = 0
 
     def add(self, sent: int, received: int) -> None:
+        """Count ``sent`` and ``received`` bytes (host ints)."""
         self.bytes_sent += int(sent)
         self.bytes_received += int(received)
 
     def reset(self) -> dict[str, int]:
+        """``{"bytes_sent", "bytes_received"}`` since the last reset; both back to 0."""
         out = {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received}
         self.bytes_sent = self.bytes_received = 0
         return out

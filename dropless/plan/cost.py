@@ -352,6 +352,7 @@ class CommBytes:
 
     @property
     def total(self) -> int:
+        """``out_bytes + back_bytes``."""
         return self.out_bytes + self.back_bytes
 
 
@@ -487,6 +488,7 @@ class TileCost:
 
     @property
     def equivalent_rows(self) -> int:
+        """``tiles · tile``: the rows the tiles cover."""
         return self.tiles * self.tile
 
 

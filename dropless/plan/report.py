@@ -79,11 +79,13 @@ class RankShape:
 
     @property
     def n_local(self) -> int:
+        """``e = E / EP``."""
         return self.n_routed_experts // self.ep_size
 
     @classmethod
     def from_args(cls, args: ModelArgs, tokens_per_rank: int, ep_size: int = 1,
                   alignment: int | None = None) -> "RankShape":
+        """The rank shape of ``args`` (H, I, E, k; A = ``args.expert_alignment`` unless given)."""
         return cls(tokens_per_rank, args.hidden_size, args.moe_intermediate_size,
                    args.n_routed_experts, args.num_experts_per_tok, ep_size,
                    args.expert_alignment if alignment is None else alignment)

@@ -61,17 +61,21 @@ class DistEnv:
 
     @property
     def distributed(self) -> bool:
+        """More than one process (a process group exists)."""
         return self.world_size > 1
 
     @property
     def is_main(self) -> bool:
+        """Rank 0: the one that prints, logs and renames checkpoints."""
         return self.rank == 0
 
     @property
     def ep_rank(self) -> int:
+        """This rank's place in its EP group (``ep`` innermost in the mesh)."""
         return self.rank % self.ep_size
 
     def barrier(self) -> None:
+        """Wait for every rank (a no-op in one process); fails after ``train.dist_timeout_s``."""
         if self.distributed:
             dist.barrier()
 
