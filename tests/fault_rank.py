@@ -31,7 +31,7 @@ rank = int(os.environ.get("RANK", "0"))
 start = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 if os.environ.get("FAULT_PID_DIR"):
     Path(os.environ["FAULT_PID_DIR"], f"rank{rank}.start{start}").write_text(str(os.getpid()))
-faulthandler.dump_traceback_later(float(os.environ.get("FAULT_DUMP_AFTER_S", "120")), exit=False)  # a hang shows where
+faulthandler.dump_traceback_later(float(os.environ.get("FAULT_DUMP_AFTER_S", "300")), exit=False)  # a hang shows where
 fault, at = os.environ.get("FAULT", ""), int(os.environ.get("FAULT_STEP", "-1"))
 
 if start == 0 and rank == int(os.environ.get("FAULT_RANK", "1")):
