@@ -9,9 +9,9 @@ from dropless.model.mlp import FeedForward
 from dropless.model.norm import RMSNorm
 from dropless.model.params import count_parameters
 from dropless.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
-from dropless.model.transformer import Block, Transformer
+from dropless.model.transformer import Block, LossOutput, Transformer
 
 __all__ = [
-    "Attention", "Block", "FeedForward", "MLA", "RMSNorm", "Transformer",
+    "Attention", "Block", "FeedForward", "LossOutput", "MLA", "RMSNorm", "Transformer",
     "apply_rope", "count_parameters", "rope_cos_sin", "rope_inv_freq",
 ]

@@ -2,8 +2,8 @@
 
 One optimizer step (:meth:`Trainer.train_step`)::
 
-    for each of grad_accum micro-batches:   loss = CE(model(x), y) / grad_accum; backward
-        (the MoE layers attach their sequence-wise aux loss to the backward themselves)
+    for each of grad_accum micro-batches:   (model.loss(x, y).loss / grad_accum).backward()
+        (loss = mean CE + Σ MoE layers' sequence-wise aux losses: 1/grad_accum scales both)
     sync gradients          non-expert: all_reduce SUM over all ranks, / world (with
                             train.shard_dense: FSDP2's reduce-scatter, averaged, instead)
                             expert, EP > 1: all_reduce SUM over dp (the ranks holding the same
@@ -372,10 +372,10 @@ class Trainer:
             return nullcontext()
         return torch.autocast(self.env.device.type, dtype=self.autocast_dtype)
 
-    def _loss(self, x: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    def _loss(self, x: torch.Tensor, y: torch.Tensor):
+        """:meth:`Transformer.loss` of one micro-batch: ``(loss, ce, aux)``, ``loss = ce + aux``."""
         with self._autocast():
-            logits = self.model(x)
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction=reduction)
+            return self.model.loss(x, y)
 
     def print(self, *a: Any) -> None:
         if self.main:
@@ -397,7 +397,7 @@ class Trainer:
         total = torch.zeros(2, dtype=torch.float64, device=self.env.device)
         for x, y in self.val_batches:
             x, y = x.to(self.env.device), y.to(self.env.device)
-            total[0] += self._loss(x, y, reduction="sum").double()
+            total[0] += self._loss(x, y).ce.double() * y.numel()  # the mean over y's tokens
             total[1] += y.numel()
         if self.env.distributed:
             dist.all_reduce(total)
@@ -417,13 +417,15 @@ class Trainer:
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         loss_sum = torch.zeros((), dtype=torch.float32, device=dev)
+        aux_sum = torch.zeros((), dtype=torch.float32, device=dev)
         dropped = torch.zeros((), dtype=torch.float32, device=dev)
         for _ in range(self.accum):
             x, y = self.loader.next_batch()
             x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
-            loss = self._loss(x, y)
-            (loss / self.accum).backward()
-            loss_sum += loss.detach()
+            out = self._loss(x, y)
+            (out.loss / self.accum).backward()  # CE + aux losses: 1/accum scales both
+            loss_sum += out.ce.detach()
+            aux_sum += out.aux.detach()
             for moe in self.moe_layers:
                 d = moe.last_stats.get("rows_dropped")
                 if d is not None:
@@ -435,8 +437,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         from dropless.routing import update_router_biases
         router = update_router_biases(self.model)  # counts summed over micro-batches and all ranks
-        aux = sum(float(st.get("aux_loss", 0.0)) for st in router.values())
-        red = torch.stack([loss_sum / self.accum, torch.tensor(aux, device=dev, dtype=torch.float32), dropped])
+        red = torch.stack([loss_sum / self.accum, aux_sum / self.accum, dropped])  # means over micro-batches
         if env.distributed:
             dist.all_reduce(red)
             red[:2] /= env.world_size
