@@ -23,12 +23,12 @@ import zlib
 from typing import Callable, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dropless.config import ConfigError, ModelArgs
 from dropless.model.attention import MLA
+from dropless.model.loss import linear_cross_entropy
 from dropless.model.mlp import FeedForward
 from dropless.model.norm import RMSNorm
 from dropless.model.rope import rope_cos_sin
@@ -210,12 +210,12 @@ class Transformer(nn.Module):
 
     def _head_loss(self, h_BSH: torch.Tensor, aux_loss: torch.Tensor, targets_BS: torch.Tensor,
                    ignore_index: int, loss_impl: str) -> "LossOutput":
-        """Mean cross-entropy of the output head on ``h_BSH`` + ``aux_loss``."""
+        """Mean cross-entropy of the output head on ``h_BSH`` (chunked: no [B, S, V] logits) + ``aux_loss``."""
         if targets_BS.shape != h_BSH.shape[:2]:
             raise ValueError(f"Transformer.loss: targets {tuple(targets_BS.shape)} must match the "
                              f"tokens' [batch, seq] {tuple(h_BSH.shape[:2])}")
-        logits = self.output(h_BSH).float()
-        ce = F.cross_entropy(logits.flatten(0, 1), targets_BS.reshape(-1), ignore_index=ignore_index)
+        ce = linear_cross_entropy(h_BSH, self.output.weight, targets_BS, ignore_index=ignore_index,
+                                  impl=loss_impl)
         return LossOutput(ce + aux_loss, ce, aux_loss)
 
     # ------------------------------------------------------------ parameters

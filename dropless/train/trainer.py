@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from dropless.config import ConfigError, ModelArgs
+from dropless.model.loss import resolve_loss_impl
 from dropless.train import checkpoint as ckpt
 from dropless.train.config import model_args
 from dropless.train.data import ShardedLoader, load_tokens, val_windows
@@ -315,6 +316,8 @@ class Trainer:
                               "model.max_position_embeddings")
         self.env = env = init_distributed(cfg, self.args.n_routed_experts)
         self.main = env.is_main
+        self.loss_impl, loss_note = resolve_loss_impl(t.get("loss_impl", "auto"), env.device)
+        self.print(f"[dropless] loss: {loss_note}")
         self.run_dir = resolve_run_dir(cfg, env)
         self.tokens = load_tokens(cfg.data, self.args.vocab_size)
         self.loader = ShardedLoader(self.tokens.train, self.seq_len, self.batch, env.rank, env.world_size,
@@ -375,7 +378,7 @@ class Trainer:
     def _loss(self, x: torch.Tensor, y: torch.Tensor):
         """:meth:`Transformer.loss` of one micro-batch: ``(loss, ce, aux)``, ``loss = ce + aux``."""
         with self._autocast():
-            return self.model.loss(x, y)
+            return self.model.loss(x, y, loss_impl=self.loss_impl)
 
     def print(self, *a: Any) -> None:
         if self.main:
