@@ -233,11 +233,11 @@ class Router(nn.Module):
             raise ValueError(f"{where}: x_TH must be a floating dtype, got {x_TH.dtype}")
         if seq_len is None:
             seq_len = T
-        else:
+        else:  # T = batch * seq_len; seq_len = 0 is an empty batch ([B, 0, H])
             seq_len = int(seq_len)
-            if seq_len <= 0 or (T and T % seq_len):
-                raise ValueError(f"{where}: seq_len={seq_len} must be positive and divide "
-                                 f"T={T} (T = batch * seq_len)")
+            if seq_len < 0 or (seq_len == 0 and T) or (seq_len and T % seq_len):
+                raise ValueError(f"{where}: seq_len={seq_len} must divide T={T} (T = batch * seq_len; "
+                                 "0 only when T = 0)")
         if token_mask_T is not None:
             if token_mask_T.shape != (T,) or token_mask_T.dtype != torch.bool:
                 raise ValueError(f"{where}: token_mask_T must be bool [T={T}], got "
@@ -273,7 +273,8 @@ class Router(nn.Module):
         Args:
             x_TH: [T, H] floating, any dtype (upcast to fp32 for the logits).
             seq_len: tokens per sequence for the sequence-wise aux loss
-                (T = batch * seq_len); None = the T tokens are one sequence.
+                (T = batch * seq_len; 0 when T = 0); None = the T tokens are one sequence.
+                T = 0 is valid: empty outputs, zero counts, aux loss 0.
             token_mask_T: optional bool [T], False for padding tokens: they are
                 still routed (their rows are well defined) but are left out of
                 the aux loss and of the balancing counts.
