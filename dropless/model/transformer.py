@@ -127,6 +127,7 @@ class Transformer(nn.Module):
             raise ConfigError("tie_word_embeddings=True: dropless builds DeepSeek-V3's untied "
                               "output head; set tie_word_embeddings to false")
         self.args = args
+        self.yarn = args.yarn()  # None: plain RoPE
         self.activation_checkpointing = bool(activation_checkpointing)
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
         moe_ids = set(args.moe_layer_ids())
@@ -194,7 +195,7 @@ class Transformer(nn.Module):
         rope_dtype = torch.float64 if h_BSH.dtype == torch.float64 else torch.float32
         cos_SP, sin_SP = rope_cos_sin(
             seq_len, self.args.qk_rope_head_dim, self.args.rope_theta,
-            max_position_embeddings=self.args.max_position_embeddings,
+            max_position_embeddings=self.args.max_position_embeddings, yarn=self.yarn,
             device=h_BSH.device, dtype=rope_dtype,
         )
         aux_loss = torch.zeros((), dtype=torch.float32, device=h_BSH.device)
