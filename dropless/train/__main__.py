@@ -1,6 +1,6 @@
-"""``dropless-train`` / ``python -m dropless.train``: train from Hydra overrides.
+"""dropless-train (python -m dropless.train): train from Hydra overrides.
 
-Usage::
+Usage:
 
     dropless-train [KEY=VALUE ...] [recipe=NAME] [--cfg] [--help]
 
@@ -10,7 +10,7 @@ Usage::
     torchrun --nproc_per_node 4 -m dropless.train dispatcher=a2a
     dropless-train resume=true run_dir=runs/try      # continue from the newest checkpoint
 
-``--cfg`` prints the resolved config and exits. Exit status: 0 done, 2 bad config or data
+--cfg prints the resolved config and exits. Exit status: 0 done, 2 bad config or data
 (the message names the field), 130 stopped by Ctrl-C after saving a checkpoint.
 """
 
