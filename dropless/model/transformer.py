@@ -35,7 +35,7 @@ from dropless.model.rope import rope_cos_sin
 
 
 class LossOutput(NamedTuple):
-    """:meth:`Transformer.loss`: fp32 0-dim tensors.
+    """:meth:`Transformer.loss`: 0-dim tensors, fp32 (float64 in a float64 model).
 
     ``loss = ce + aux`` is what to backpropagate; ``ce`` is the mean next-token
     cross-entropy (nats per target token), ``aux`` the sum over MoE layers of their
@@ -180,7 +180,7 @@ class Transformer(nn.Module):
                 :mod:`dropless.model.loss`.
 
         Returns:
-            :class:`LossOutput` ``(loss, ce, aux)``, fp32 0-dim tensors; ``ce`` and ``aux`` are
+            :class:`LossOutput` ``(loss, ce, aux)``, 0-dim tensors; ``ce`` and ``aux`` are
             the parts of ``loss`` (for logging; ``aux`` is 0 in eval mode).
         """
         return self(tokens_BS, targets_BS, ignore_index=ignore_index, loss_impl=loss_impl)
