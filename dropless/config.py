@@ -16,14 +16,44 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import warnings
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Dict, Mapping, Optional
 
 
 class ConfigError(ValueError):
     """A configuration value is wrong; the message names the field and the fix."""
+
+
+_YARN_KEYS = ("type", "rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+              "mscale", "mscale_all_dim")
+
+
+@dataclass(frozen=True)
+class Yarn:
+    """YaRN RoPE scaling read from ``rope_scaling`` (:meth:`ModelArgs.yarn`); see
+    :func:`dropless.model.rope.rope_inv_freq` for the formulas and their sources.
+
+    Attributes:
+        factor: s, the context extension factor (40 for DeepSeek-V3).
+        original_max_position_embeddings: L, the context the model was trained at (4096).
+        beta_fast, beta_slow: rotation counts bounding the interpolation ramp (32, 1).
+        mscale: the attention temperature's coefficient m (``mscale_all_dim``):
+            the softmax scale is multiplied by ``(0.1·m·ln s + 1)²``.
+    """
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float
+    beta_slow: float
+    mscale: float
+
+    @property
+    def softmax_mscale(self) -> float:
+        """``0.1·m·ln(s) + 1``, squared into the softmax scale (1 when s = 1)."""
+        return 0.1 * self.mscale * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
 
 
 @dataclass
@@ -62,6 +92,9 @@ class ModelArgs:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
+    rope_scaling: Optional[Dict[str, Any]] = None  # YaRN, as config.json's: type yarn, factor,
+                                            # original_max_position_embeddings, beta_fast, beta_slow,
+                                            # mscale, mscale_all_dim (see yarn())
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
 
@@ -151,7 +184,61 @@ class ModelArgs:
             bad("qk_nope_head_dim", "must be >= 0")
         if self.qk_rope_head_dim % 2:
             bad("qk_rope_head_dim", "must be even (RoPE rotates pairs)")
+        self.yarn()
         return self
+
+    def yarn(self) -> Yarn | None:
+        """``rope_scaling`` checked and read: a :class:`Yarn`, or None without ``rope_scaling``.
+
+        Keys (DeepSeek-V3 ``config.json``): ``type`` (or ``rope_type``) ``"yarn"``, ``factor``
+        (>= 1), ``original_max_position_embeddings``, ``beta_fast`` (default 32),
+        ``beta_slow`` (default 1; ``0 < beta_slow < beta_fast``), ``mscale`` and
+        ``mscale_all_dim`` (the attention temperature's m; if both are given they must be
+        equal, the case DeepSeek-V3's reference code implements; neither: m = 1, its default).
+
+        Raises:
+            ConfigError: another scaling type, an unknown key, a bad value, or
+                ``max_position_embeddings <= original_max_position_embeddings`` (the
+                reference code applies YaRN only when the context is extended, so the
+                block would have no effect).
+        """
+        rs = self.rope_scaling
+        if rs is None:
+            return None
+
+        def bad(why: str) -> None:
+            raise ConfigError(f"rope_scaling={dict(rs)!r}: {why}")
+
+        if not isinstance(rs, Mapping):
+            bad("must be a mapping (the rope_scaling block of config.json) or null")
+        unknown = sorted(set(rs) - set(_YARN_KEYS))
+        if unknown:
+            bad(f"unknown key(s) {unknown}; known: {list(_YARN_KEYS)}")
+        kind = rs.get("type", rs.get("rope_type"))
+        if kind != "yarn":
+            bad(f"type={kind!r}: dropless implements only 'yarn' (DeepSeek-V3's); remove rope_scaling for plain RoPE")
+        try:
+            factor = float(rs["factor"])
+            orig = int(rs["original_max_position_embeddings"])
+            beta_fast, beta_slow = float(rs.get("beta_fast", 32)), float(rs.get("beta_slow", 1))
+            ms = {k: float(rs[k]) for k in ("mscale", "mscale_all_dim") if rs.get(k) is not None}
+        except KeyError as e:
+            bad(f"missing key {e.args[0]!r}")
+        except (TypeError, ValueError) as e:
+            bad(f"a value is not a number ({e})")
+        if not factor >= 1.0:
+            bad("factor must be >= 1 (the context extension factor s)")
+        if orig <= 0:
+            bad("original_max_position_embeddings must be a positive integer")
+        if not 0 < beta_slow < beta_fast:
+            bad("need 0 < beta_slow < beta_fast (rotation counts of the ramp's ends, 1 and 32 in DeepSeek-V3)")
+        if len(set(ms.values())) > 1:
+            bad("mscale and mscale_all_dim differ; DeepSeek-V3's reference code has one attention "
+                "temperature coefficient: give them the same value")
+        if self.max_position_embeddings <= orig:
+            bad(f"max_position_embeddings={self.max_position_embeddings} must exceed "
+                f"original_max_position_embeddings={orig}: YaRN applies only to an extended context")
+        return Yarn(factor, orig, beta_fast, beta_slow, next(iter(ms.values()), 1.0))
 
     # ---------------------------------------------------------------------
     @classmethod
@@ -171,7 +258,8 @@ class ModelArgs:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "ModelArgs":
-        """Load a published DeepSeek-V3 ``config.json`` (unknown keys ignored with a notice)."""
+        """Load a published DeepSeek-V3 ``config.json`` (unknown keys ignored with a notice;
+        ``rope_scaling`` is kept and applied, see :meth:`yarn`)."""
         with open(path) as f:
             return cls.from_dict(json.load(f))
 
@@ -182,6 +270,7 @@ class ModelArgs:
     def deepseek_v3_671b(cls, **overrides: Any) -> "ModelArgs":
         """The published DeepSeek-V3 shape (config.json of deepseek-ai/DeepSeek-V3).
 
+        It includes that file's YaRN ``rope_scaling`` (factor 40 over 4096 positions).
         One value differs from that file: ``aux_loss_alpha = 1e-4``, the α the technical report
         gives for training (arXiv:2412.19437 §4.2); the published config.json carries 0.001
         (which :meth:`from_json` keeps). ``overrides`` replace any field.
@@ -195,6 +284,8 @@ class ModelArgs:
             n_group=8, topk_group=4, routed_scaling_factor=2.5, scoring_func="sigmoid",
             norm_topk_prob=True, topk_method="noaux_tc", aux_loss_alpha=1e-4,
             rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=163840,
+            rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                          "original_max_position_embeddings": 4096, "type": "yarn"},
         )
         d.update(overrides)
         return cls(**d)

@@ -22,25 +22,26 @@ from dropless.config import ConfigError, ModelArgs
 from dropless.dispatch import Dispatcher, LocalDispatcher, Pending
 from dropless.experts import GroupedExperts, compute_dtype
 from dropless.mlp import FeedForward
-from dropless.routing import Router
+from dropless.routing import Router, in_backward_recompute
 
 
-class _AttachAuxLoss(torch.autograd.Function):
-    """Identity on ``out``; in backward, gives ``aux_loss`` a gradient of 1.
+class _LastAuxLoss:
+    """Holds the last forward's aux-loss tensor (a graph tensor) for :attr:`MoE.aux_loss`.
 
-    This is how the sequence-wise auxiliary loss joins the training loss without the
-    trainer adding it: its gradient rides on the layer output's backward, which also
-    works under activation recompute.
+    A copy of the module (``copy.deepcopy``, pickling) starts empty: a non-leaf tensor
+    cannot be deep-copied, and a copy has run no forward.
     """
 
-    @staticmethod
-    def forward(ctx, out, aux_loss):
-        ctx.aux_shape, ctx.aux_dtype = aux_loss.shape, aux_loss.dtype
-        return out.view_as(out)
+    __slots__ = ("value",)
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        return grad_out, torch.ones(ctx.aux_shape, dtype=ctx.aux_dtype, device=grad_out.device)
+    def __init__(self) -> None:
+        self.value: torch.Tensor | None = None
+
+    def __deepcopy__(self, memo) -> "_LastAuxLoss":
+        return _LastAuxLoss()
+
+    def __reduce__(self):
+        return (_LastAuxLoss, ())
 
 
 def _is_fsdp_managed(module: nn.Module) -> bool:
@@ -91,9 +92,22 @@ class MoE(nn.Module):
         layer_id: decoder layer index (for error messages, stats and the weight-init seed).
         dispatcher: how tokens reach the experts (default :class:`LocalDispatcher`, EP = 1).
 
-    Shapes: ``forward(x_BSH)`` -> ``[B, S, H]`` (or ``x_TH`` -> ``[T, H]``), same dtype as ``x``.
+    Shapes: ``forward(x_BSH)`` -> ``[B, S, H]`` (or ``x_TH`` -> ``[T, H]``), same dtype as ``x``;
+    ``forward(x, return_aux=True)`` -> ``(y, aux_loss)``.
+
+    The sequence-wise auxiliary loss is not added to anything by the layer: it joins the loss
+    the caller backpropagates (``loss = task_loss + moe.aux_loss``), so every factor on that
+    loss (``1/grad_accum``, a loss scale, a weighted sum of losses) scales its gradient too.
+    A sequence is the ``S`` dimension of a 3-D input; a 2-D input is one sequence.
 
     Attributes:
+        aux_loss: fp32 0-dim, the α-weighted sequence-wise aux loss of the last forward that
+            was not an activation-checkpointing recompute (differentiable wrt the router's
+            weight and ``x`` in training mode; exact 0 in eval mode or with
+            ``aux_loss_alpha = 0``); None before the first forward. Under
+            ``torch.utils.checkpoint`` take it from ``forward(x, return_aux=True)`` inside
+            the checkpointed function and return it from there (the recompute's own aux
+            loss is then the one that backward sees, in both ``use_reentrant`` modes).
         router: :class:`~dropless.routing.Router`.
         experts: :class:`~dropless.experts.GroupedExperts` holding the ``e = E/EP`` local experts.
         shared_experts: :class:`~dropless.mlp.FeedForward` of width
@@ -131,6 +145,11 @@ class MoE(nn.Module):
         self.shared_experts = (FeedForward(args.hidden_size, args.n_shared_experts * args.moe_intermediate_size)
                                if args.n_shared_experts > 0 else None)
         self.last_stats: dict[str, torch.Tensor] = {}
+        self._aux = _LastAuxLoss()
+
+    @property
+    def aux_loss(self) -> torch.Tensor | None:
+        return self._aux.value
 
     def init_weights(self, seed: int | None = None) -> None:
         """Deterministic, layout-independent init (same global weights for any EP)."""
@@ -148,7 +167,12 @@ class MoE(nn.Module):
                     w.copy_(torch.empty(w.shape, dtype=torch.float32).normal_(0.0, std, generator=g))
         self.experts.init_weights(seed, self.layer_id, std)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, return_aux: bool = False):
+        """Route, dispatch, compute and combine ``x`` (``[B, S, H]`` or ``[T, H]``; T, S or B may be 0).
+
+        Returns ``y`` (shape and dtype of ``x``), or ``(y, aux_loss)`` with ``return_aux``
+        (``aux_loss`` as the attribute; see the class docstring).
+        """
         a = self.args
         if x.dim() not in (2, 3) or x.shape[-1] != a.hidden_size or not x.dtype.is_floating_point:
             raise ValueError(f"MoE layer {self.layer_id}: x must be floating [B, S, hidden_size={a.hidden_size}] "
@@ -168,10 +192,11 @@ class MoE(nn.Module):
             else:
                 y_sh = self.shared_experts(x_TH)
             y_TH = y_TH + y_sh.to(y_TH.dtype)
-        if self.training and r.aux_loss.requires_grad:
-            y_TH = _AttachAuxLoss.apply(y_TH, r.aux_loss)
         self.last_stats = stats
-        return y_TH.view(x.shape).to(x.dtype)
+        if not in_backward_recompute():  # a recompute's graph is not kept alive on the module
+            self._aux.value = r.aux_loss
+        y = y_TH.view(x.shape).to(x.dtype)
+        return (y, r.aux_loss) if return_aux else y
 
     def _routed(self, x_TH, topk_idx_Tk, topk_weight_Tk, stats):
         """Dispatch -> experts -> combine over ``num_token_chunks`` chunks of the rank's tokens.

@@ -71,8 +71,8 @@ class RouterOutput:
         scores_TE: fp32 [T, E], unbiased scores (sigmoid or softmax).
         aux_loss: fp32 0-dim, α-weighted sequence-wise balance loss (exact 0 in
             eval mode or when ``aux_loss_alpha == 0``).
-        counts_E: fp32 [E], routed rows per expert in this call, padding tokens
-            excluded (whole numbers; these are balancing counts — a
+        counts_E: int64 [E], routed rows per expert in this call, padding tokens
+            excluded (exact at any T; these are balancing counts — a
             dispatcher that also moves padding tokens counts its own rows).
     """
 
@@ -133,9 +133,12 @@ class Router(nn.Module):
         weight: Parameter [E, H] (dtype of the model; logits are computed in fp32).
         e_score_correction_bias: fp32 [E] buffer, persistent (checkpointed),
             zeros at init; added to the scores for selection only.
-        tokens_per_expert: fp32 [E] buffer, persistent (so a resumed step keeps
-            its partial counts); rows routed since the last :meth:`update_bias`.
-        Both buffers stay fp32 under ``module.to(dtype)`` / ``.half()``.
+        tokens_per_expert: int64 [E] buffer, persistent (so a resumed step keeps
+            its partial counts); rows routed since the last :meth:`update_bias`,
+            exact at any count (an fp32 counter stops counting at 2^24). A
+            checkpoint holding the older fp32 counter loads (whole numbers are
+            converted; anything else raises).
+        The bias stays fp32 under ``module.to(dtype)`` / ``.half()``.
 
     Raises:
         ConfigError: from ``args.validate(layer=...)`` (E % n_group, topk_group >
@@ -143,7 +146,7 @@ class Router(nn.Module):
             ``topk_method``.
     """
 
-    _FP32_BUFFERS = ("e_score_correction_bias", "tokens_per_expert")
+    _FP32_BUFFERS = ("e_score_correction_bias",)
 
     def __init__(self, args: ModelArgs, layer_id: int = 0) -> None:
         super().__init__()
@@ -170,7 +173,7 @@ class Router(nn.Module):
 
         self.weight = nn.Parameter(torch.empty(self.n_experts, self.dim))
         self.register_buffer("e_score_correction_bias", torch.zeros(self.n_experts), persistent=True)
-        self.register_buffer("tokens_per_expert", torch.zeros(self.n_experts), persistent=True)
+        self.register_buffer("tokens_per_expert", torch.zeros(self.n_experts, dtype=torch.int64), persistent=True)
         # last forward's device tensors, read by stats() (not model state)
         self._last_counts_E: torch.Tensor | None = None
         self._last_aux_loss: torch.Tensor | None = None
@@ -206,6 +209,13 @@ class Router(nn.Module):
                     self._buffers[n] = old.to(device=new.device, dtype=torch.float32)
         return self
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        key = prefix + "tokens_per_expert"
+        old = state_dict.get(key)
+        if isinstance(old, torch.Tensor) and old.is_floating_point():  # a checkpoint of the fp32 counter
+            state_dict[key] = _whole_counts(old, f"Router ({self.layer_name}): checkpoint entry {key!r}")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     # --------------------------------------------------------------- checks
     def _check_inputs(self, x_TH: torch.Tensor, seq_len: int | None,
                       token_mask_T: torch.Tensor | None) -> int:
@@ -223,11 +233,11 @@ class Router(nn.Module):
             raise ValueError(f"{where}: x_TH must be a floating dtype, got {x_TH.dtype}")
         if seq_len is None:
             seq_len = T
-        else:
+        else:  # T = batch * seq_len; seq_len = 0 is an empty batch ([B, 0, H])
             seq_len = int(seq_len)
-            if seq_len <= 0 or (T and T % seq_len):
-                raise ValueError(f"{where}: seq_len={seq_len} must be positive and divide "
-                                 f"T={T} (T = batch * seq_len)")
+            if seq_len < 0 or (seq_len == 0 and T) or (seq_len and T % seq_len):
+                raise ValueError(f"{where}: seq_len={seq_len} must divide T={T} (T = batch * seq_len; "
+                                 "0 only when T = 0)")
         if token_mask_T is not None:
             if token_mask_T.shape != (T,) or token_mask_T.dtype != torch.bool:
                 raise ValueError(f"{where}: token_mask_T must be bool [T={T}], got "
@@ -263,7 +273,8 @@ class Router(nn.Module):
         Args:
             x_TH: [T, H] floating, any dtype (upcast to fp32 for the logits).
             seq_len: tokens per sequence for the sequence-wise aux loss
-                (T = batch * seq_len); None = the T tokens are one sequence.
+                (T = batch * seq_len; 0 when T = 0); None = the T tokens are one sequence.
+                T = 0 is valid: empty outputs, zero counts, aux loss 0.
             token_mask_T: optional bool [T], False for padding tokens: they are
                 still routed (their rows are well defined) but are left out of
                 the aux loss and of the balancing counts.
@@ -300,15 +311,20 @@ class Router(nn.Module):
             weight_Tk = weight_Tk / (weight_Tk.sum(dim=-1, keepdim=True) + _NORM_EPS)
         topk_weight_Tk = weight_Tk * self.routed_scaling_factor
 
-        # selection one-hot summed over k, padding tokens zeroed: [T, E]
-        with torch.no_grad():
-            chosen_TE = torch.zeros(T, E, dtype=torch.float32, device=x_TH.device)
-            chosen_TE.scatter_(1, topk_idx_Tk, 1.0)
-            if token_mask_T is not None:
-                chosen_TE.mul_(token_mask_T.unsqueeze(1).to(torch.float32))
-            counts_E = chosen_TE.sum(dim=0)
+        with torch.no_grad():  # exact integer counts, padding tokens left out
+            if token_mask_T is None:
+                one_Tk = torch.ones(T * k, dtype=torch.int64, device=x_TH.device)
+            else:
+                one_Tk = token_mask_T.to(torch.int64).unsqueeze(1).expand(T, k).reshape(-1)
+            counts_E = torch.zeros(E, dtype=torch.int64, device=x_TH.device).scatter_add_(
+                0, topk_idx_Tk.reshape(-1), one_Tk)
 
         if self.training and self.aux_loss_alpha > 0 and T > 0:
+            with torch.no_grad():  # selection one-hot summed over k, padding tokens zeroed: [T, E]
+                chosen_TE = torch.zeros(T, E, dtype=torch.float32, device=x_TH.device)
+                chosen_TE.scatter_(1, topk_idx_Tk, 1.0)
+                if token_mask_T is not None:
+                    chosen_TE.mul_(token_mask_T.unsqueeze(1).to(torch.float32))
             aux_loss = self._seq_aux_loss(scores_TE, chosen_TE, seq_len, token_mask_T)
         else:
             aux_loss = torch.zeros((), dtype=torch.float32, device=x_TH.device)
@@ -350,18 +366,23 @@ class Router(nn.Module):
 
         Args:
             counts_E: the whole optimizer step's per-expert rows (summed over
-                micro-batches and data-parallel ranks); default: this router's
+                micro-batches and data-parallel ranks), integer (or floating
+                holding whole numbers); default: this router's
                 ``tokens_per_expert`` (local only — use
                 :func:`update_router_biases` to sum over ranks).
-        Returns: the fp32 [E] load that was used (a copy, on the device).
-        Resets ``tokens_per_expert`` to 0. No host sync.
+        Returns: the int64 [E] load that was used (a copy, on the device).
+        Resets ``tokens_per_expert`` to 0. No host sync. The sign is exact at any
+        count: ``sign(mean − load_i) = sign(Σ_j load_j − E·load_i)`` in int64.
         """
         load_E = (self.tokens_per_expert if counts_E is None else counts_E).detach()
-        load_E = load_E.to(device=self.e_score_correction_bias.device, dtype=torch.float32).clone()
         if load_E.shape != (self.n_experts,):
             raise ValueError(f"Router ({self.layer_name}).update_bias: counts_E must be "
                              f"[E={self.n_experts}], got {tuple(load_E.shape)}")
-        self.e_score_correction_bias.add_(torch.sign(load_E.mean() - load_E), alpha=self.bias_update_speed)
+        if load_E.is_floating_point():
+            load_E = load_E.round()
+        load_E = load_E.to(device=self.e_score_correction_bias.device, dtype=torch.int64, copy=True)
+        direction_E = torch.sign(load_E.sum() - self.n_experts * load_E).to(torch.float32)
+        self.e_score_correction_bias.add_(direction_E, alpha=self.bias_update_speed)
         self.tokens_per_expert.zero_()
         return load_E
 
@@ -375,7 +396,7 @@ class Router(nn.Module):
         """
         if self._last_counts_E is None:
             return {}
-        out = _load_stats(self._last_counts_E.detach().to("cpu", torch.float64))
+        out = _load_stats(self._last_counts_E.detach().cpu())
         out["aux_loss"] = float(self._last_aux_loss) if self._last_aux_loss is not None else 0.0
         return out
 
@@ -385,14 +406,22 @@ class Router(nn.Module):
                 f"scoring_func={self.scoring_func}")
 
 
+def _whole_counts(counts: torch.Tensor, what: str) -> torch.Tensor:
+    """A floating count vector as int64; raises ValueError unless it holds whole numbers >= 0."""
+    if not bool(torch.isfinite(counts).all()) or bool((counts < 0).any()) or not torch.equal(counts, counts.round()):
+        raise ValueError(f"{what}: per-expert counts must be whole numbers >= 0, got {counts.tolist()}; "
+                         "this is not a router counter (was the checkpoint written by dropless?)")
+    return counts.to(torch.int64)
+
+
 def _load_stats(counts_E: torch.Tensor) -> dict[str, float]:
-    """Load statistics of one layer from a CPU count vector."""
-    total = float(counts_E.sum())
-    mean = total / max(counts_E.numel(), 1)
-    return {
-        "max_over_mean": float(counts_E.max()) / mean if mean > 0 else 0.0,
-        "min_over_mean": float(counts_E.min()) / mean if mean > 0 else 0.0,
-        "empty_experts": float((counts_E == 0).sum()),
+    """Load statistics of one layer from a CPU int64 count vector (``tokens``, ``empty_experts``: ints)."""
+    total = int(counts_E.sum())
+    n = max(counts_E.numel(), 1)
+    return {  # max / mean = max·E / total, in float64
+        "max_over_mean": int(counts_E.max()) * n / total if total > 0 else 0.0,
+        "min_over_mean": int(counts_E.min()) * n / total if total > 0 else 0.0,
+        "empty_experts": int((counts_E == 0).sum()),
         "tokens": total,
     }
 
@@ -408,9 +437,10 @@ def update_router_biases(model: nn.Module, group: Any = None) -> dict[str, dict]
     applies :meth:`Router.update_bias` with the summed counts; resets the
     counters. Every rank must call it (the same model on every rank).
 
-    Returns: ``{"layer{layer_id}": {"counts": [E floats], "max_over_mean",
+    Returns: ``{"layer{layer_id}": {"counts": [E ints], "max_over_mean",
     "min_over_mean", "empty_experts", "tokens", "aux_loss"}}`` — the step's
-    counts summed over micro-batches and ranks, and this rank's last aux loss.
+    counts summed over micro-batches and ranks (exact integers: the all-reduce
+    is in int64), and this rank's last aux loss.
     Host sync: one device-to-host copy of all layers' counts, for logging.
 
     Raises:
@@ -426,7 +456,7 @@ def update_router_biases(model: nn.Module, group: Any = None) -> dict[str, dict]
                              f"layer_id={r.layer_id}; give each MoE layer its own layer_id")
         seen[r.layer_id] = name
 
-    flat = torch.cat([r.tokens_per_expert.to(torch.float32) for _, r in routers])
+    flat = torch.cat([r.tokens_per_expert.to(torch.int64) for _, r in routers])
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
     loads = []
@@ -435,10 +465,11 @@ def update_router_biases(model: nn.Module, group: Any = None) -> dict[str, dict]
         loads.append(r.update_bias(load_E))
         aux.append(r._last_aux_loss if r._last_aux_loss is not None
                    else torch.zeros((), device=load_E.device))
-    # one host copy for all layers
-    host = torch.cat([torch.cat(loads), torch.stack([a.to(loads[0].device, torch.float32) for a in aux])])
-    host = host.to("cpu", torch.float64)
+    # one host copy for all layers: the int64 counts, then the float64 aux losses' bits
+    aux64 = torch.stack([a.to(loads[0].device, torch.float64) for a in aux]).view(torch.int64)
+    host = torch.cat([torch.cat(loads), aux64]).cpu()
     n_loads = sum(l.numel() for l in loads)
+    aux_host = host[n_loads:].view(torch.float64)
     out: dict[str, dict] = {}
     offset = 0
     for i, (_, r) in enumerate(routers):
@@ -446,6 +477,6 @@ def update_router_biases(model: nn.Module, group: Any = None) -> dict[str, dict]
         offset += r.n_experts
         s = _load_stats(c)
         s["counts"] = c.tolist()
-        s["aux_loss"] = float(host[n_loads + i])
+        s["aux_loss"] = float(aux_host[i])
         out[f"layer{r.layer_id}"] = s
     return out

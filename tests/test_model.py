@@ -155,8 +155,9 @@ def test_published_deepseek_v3_config_loads_and_counts_671b_37b():
     with pytest.warns(UserWarning) as record:
         args = ModelArgs.from_json(DATA / "deepseek_v3_config.json")
     message = " ".join(str(w.message) for w in record)
-    for key in ("architectures", "quantization_config", "num_nextn_predict_layers", "rope_scaling"):
+    for key in ("architectures", "quantization_config", "num_nextn_predict_layers"):
         assert key in message
+    assert "rope_scaling" not in message and args.rope_scaling["type"] == "yarn"  # kept and applied (test_yarn.py)
     assert args == ModelArgs.deepseek_v3_671b()
 
     t0 = time.perf_counter()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from datetime import timedelta
 
 import pytest
@@ -212,7 +213,10 @@ def test_logits_fp32_for_bf16_weights_and_buffers_stay_fp32():
     r.to(torch.bfloat16)
     assert r.weight.dtype == torch.bfloat16
     assert r.e_score_correction_bias.dtype == torch.float32
-    assert r.tokens_per_expert.dtype == torch.float32
+    assert r.tokens_per_expert.dtype == torch.int64       # exact integer counter (issue 11 item 3)
+    r.half()
+    assert r.e_score_correction_bias.dtype == torch.float32 and r.tokens_per_expert.dtype == torch.int64
+    r.to(torch.bfloat16)
     out = r(x.to(torch.bfloat16))
     expect = torch.sigmoid(x.to(torch.bfloat16).float() @ r.weight.float().T)
     torch.testing.assert_close(out.scores_TE, expect, rtol=0, atol=0)
@@ -518,3 +522,64 @@ def test_update_router_biases_sums_counts_over_gloo_ranks(tmp_path):
             assert torch.equal(res["bias"][layer_i], expect_bias)
             assert res["stats"][key]["counts"] == summed.tolist()
             assert torch.equal(res["tpe"][layer_i], torch.zeros(4))
+
+
+# ------------------------------------------------------------ exact integer counts (issue 11 item 3)
+def test_counts_are_exact_integers_above_2_pow_24():
+    """Counts past fp32's 2^24 limit sum exactly and give the right bias sign: an fp32 counter
+    reads 2^24 + 1 rows as 2^24, so one expert one row above the others looked balanced."""
+    r = make_router(small_args(bias_update_speed=0.5), seed=1, std=0.3)
+    big = 1 << 24
+    counts = torch.full((16,), big, dtype=torch.int64)
+    counts[3] += 1
+    r.tokens_per_expert.copy_(counts)
+    r.train()
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
+    out = r(x)                                           # a forward adds its 8 * 4 rows exactly
+    assert out.counts_E.dtype == torch.int64 and int(out.counts_E.sum()) == 32
+    assert torch.equal(r.tokens_per_expert, counts + out.counts_E)
+    assert not torch.equal(r.tokens_per_expert.float().to(torch.int64), r.tokens_per_expert)  # fp32 cannot
+
+    r.tokens_per_expert.copy_(counts)                    # the step's counts, summed: expert 3 is 1 row above
+    before = r.e_score_correction_bias.clone()
+    stats = update_router_biases(r)
+    expect = torch.full((16,), 0.5)
+    expect[3] = -0.5                                     # above the mean (2^24 + 1/16): pushed down; others up
+    assert torch.equal(r.e_score_correction_bias - before, expect)
+    assert torch.equal(torch.sign(counts.float().mean() - counts.float()), torch.zeros(16))  # fp32: no move
+    assert stats["layer0"]["counts"] == counts.tolist()
+    assert all(isinstance(c, int) for c in stats["layer0"]["counts"])
+    assert stats["layer0"]["tokens"] == 16 * big + 1
+    assert torch.equal(r.tokens_per_expert, torch.zeros(16, dtype=torch.int64))
+
+
+def test_old_checkpoint_with_fp32_counter_loads():
+    r = make_router(small_args(), seed=1, std=0.3)
+    sd = {k: v.clone() for k, v in r.state_dict().items()}
+    sd["tokens_per_expert"] = torch.arange(16, dtype=torch.float32) * 3      # what older versions saved
+    r.load_state_dict(sd)
+    assert r.tokens_per_expert.dtype == torch.int64
+    assert torch.equal(r.tokens_per_expert, torch.arange(16) * 3)
+    sd["tokens_per_expert"] = torch.full((16,), 0.5)
+    with pytest.raises(ValueError, match="whole numbers"):
+        r.load_state_dict(sd)
+
+
+def test_old_dcp_checkpoint_with_fp32_counter_loads(tmp_path):
+    """The trainer's checkpoints are torch.distributed.checkpoint; an fp32 counter saved by an
+    older version is read into the int64 buffer exactly."""
+    import torch.distributed.checkpoint as dcp
+
+    r = make_router(small_args(), seed=1, std=0.3)
+    old = {k: v.clone() for k, v in r.state_dict().items()}
+    old["tokens_per_expert"] = (torch.arange(16, dtype=torch.float32) + (1 << 23))  # whole, fp32-exact
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns when no process group is initialised
+        dcp.save(old, checkpoint_id=str(tmp_path / "ckpt"))
+        new = make_router(small_args(), seed=2, std=0.3)
+        sd = new.state_dict()
+        dcp.load(sd, checkpoint_id=str(tmp_path / "ckpt"))
+    new.load_state_dict(sd)
+    assert new.tokens_per_expert.dtype == torch.int64
+    assert torch.equal(new.tokens_per_expert, torch.arange(16) + (1 << 23))
+    assert torch.equal(new.weight, r.weight)

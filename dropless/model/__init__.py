@@ -4,9 +4,9 @@ from dropless.model.attention import MLA, Attention
 from dropless.model.norm import RMSNorm
 from dropless.model.params import count_parameters
 from dropless.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
-from dropless.model.transformer import Block, Transformer
+from dropless.model.transformer import Block, LossOutput, Transformer
 
 __all__ = [
-    "Attention", "Block", "MLA", "RMSNorm", "Transformer",
+    "Attention", "Block", "LossOutput", "MLA", "RMSNorm", "Transformer",
     "apply_rope", "count_parameters", "rope_cos_sin", "rope_inv_freq",
 ]

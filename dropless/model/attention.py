@@ -18,9 +18,9 @@ Shape letters: B batch, S sequence, H ``hidden_size``, N ``num_attention_heads``
 Dn ``qk_nope_head_dim``, Dr ``qk_rope_head_dim``, Dq = Dn + Dr (``qk_head_dim``),
 Dv ``v_head_dim``, C ``kv_lora_rank``, Q ``q_lora_rank``.
 
-The softmax scale is ``Dq ** -0.5``. DeepSeek-V3 multiplies it by
-``mscale**2`` only when YaRN ``rope_scaling`` extends the context; dropless
-uses plain RoPE and therefore no mscale (see :mod:`dropless.model.rope`).
+The softmax scale is ``Dq ** -0.5``, multiplied by ``mscale**2`` when YaRN
+``rope_scaling`` extends the context (``mscale = 0.1·mscale_all_dim·ln(factor) + 1``,
+as DeepSeek-V3's reference ``MLA.__init__``; see :mod:`dropless.model.rope`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ class MLA(nn.Module):
     Args:
         args: model config; reads ``hidden_size``, ``num_attention_heads``,
             ``q_lora_rank`` (0 / None: a direct ``wq``), ``kv_lora_rank``,
-            ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, ``rms_norm_eps``.
+            ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, ``rms_norm_eps``,
+            ``rope_scaling`` (the YaRN softmax-scale factor).
 
     Parameters (all ``nn.Linear`` without bias; weight shape is [out, in]):
         wq:    [N*Dq, H]                (only when q_lora_rank == 0)
@@ -73,7 +74,8 @@ class MLA(nn.Module):
                              "(0 or null: no query compression)")
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"MLA: qk_rope_head_dim={self.qk_rope_head_dim} must be even")
-        self.softmax_scale = self.qk_head_dim ** -0.5
+        yarn = args.yarn()
+        self.softmax_scale = self.qk_head_dim ** -0.5 * (yarn.softmax_mscale ** 2 if yarn else 1.0)
 
         if self.q_lora_rank == 0:
             self.wq = nn.Linear(self.dim, self.n_heads * self.qk_head_dim, bias=False)

@@ -8,23 +8,54 @@ complex number ``x[2i] + j*x[2i+1]`` that is rotated by the angle
 the convention of DeepSeek-V3's inference ``model.py`` (``view_as_complex`` on
 the last dim split into pairs).
 
-Plain RoPE only: the YaRN ``rope_scaling`` block of the published config.json
-(and the attention ``mscale`` that goes with it) is not applied; a
-``rope_scaling`` key is ignored by :meth:`dropless.config.ModelArgs.from_json`.
+YaRN (``rope_scaling`` of the published config.json; :class:`dropless.config.Yarn`):
+the frequencies are interpolated as DeepSeek-V3's reference inference code does
+(``precompute_freqs_cis`` in ``inference/model.py`` of deepseek-ai/DeepSeek-V3) and as the
+YaRN paper defines them (Peng, Quesnelle, Fan, Shippole, "YaRN: Efficient Context Window
+Extension of Large Language Models", arXiv:2309.00071, its "NTK-by-parts" interpolation with
+the ramp γ between α = beta_slow and β = beta_fast rotations):
+with s = ``factor``, L = ``original_max_position_embeddings``, and the dimension that turns
+r times over L, ``c(r) = d·ln(L / (2π r)) / (2 ln θ)``,
+
+    low  = max(floor(c(beta_fast)), 0),   high = min(ceil(c(beta_slow)), d − 1)
+    ramp_i = clamp((i − low) / (high − low), 0, 1)      (high += 0.001 if equal)
+    f'_i = f_i · (1 − ramp_i) + (f_i / s) · ramp_i,     f_i = θ^(−2i/d),  i = 0 .. d/2 − 1
+
+so the fast-rotating pairs keep their frequency and the slow ones are interpolated by s.
+The paper's attention temperature (``√(1/t) = 0.1 ln s + 1``; DeepSeek: ``0.1·m·ln s + 1``) enters as the softmax
+scale × ``mscale²`` (:attr:`dropless.config.Yarn.softmax_mscale`, in
+:class:`dropless.model.attention.MLA`), as in the reference's ``MLA.__init__``.
 
 Shape letters: S sequence positions, R = ``qk_rope_head_dim``, P = R / 2 pairs.
 The tables are real ``cos_SP`` / ``sin_SP`` tensors (no complex dtype), so they
-work under bf16 autocast, FSDP and ``torch.compile``.
+work under bf16 autocast, FSDP and ``torch.compile``. They are built by device ops
+from Python numbers (no host tensor copied to the device, no host sync).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from dropless.config import Yarn
 
-def rope_inv_freq(rope_head_dim: int, rope_theta: float, *, device=None,
+
+def yarn_correction_range(yarn: Yarn, rope_head_dim: int, rope_theta: float) -> tuple[float, float]:
+    """``(low, high)`` pair indices of the interpolation ramp (see the module docstring)."""
+    d, L = rope_head_dim, yarn.original_max_position_embeddings
+
+    def turns_dim(rotations: float) -> float:
+        return d * math.log(L / (rotations * 2 * math.pi)) / (2 * math.log(rope_theta))
+
+    low = max(math.floor(turns_dim(yarn.beta_fast)), 0)
+    high = min(math.ceil(turns_dim(yarn.beta_slow)), d - 1)
+    return float(low), float(high) + (0.001 if low == high else 0.0)
+
+
+def rope_inv_freq(rope_head_dim: int, rope_theta: float, *, yarn: Yarn | None = None, device=None,
                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Inverse frequencies ``theta^(-2i/d)``, i = 0..d/2-1 -> [P].
+    """Inverse frequencies ``theta^(-2i/d)``, i = 0..d/2-1 -> [P], YaRN-interpolated if ``yarn``.
 
     Raises:
         ValueError: ``rope_head_dim`` not positive and even, or ``rope_theta`` <= 0.
@@ -35,11 +66,16 @@ def rope_inv_freq(rope_head_dim: int, rope_theta: float, *, device=None,
     if rope_theta <= 0:
         raise ValueError(f"rope_theta={rope_theta}: must be > 0 (DeepSeek-V3 uses 10000)")
     exponent_P = torch.arange(0, rope_head_dim, 2, device=device, dtype=dtype) / rope_head_dim
-    return torch.pow(torch.tensor(float(rope_theta), device=device, dtype=dtype), -exponent_P)
+    inv_freq_P = torch.pow(float(rope_theta), -exponent_P)  # a Python base: no host tensor copied
+    if yarn is None:
+        return inv_freq_P
+    low, high = yarn_correction_range(yarn, rope_head_dim, rope_theta)
+    ramp_P = ((torch.arange(rope_head_dim // 2, device=device, dtype=dtype) - low) / (high - low)).clamp_(0, 1)
+    return inv_freq_P * (1 - ramp_P) + (inv_freq_P / yarn.factor) * ramp_P
 
 
 def rope_cos_sin(seq_len: int, rope_head_dim: int, rope_theta: float, *,
-                 max_position_embeddings: int | None = None, device=None,
+                 max_position_embeddings: int | None = None, yarn: Yarn | None = None, device=None,
                  dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotation tables for positions ``0..seq_len-1``.
 
@@ -48,6 +84,7 @@ def rope_cos_sin(seq_len: int, rope_head_dim: int, rope_theta: float, *,
         rope_head_dim: R = ``qk_rope_head_dim``.
         rope_theta: base ``rope_theta``.
         max_position_embeddings: if given, ``seq_len`` must not exceed it.
+        yarn: YaRN scaling (:meth:`dropless.config.ModelArgs.yarn`), or None for plain RoPE.
         device, dtype: where and in which precision to build the angles
             (fp32 as in DeepSeek-V3; fp64 for float64 reference runs).
 
@@ -63,7 +100,7 @@ def rope_cos_sin(seq_len: int, rope_head_dim: int, rope_theta: float, *,
         raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings="
                          f"{max_position_embeddings}; shorten the sequence or raise "
                          "max_position_embeddings")
-    inv_freq_P = rope_inv_freq(rope_head_dim, rope_theta, device=device, dtype=dtype)
+    inv_freq_P = rope_inv_freq(rope_head_dim, rope_theta, yarn=yarn, device=device, dtype=dtype)
     pos_S = torch.arange(seq_len, device=device, dtype=dtype)
     angle_SP = torch.outer(pos_S, inv_freq_P)
     return torch.cos(angle_SP), torch.sin(angle_SP)

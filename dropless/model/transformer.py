@@ -4,7 +4,8 @@
 tokens_BS ─ tok_embeddings ─ h_BSH
   for each layer i:  h += attention(attention_norm(h))
                      h += (moe if i in args.moe_layer_ids() else feed_forward)(ffn_norm(h))
-  ─ norm ─ output ─ logits_BSV (fp32)
+  ─ norm ─ output ─ logits_BSV (fp32)                     model(tokens_BS)
+                 ─ loss: mean CE + Σ MoE aux losses      model.loss(tokens_BS, targets_BS)
 ```
 
 Layers ``0 .. first_k_dense_replace-1`` are dense SwiGLU (``intermediate_size``);
@@ -19,7 +20,7 @@ Shape letters: B batch, S sequence, H ``hidden_size``, V ``vocab_size``.
 from __future__ import annotations
 
 import zlib
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -28,9 +29,23 @@ from torch.utils.checkpoint import checkpoint
 from dropless.config import ConfigError, ModelArgs
 from dropless.mlp import FeedForward
 from dropless.model.attention import MLA
+from dropless.model.loss import linear_cross_entropy
 from dropless.model.norm import RMSNorm
 from dropless.model.rope import rope_cos_sin
 from dropless.moe import MoE
+
+
+class LossOutput(NamedTuple):
+    """:meth:`Transformer.loss`: 0-dim tensors, fp32 (float64 in a float64 model).
+
+    ``loss = ce + aux`` is what to backpropagate; ``ce`` is the mean next-token
+    cross-entropy (nats per target token), ``aux`` the sum over MoE layers of their
+    sequence-wise aux losses.
+    """
+
+    loss: torch.Tensor
+    ce: torch.Tensor
+    aux: torch.Tensor
 
 
 class Block(nn.Module):
@@ -61,11 +76,19 @@ class Block(nn.Module):
             self.feed_forward = FeedForward(args.hidden_size, args.intermediate_size)
 
     def forward(self, x_BSH: torch.Tensor, rope_cos_SP: torch.Tensor,
-                rope_sin_SP: torch.Tensor) -> torch.Tensor:
-        """[B, S, H] -> [B, S, H]; ``rope_*_SP`` [S, qk_rope_head_dim/2]."""
+                rope_sin_SP: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``x_BSH`` [B, S, H] -> ``(h_BSH, aux_loss)``; ``rope_*_SP`` [S, qk_rope_head_dim/2].
+
+        ``aux_loss``: this layer's sequence-wise aux loss (fp32 0-dim, see
+        :attr:`dropless.moe.MoE.aux_loss`), None for a dense layer. It is returned rather
+        than read from the MoE layer so that it stays connected to the graph when the block
+        runs under ``torch.utils.checkpoint``.
+        """
         h_BSH = x_BSH + self.attention(self.attention_norm(x_BSH), rope_cos_SP, rope_sin_SP)
-        ffn = self.moe if self.moe_enabled else self.feed_forward
-        return h_BSH + ffn(self.ffn_norm(h_BSH))
+        if self.moe_enabled:
+            y_BSH, aux_loss = self.moe(self.ffn_norm(h_BSH), return_aux=True)
+            return h_BSH + y_BSH, aux_loss
+        return h_BSH + self.feed_forward(self.ffn_norm(h_BSH)), None
 
 
 class Transformer(nn.Module):
@@ -102,6 +125,7 @@ class Transformer(nn.Module):
             raise ConfigError("tie_word_embeddings=True: dropless builds DeepSeek-V3's untied "
                               "output head; set tie_word_embeddings to false")
         self.args = args
+        self.yarn = args.yarn()  # None: plain RoPE
         self.activation_checkpointing = bool(activation_checkpointing)
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
         moe_ids = set(args.moe_layer_ids())
@@ -115,18 +139,52 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
-        """Next-token logits.
+    def forward(self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor | None = None, *,
+                ignore_index: int = -100, loss_impl: str = "torch"):
+        """Next-token logits, or the training loss when ``targets_BS`` is given.
 
         Args:
             tokens_BS: [B, S] int64 token ids in ``[0, vocab_size)``.
+            targets_BS: None, or [B, S] int64 target ids (``ignore_index`` where no target).
+            ignore_index, loss_impl: see :meth:`loss`.
 
         Returns:
-            logits_BSV: [B, S, V] float32 (float64 if the model runs in float64).
+            without targets, ``logits_BSV``: [B, S, V] float32 (float64 if the model runs in
+            float64); with targets, :class:`LossOutput` (see :meth:`loss`).
 
         Raises:
             ValueError: ``tokens_BS`` is not 2-D, or S > ``max_position_embeddings``.
         """
+        h_BSH, aux_loss = self._hidden_states(tokens_BS)
+        if targets_BS is None:
+            logits_BSV = self.output(h_BSH)
+            return logits_BSV.to(torch.promote_types(logits_BSV.dtype, torch.float32))
+        return self._head_loss(h_BSH, aux_loss, targets_BS, ignore_index, loss_impl)
+
+    def loss(self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor, *, ignore_index: int = -100,
+             loss_impl: str = "torch") -> "LossOutput":
+        """The loss to backpropagate: mean next-token cross-entropy + Σ of the MoE layers' aux losses.
+
+        Every factor the caller puts on ``.loss`` (``1/grad_accum``, a loss scale) scales the
+        aux losses' gradients too (DESIGN.md "Router": the effective α does not depend on
+        how a step is split). Runs through ``self(...)``, so FSDP2 and other module
+        wrappers see the call.
+
+        Args:
+            tokens_BS: [B, S] int64 input ids. targets_BS: [B, S] int64 target ids.
+            ignore_index: target id that contributes no loss (the mean is over the others).
+            loss_impl: ``"torch"`` (chunked linear cross-entropy, any device) or
+                ``"liger"`` (Liger-Kernel's fused linear cross-entropy, CUDA); see
+                :mod:`dropless.model.loss`.
+
+        Returns:
+            :class:`LossOutput` ``(loss, ce, aux)``, 0-dim tensors; ``ce`` and ``aux`` are
+            the parts of ``loss`` (for logging; ``aux`` is 0 in eval mode).
+        """
+        return self(tokens_BS, targets_BS, ignore_index=ignore_index, loss_impl=loss_impl)
+
+    def _hidden_states(self, tokens_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``tokens_BS`` -> (final-norm hidden states [B, S, H], Σ aux losses fp32 0-dim)."""
         if tokens_BS.dim() != 2:
             raise ValueError(f"Transformer.forward: tokens must be [batch, seq], "
                              f"got shape {tuple(tokens_BS.shape)}")
@@ -135,17 +193,29 @@ class Transformer(nn.Module):
         rope_dtype = torch.float64 if h_BSH.dtype == torch.float64 else torch.float32
         cos_SP, sin_SP = rope_cos_sin(
             seq_len, self.args.qk_rope_head_dim, self.args.rope_theta,
-            max_position_embeddings=self.args.max_position_embeddings,
+            max_position_embeddings=self.args.max_position_embeddings, yarn=self.yarn,
             device=h_BSH.device, dtype=rope_dtype,
         )
+        aux_loss = torch.zeros((), dtype=torch.float32, device=h_BSH.device)
         recompute = self.activation_checkpointing and torch.is_grad_enabled()
         for block in self.layers.values():
             if recompute:
-                h_BSH = checkpoint(block, h_BSH, cos_SP, sin_SP, use_reentrant=False)
+                h_BSH, aux = checkpoint(block, h_BSH, cos_SP, sin_SP, use_reentrant=False)
             else:
-                h_BSH = block(h_BSH, cos_SP, sin_SP)
-        logits_BSV = self.output(self.norm(h_BSH))
-        return logits_BSV.to(torch.promote_types(logits_BSV.dtype, torch.float32))
+                h_BSH, aux = block(h_BSH, cos_SP, sin_SP)
+            if aux is not None:
+                aux_loss = aux_loss + aux
+        return self.norm(h_BSH), aux_loss
+
+    def _head_loss(self, h_BSH: torch.Tensor, aux_loss: torch.Tensor, targets_BS: torch.Tensor,
+                   ignore_index: int, loss_impl: str) -> "LossOutput":
+        """Mean cross-entropy of the output head on ``h_BSH`` (chunked: no [B, S, V] logits) + ``aux_loss``."""
+        if targets_BS.shape != h_BSH.shape[:2]:
+            raise ValueError(f"Transformer.loss: targets {tuple(targets_BS.shape)} must match the "
+                             f"tokens' [batch, seq] {tuple(h_BSH.shape[:2])}")
+        ce = linear_cross_entropy(h_BSH, self.output.weight, targets_BS, ignore_index=ignore_index,
+                                  impl=loss_impl)
+        return LossOutput(ce + aux_loss, ce, aux_loss)
 
     # ------------------------------------------------------------ parameters
     def moe_layers(self) -> list[nn.Module]:

@@ -1,6 +1,6 @@
-"""``dropless-train`` / ``python -m dropless.train``: train from Hydra overrides.
+"""dropless-train (python -m dropless.train): train from Hydra overrides.
 
-Usage::
+Usage:
 
     dropless-train [KEY=VALUE ...] [recipe=NAME] [--cfg] [--help]
 
@@ -12,8 +12,8 @@ Usage::
     torchrun --max-restarts 1 --nproc_per_node 2 -m dropless.train run_dir=runs/try
                                                      # a restart after a failure resumes by itself
 
-``--cfg`` prints the resolved config and exits. Exit status: 0 done, 1 a peer rank died or
-stopped taking part (the message names ``train.dist_timeout_s``, within which it comes), 2 bad
+--cfg prints the resolved config and exits. Exit status: 0 done, 1 a peer rank died or
+stopped taking part (the message names train.dist_timeout_s, within which it comes), 2 bad
 config or data (the message names the field), 130 stopped by Ctrl-C after saving a checkpoint.
 """
 

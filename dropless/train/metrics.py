@@ -7,8 +7,8 @@ Every record is a flat JSON object with ``step`` (optimizer steps done) and thes
 ``loss``                        training cross-entropy, nats per token, mean over the step's
                                 micro-batches and all ranks (without the aux loss)
 ``val_loss``                    validation cross-entropy (nats per token), on validation steps
-``aux_loss``                    sequence-wise aux loss summed over MoE layers (last micro-batch,
-                                mean over ranks)
+``aux_loss``                    sequence-wise aux loss summed over MoE layers, mean over the
+                                step's micro-batches and all ranks
 ``lr``                          learning rate of the step
 ``grad_norm``                   global L2 norm of the gradients before clipping
 ``tokens_per_s``                training tokens per second over all ranks (step wall time)

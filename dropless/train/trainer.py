@@ -2,8 +2,8 @@
 
 One optimizer step (:meth:`Trainer.train_step`)::
 
-    for each of grad_accum micro-batches:   loss = CE(model(x), y) / grad_accum; backward
-        (the MoE layers attach their sequence-wise aux loss to the backward themselves)
+    for each of grad_accum micro-batches:   (model.loss(x, y).loss / grad_accum).backward()
+        (loss = mean CE + Σ MoE layers' sequence-wise aux losses: 1/grad_accum scales both)
     sync gradients          non-expert: all_reduce SUM over all ranks, / world (with
                             train.shard_dense: FSDP2's reduce-scatter, averaged, instead)
                             expert, EP > 1: all_reduce SUM over dp (the ranks holding the same
@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from dropless.config import ConfigError, ModelArgs
+from dropless.model.loss import resolve_loss_impl
 from dropless.train import checkpoint as ckpt
 from dropless.train.config import model_args
 from dropless.train.data import ShardedLoader, load_tokens, val_windows
@@ -317,6 +318,8 @@ class Trainer:
                               "model.max_position_embeddings")
         self.env = env = init_distributed(cfg, self.args.n_routed_experts)
         self.main = env.is_main
+        self.loss_impl, loss_note = resolve_loss_impl(t.get("loss_impl", "auto"), env.device)
+        self.print(f"[dropless] loss: {loss_note}")
         self.run_dir = resolve_run_dir(cfg, env)
         self.tokens = load_tokens(cfg.data, self.args.vocab_size)
         self.loader = ShardedLoader(self.tokens.train, self.seq_len, self.batch, env.rank, env.world_size,
@@ -374,10 +377,10 @@ class Trainer:
             return nullcontext()
         return torch.autocast(self.env.device.type, dtype=self.autocast_dtype)
 
-    def _loss(self, x: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    def _loss(self, x: torch.Tensor, y: torch.Tensor):
+        """:meth:`Transformer.loss` of one micro-batch: ``(loss, ce, aux)``, ``loss = ce + aux``."""
         with self._autocast():
-            logits = self.model(x)
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction=reduction)
+            return self.model.loss(x, y, loss_impl=self.loss_impl)
 
     def print(self, *a: Any) -> None:
         if self.main:
@@ -399,7 +402,7 @@ class Trainer:
         total = torch.zeros(2, dtype=torch.float64, device=self.env.device)
         for x, y in self.val_batches:
             x, y = x.to(self.env.device), y.to(self.env.device)
-            total[0] += self._loss(x, y, reduction="sum").double()
+            total[0] += self._loss(x, y).ce.double() * y.numel()  # the mean over y's tokens
             total[1] += y.numel()
         if self.env.distributed:
             dist.all_reduce(total)
@@ -419,13 +422,15 @@ class Trainer:
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         loss_sum = torch.zeros((), dtype=torch.float32, device=dev)
+        aux_sum = torch.zeros((), dtype=torch.float32, device=dev)
         dropped = torch.zeros((), dtype=torch.float32, device=dev)
         for _ in range(self.accum):
             x, y = self.loader.next_batch()
             x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
-            loss = self._loss(x, y)
-            (loss / self.accum).backward()
-            loss_sum += loss.detach()
+            out = self._loss(x, y)
+            (out.loss / self.accum).backward()  # CE + aux losses: 1/accum scales both
+            loss_sum += out.ce.detach()
+            aux_sum += out.aux.detach()
             for moe in self.moe_layers:
                 d = moe.last_stats.get("rows_dropped")
                 if d is not None:
@@ -437,8 +442,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         from dropless.routing import update_router_biases
         router = update_router_biases(self.model)  # counts summed over micro-batches and all ranks
-        aux = sum(float(st.get("aux_loss", 0.0)) for st in router.values())
-        red = torch.stack([loss_sum / self.accum, torch.tensor(aux, device=dev, dtype=torch.float32), dropped])
+        red = torch.stack([loss_sum / self.accum, aux_sum / self.accum, dropped])  # means over micro-batches
         if env.distributed:
             dist.all_reduce(red)
             red[:2] /= env.world_size
