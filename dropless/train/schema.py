@@ -52,6 +52,7 @@ class TrainConfig:
     shard_dense: bool = MISSING               # FSDP2-shard the non-expert parameters over all ranks
     dtype: str = MISSING                      # auto | bf16 | fp32
     dist_timeout_s: float = MISSING           # collective timeout, seconds
+    loss_impl: str = MISSING                  # auto | torch | liger: the head + cross-entropy
 
 
 @dataclass
