@@ -10,8 +10,10 @@ tokens_BS ─ tok_embeddings ─ h_BSH
 Layers ``0 .. first_k_dense_replace-1`` are dense SwiGLU (``intermediate_size``);
 the rest (every ``moe_layer_freq``-th) hold :class:`dropless.moe.MoE`
 (DeepSeek-V3 technical report, section 2). The output head is untied from the
-embedding (``tie_word_embeddings`` false, as published). No multi-token
-prediction module.
+embedding (``tie_word_embeddings`` false, as published). With
+``num_nextn_predict_layers = D > 0`` the model also holds ``mtp``, the D multi-token-prediction
+modules of :mod:`dropless.model.mtp` (their loss: :meth:`Transformer.mtp_loss`; the forward
+does not run them).
 
 Shape letters: B batch, S sequence, H ``hidden_size``, V ``vocab_size``.
 """
@@ -28,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from dropless.config import ConfigError, ModelArgs
 from dropless.model.attention import MLA
 from dropless.model.mlp import FeedForward
+from dropless.model.mtp import MultiTokenPrediction, dense_head_loss, mtp_block_is_moe, mtp_layer_ids
 from dropless.model.norm import RMSNorm
 from dropless.model.rope import rope_cos_sin
 
@@ -41,19 +44,21 @@ class Block(nn.Module):
             ``args.moe_layer_ids()``).
         dispatcher: the MoE layer's dispatcher (None = local); ignored by a
             dense layer.
+        moe: force an MoE (True) or dense (False) FFN; None decides by
+            ``args.moe_layer_ids()`` (the MTP blocks, past ``num_hidden_layers``, pass it).
 
     Submodules: ``attention_norm``, ``attention`` (:class:`MLA`), ``ffn_norm``,
     and either ``moe`` (:class:`dropless.moe.MoE`, ``moe_enabled`` True) or
     ``feed_forward`` (:class:`FeedForward` of width ``intermediate_size``).
     """
 
-    def __init__(self, args: ModelArgs, layer_id: int, dispatcher=None) -> None:
+    def __init__(self, args: ModelArgs, layer_id: int, dispatcher=None, moe: bool | None = None) -> None:
         super().__init__()
         self.layer_id = int(layer_id)
         self.attention_norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.attention = MLA(args)
         self.ffn_norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.moe_enabled = self.layer_id in args.moe_layer_ids()
+        self.moe_enabled = self.layer_id in args.moe_layer_ids() if moe is None else bool(moe)
         if self.moe_enabled:
             # Imported here: dropless.moe imports dropless.model.mlp.
             from dropless.moe import MoE
@@ -83,7 +88,9 @@ class Transformer(nn.Module):
             may be toggled later through the attribute of the same name.
 
     Submodules: ``tok_embeddings`` [V, H], ``layers`` (``nn.ModuleDict`` keyed
-    ``"0" .. str(L-1)``), ``norm``, ``output`` (``nn.Linear(H, V)``, no bias).
+    ``"0" .. str(L-1)``), ``norm``, ``output`` (``nn.Linear(H, V)``, no bias), and
+    ``mtp`` (:class:`~dropless.model.mtp.MultiTokenPrediction`, its blocks numbered
+    ``L .. L+D-1``) or None when ``num_nextn_predict_layers`` is 0.
 
     Builds on the meta device (``with torch.device("meta"): Transformer(args)``)
     without allocating; materialise with ``to_empty(device=...)`` and then
@@ -115,6 +122,14 @@ class Transformer(nn.Module):
             self.layers[str(layer_id)] = Block(args, layer_id, dispatcher)
         self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.output = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.mtp = None
+        if args.num_nextn_predict_layers > 0:
+            blocks = []
+            for layer_id in mtp_layer_ids(args):
+                moe = mtp_block_is_moe(args, layer_id)
+                dispatcher = dispatcher_factory(layer_id) if moe and dispatcher_factory is not None else None
+                blocks.append(Block(args, layer_id, dispatcher, moe=moe))
+            self.mtp = MultiTokenPrediction(args, blocks)
 
     # ------------------------------------------------------------------ forward
     def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
@@ -149,10 +164,46 @@ class Transformer(nn.Module):
         logits_BSV = self.output(self.norm(h_BSH))
         return logits_BSV.to(torch.promote_types(logits_BSV.dtype, torch.float32))
 
+    def mtp_loss(self, h_BSH: torch.Tensor, tokens_BS: torch.Tensor, labels_BS: torch.Tensor,
+                 head_loss=None) -> torch.Tensor:
+        """The multi-token-prediction loss ``mtp_loss_weight / D · Σ_k CE_k`` to add to the
+        main loss (DeepSeek-V3 §2.2; :class:`~dropless.model.mtp.MultiTokenPrediction`).
+
+        Args:
+            h_BSH: the final hidden states of the same forward (the output of ``self.norm``,
+                the head's input), [B, S, H].
+            tokens_BS: that forward's input tokens; labels_BS: its targets (``t_{i+1}``).
+            head_loss: ``head_loss(hn_BnH, labels_Bn) -> mean CE`` of ``self.output``
+                (e.g. a fused linear cross-entropy); None: logits in fp32, then
+                :func:`torch.nn.functional.cross_entropy`.
+        Returns: 0-dim fp32 (fp64 in fp64) loss; the MTP blocks' aux losses ride on its backward.
+        Raises:
+            ValueError: the model has no MTP module (``num_nextn_predict_layers`` is 0), or
+                S <= D.
+        """
+        if self.mtp is None:
+            raise ValueError("mtp_loss: the model has no MTP module; build it with "
+                             "num_nextn_predict_layers >= 1")
+        seq_len = tokens_BS.shape[1]
+        rope_dtype = torch.float64 if h_BSH.dtype == torch.float64 else torch.float32
+        cos_SP, sin_SP = rope_cos_sin(
+            seq_len, self.args.qk_rope_head_dim, self.args.rope_theta,
+            max_position_embeddings=self.args.max_position_embeddings,
+            device=h_BSH.device, dtype=rope_dtype,
+        )
+        recompute = self.activation_checkpointing and torch.is_grad_enabled()
+        loss, _ = self.mtp(h_BSH, tokens_BS, labels_BS, self.tok_embeddings,
+                           head_loss or dense_head_loss(self.output), cos_SP, sin_SP, recompute=recompute)
+        return loss
+
     # ------------------------------------------------------------ parameters
+    def blocks(self) -> list[nn.Module]:
+        """Every decoder layer: ``layers`` in order, then the MTP blocks."""
+        return list(self.layers.values()) + (self.mtp.blocks() if self.mtp is not None else [])
+
     def moe_layers(self) -> list[nn.Module]:
-        """The :class:`dropless.moe.MoE` modules, in layer order."""
-        return [block.moe for block in self.layers.values() if block.moe_enabled]
+        """The :class:`dropless.moe.MoE` modules, in layer order (the MTP blocks' last)."""
+        return [block.moe for block in self.blocks() if block.moe_enabled]
 
     def expert_parameters(self) -> list[nn.Parameter]:
         """Parameters of the routed experts (``MoE.experts`` of every MoE layer)."""
@@ -193,7 +244,7 @@ class Transformer(nn.Module):
         seed = self.args.seed if seed is None else int(seed)
         std = self.args.initializer_range
         moe_param_ids: set[int] = set()
-        for block in self.layers.values():
+        for block in self.blocks():
             if block.moe_enabled:
                 moe_param_ids.update(id(p) for p in block.moe.parameters())
                 block.moe.init_weights(derive_seed(seed, f"layers.{block.layer_id}.moe"))
