@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from dropless.config import ConfigError, ModelArgs
+from dropless.convert import init_from
 from dropless.train import checkpoint as ckpt
 from dropless.train.config import model_args
 from dropless.train.data import ShardedLoader, load_tokens, val_windows
@@ -359,6 +360,8 @@ class Trainer:
                 self.step = int(st["step"])
                 self.loader.load_state_dict({"epoch": st["data_epoch"], "offset": st["data_offset"]})
                 self.resumed_from = self.step
+        if cfg.get("init_from") and self.resumed_from is None:  # weights only; a resumed run keeps its own
+            init_from(self.model, cfg.init_from, mesh=env.mesh if env.ep_size > 1 else None)
         self.metrics = MetricsLogger(self.run_dir, cfg.logging, OmegaConf.to_container(cfg, resolve=True),
                                      enabled=self.main, resume=bool(cfg.resume))
 
