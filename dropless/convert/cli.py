@@ -78,8 +78,9 @@ def dcp_to_hf(src: str | Path, dst: str | Path, config: str | Path | None = None
               dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 10**9,
               copy_files_from: str | Path | None = None) -> Path:
     """The ``dcp-to-hf`` command as a function. Returns ``dst``."""
+    source = DCPSource(src)  # first: a directory that is no checkpoint is the error to report
     args = read_model_args(src, config)
-    return export_hf(DCPSource(src), args, dst, dtype=dtype, max_shard_bytes=max_shard_bytes,
+    return export_hf(source, args, dst, dtype=dtype, max_shard_bytes=max_shard_bytes,
                      copy_files_from=copy_files_from)
 
 
