@@ -171,3 +171,23 @@ def test_bad_uses_raise():
     for field, value in (("num_nextn_predict_layers", -1), ("mtp_loss_weight", -0.1)):
         with pytest.raises(ConfigError, match=field):
             _args(**{field: value}).validate()
+
+
+def test_a_block_that_returns_its_aux_loss_has_it_added():
+    """Blocks that return ``(h, aux)`` (the aux loss joining the caller's loss) get it summed in."""
+    model = _model()
+    x, y = _batch()
+    _, h = _final_hidden(model, x)
+    base = model.mtp_loss(h.detach(), x, y)
+
+    class WithAux(torch.nn.Module):
+        def __init__(self, block):
+            super().__init__()
+            self.block = block
+
+        def forward(self, *a):
+            return self.block(*a), torch.tensor(0.25)
+
+    for mod in model.mtp.layers:
+        mod.block = WithAux(mod.block)
+    torch.testing.assert_close(model.mtp_loss(h.detach(), x, y), base + 0.5, rtol=0, atol=1e-6)

@@ -67,12 +67,16 @@ class MTPModule(nn.Module):
         self.head_norm = RMSNorm(H, eps=args.rms_norm_eps)
 
     def forward(self, emb_BnH: torch.Tensor, h_BnH: torch.Tensor, rope_cos_nP: torch.Tensor,
-                rope_sin_nP: torch.Tensor, recompute: bool = False) -> torch.Tensor:
-        """``hᵏ`` [B, n, H] from the embeddings of ``t_{i+k}`` and ``hᵏ⁻¹`` (both [B, n, H])."""
+                rope_sin_nP: torch.Tensor, recompute: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(hᵏ [B, n, H], aux)`` from the embeddings of ``t_{i+k}`` and ``hᵏ⁻¹`` (both
+        [B, n, H]); ``aux`` is the block's aux loss when the block returns ``(h, aux)``, else None."""
         x_BnH = self.eh_proj(torch.cat([self.enorm(emb_BnH), self.hnorm(h_BnH)], dim=-1))
         if recompute:
-            return checkpoint(self.block, x_BnH, rope_cos_nP, rope_sin_nP, use_reentrant=False)
-        return self.block(x_BnH, rope_cos_nP, rope_sin_nP)
+            out = checkpoint(self.block, x_BnH, rope_cos_nP, rope_sin_nP, use_reentrant=False)
+        else:
+            out = self.block(x_BnH, rope_cos_nP, rope_sin_nP)
+        return out if isinstance(out, tuple) else (out, None)
 
 
 HeadLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -119,7 +123,9 @@ class MultiTokenPrediction(nn.Module):
                 uses the first S - k rows).
             recompute: activation-checkpoint each depth's block.
         Returns:
-            ``(mtp_loss_weight / D · Σ_k CE_k, [CE_1 .. CE_D])``, 0-dim fp32 (fp64 in fp64).
+            ``(mtp_loss_weight / D · Σ_k CE_k + Σ_k aux_k, [CE_1 .. CE_D])``, 0-dim fp32 (fp64
+            in fp64); ``aux_k`` is block k's aux loss where the block returns one (a block that
+            returns only ``h`` attaches it to the backward itself).
         Raises:
             ValueError: S <= D (depth D would score no position), or mismatched shapes.
         """
@@ -131,14 +137,19 @@ class MultiTokenPrediction(nn.Module):
         if S <= D:
             raise ValueError(f"MTP loss: sequence length {S} leaves no position for depth {D} "
                              f"(num_nextn_predict_layers={D}); use sequences longer than {D}")
-        losses = []
+        losses, aux = [], []
         h_prev = h_BSH
         for k, module in enumerate(self.layers, start=1):
             n = S - k
-            h_prev = module(embed(tokens_BS[:, k:]), h_prev[:, :n], rope_cos_SP[:n], rope_sin_SP[:n],
-                            recompute=recompute)
+            h_prev, aux_k = module(embed(tokens_BS[:, k:]), h_prev[:, :n], rope_cos_SP[:n], rope_sin_SP[:n],
+                                   recompute=recompute)
             losses.append(head_loss(module.head_norm(h_prev), labels_BS[:, k:]))
-        return self.loss_weight / D * torch.stack(losses).sum(), losses
+            if aux_k is not None:
+                aux.append(aux_k)
+        total = self.loss_weight / D * torch.stack(losses).sum()
+        for a in aux:
+            total = total + a.to(total.dtype)
+        return total, losses
 
 
 def dense_head_loss(head: nn.Linear) -> HeadLoss:

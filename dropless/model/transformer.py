@@ -176,7 +176,8 @@ class Transformer(nn.Module):
             head_loss: ``head_loss(hn_BnH, labels_Bn) -> mean CE`` of ``self.output``
                 (e.g. a fused linear cross-entropy); None: logits in fp32, then
                 :func:`torch.nn.functional.cross_entropy`.
-        Returns: 0-dim fp32 (fp64 in fp64) loss; the MTP blocks' aux losses ride on its backward.
+        Returns: 0-dim fp32 (fp64 in fp64) loss; the MTP blocks' aux losses are in it (or
+            ride on its backward, where the MoE layer attaches them itself).
         Raises:
             ValueError: the model has no MTP module (``num_nextn_predict_layers`` is 0), or
                 S <= D.
