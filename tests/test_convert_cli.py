@@ -10,12 +10,12 @@ import torch
 
 from tests.hf_tiny import make_hf_dir, read_all
 
-from dropless.config import ModelArgs  # noqa: E402
-from dropless.convert import args_from_hf_config, read_hf_config  # noqa: E402
-from dropless.convert.cli import main, parse_size  # noqa: E402
-from dropless.train.config import compose  # noqa: E402
-from dropless.train.trainer import Trainer  # noqa: E402
-from transformers import DeepseekV3ForCausalLM  # noqa: E402
+from dropless.config import ModelArgs
+from dropless.convert import args_from_hf_config, read_hf_config
+from dropless.convert.cli import main, parse_size
+from dropless.train.config import compose
+from dropless.train.trainer import Trainer
+from transformers import DeepseekV3ForCausalLM
 
 
 def test_hf_to_dcp_to_hf_is_bitwise(tmp_path, capsys):

@@ -9,15 +9,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import pytest
 import torch
 import torch.multiprocessing as mp
 
 from tests import convert_ep_worker
 from tests.hf_tiny import make_hf_dir
 
-from dropless.convert import args_from_hf_config, load_hf, read_hf_config, save_model_dcp  # noqa: E402
-from dropless.model import Transformer  # noqa: E402
+from dropless.convert import args_from_hf_config, load_hf, read_hf_config, save_model_dcp
+from dropless.model import Transformer
 
 WORLD = convert_ep_worker.WORLD
 

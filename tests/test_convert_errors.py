@@ -10,10 +10,10 @@ import torch
 
 from tests.hf_tiny import _add_shard, make_hf_dir, read_all
 
-from dropless.config import ConfigError  # noqa: E402
-from dropless.convert import args_from_hf_config, load_hf, read_hf_config  # noqa: E402
-from dropless.convert.start import init_from  # noqa: E402
-from dropless.model import Transformer  # noqa: E402
+from dropless.config import ConfigError
+from dropless.convert import args_from_hf_config, load_hf, read_hf_config
+from dropless.convert.start import init_from
+from dropless.model import Transformer
 
 
 @pytest.fixture(scope="module")

@@ -17,12 +17,12 @@ import torch
 
 from tests.hf_tiny import hf_mtp_reference, make_hf_dir, read_all
 
-from dropless.config import ModelArgs  # noqa: E402
-from dropless.convert import (StateDictSource, args_from_hf_config, export_hf, hf_config_from_args,  # noqa: E402
+from dropless.config import ModelArgs
+from dropless.convert import (StateDictSource, args_from_hf_config, export_hf, hf_config_from_args,
                               load_hf, read_hf_config)
-from dropless.convert import hf_import  # noqa: E402
-from dropless.model import Transformer  # noqa: E402
-from transformers import DeepseekV3ForCausalLM  # noqa: E402
+from dropless.convert import hf_import
+from dropless.model import Transformer
+from transformers import DeepseekV3ForCausalLM
 
 TOL = dict(rtol=0, atol=2e-5)
 
@@ -152,10 +152,11 @@ def test_mtp_layers_import_and_match_transformers_modules(tmp_path):
     with torch.no_grad():
         model(tokens)
         cos, sin = _rope(model, 10)
-        loss, per_depth = model.mtp(captured["h"], tokens, labels, model.tok_embeddings,
+        _, per_depth = model.mtp(captured["h"], tokens, labels, model.tok_embeddings,
                                     lambda hn, y: torch.nn.functional.cross_entropy(
                                         model.output(hn).flatten(0, 1), y.reshape(-1)), cos, sin)
         total = model.mtp_loss(captured["h"], tokens, labels)
+    assert len(per_depth) == len(ref) == 2
     for got, want in zip(per_depth, ref):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     assert ref[0] > 1.0
@@ -202,3 +203,26 @@ def test_export_refuses_an_ep_slice_and_a_nonempty_target(tmp_path):
     bad = dataclasses.replace(model.args, moe_layer_freq=2)
     with pytest.raises(ConfigError, match="moe_layer_freq"):
         export_hf(model.state_dict(), bad, tmp_path / "hf2")
+
+
+def test_published_config_and_its_tensor_list():
+    """The released DeepSeek-V3 config.json: the 671B shape with its MTP layer, FP8 128×128
+    blocks, the interleaved rope layout, and 46,183 weight tensors (no scales) in the format."""
+    from dropless.convert import hf_tensors
+
+    cfg = read_hf_config(Path(__file__).parent / "data" / "deepseek_v3_config.json")
+    import warnings
+
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        args, fmt = args_from_hf_config(cfg)
+    want = ModelArgs.deepseek_v3_671b(num_nextn_predict_layers=1)
+    for f in dataclasses.fields(ModelArgs):
+        if f.name != "rope_scaling":
+            assert getattr(args, f.name) == getattr(want, f.name), f.name
+    assert fmt.fp8_block == (128, 128) and fmt.rope_interleave
+    names = hf_tensors(args)
+    moe_layer, dense_layer = 2 + 7 + 2 + 3 + 3 * 256, 2 + 7 + 3
+    assert len(names) == 3 * dense_layer + 58 * moe_layer + 3 + (moe_layer + 6)
+    assert len({t.name for t in names}) == len(names)
+    assert names[-3].name == "model.layers.61.shared_head.head.weight" and names[-3].kind == "shared"

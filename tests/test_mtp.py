@@ -58,7 +58,7 @@ def test_loss_is_the_reports_formula_in_float64():
         for k, mod in enumerate(model.mtp.layers, start=1):
             n = S - k
             e = model.tok_embeddings.weight[x[:, k:]]
-            rms = lambda v, w: v / torch.sqrt((v * v).mean(-1, keepdim=True) + 1e-6) * w  # noqa: E731
+            rms = lambda v, w: v / torch.sqrt((v * v).mean(-1, keepdim=True) + 1e-6) * w
             hp = torch.cat([rms(e, mod.enorm.weight), rms(prev[:, :n], mod.hnorm.weight)], -1) @ mod.eh_proj.weight.T
             prev = mod.block(hp, cos[:n], sin[:n])
             logits = rms(prev, mod.head_norm.weight) @ model.output.weight.T
@@ -76,7 +76,7 @@ def test_loss_is_the_reports_formula_in_float64():
 def test_depth_k_sees_tokens_up_to_i_plus_k_and_scores_i_plus_k_plus_1():
     model = _model(num_nextn_predict_layers=1).eval()
     x, y = _batch(S=12)
-    ce = lambda hn, lab: F.cross_entropy(model.output(hn).flatten(0, 1), lab.reshape(-1), reduction="none")  # noqa: E731
+    ce = lambda hn, lab: F.cross_entropy(model.output(hn).flatten(0, 1), lab.reshape(-1), reduction="none")
     cos, sin = rope_cos_sin(12, 8, model.args.rope_theta)
     with torch.no_grad():
         _, h = _final_hidden(model, x)
