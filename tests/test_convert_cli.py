@@ -79,6 +79,15 @@ def test_train_init_from_hf_then_export_the_run(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(back(tokens).logits, trained, rtol=0, atol=2e-5)
 
+    # resume=true with a checkpoint in run_dir continues the run: init_from is not applied again
+    again = Trainer(compose(base + [f"run_dir={tmp_path / 'a'}", "resume=true", "train.steps=1", f"init_from={src}"]))
+    try:
+        again.model.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(again.model(tokens), trained, rtol=0, atol=0)
+    finally:
+        again.close()
+
     # a mismatched model is refused before training, naming the fields and the overrides that fit
     from dropless.config import ConfigError
 

@@ -115,3 +115,12 @@ def test_rope_scaling_is_named_when_not_applied(hf_dir):
     else:
         with pytest.warns(UserWarning, match="RoPE scaling .*yarn.* is not applied"):
             args_from_hf_config(cfg)
+
+
+def test_a_model_parameter_the_format_does_not_map_is_an_error(hf_dir):
+    model = _model(hf_dir)
+    model.layers["0"].extra_scale = torch.nn.Parameter(torch.ones(3))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ConfigError, match=r"no tensor for the model's layers\.0\.extra_scale"):
+        load_hf(model, hf_dir)
+    assert _unchanged(model, before)

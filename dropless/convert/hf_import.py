@@ -123,6 +123,11 @@ def load_hf(model: nn.Module, path: str | Path, *, check_config: bool = True) ->
     all_tensors = hf_tensors(args)
     check_hf_tensors(ckpt, all_tensors, str(path))
     targets = _targets(model)
+    covered = {t.ours for t in all_tensors}
+    uncovered = sorted(n for n, _ in model.named_parameters() if n not in covered)
+    if uncovered:  # a parameter the format has no tensor for would keep its initial values
+        raise ConfigError(f"{path}: the Hugging Face DeepSeek-V3 format has no tensor for the model's "
+                          f"{', '.join(uncovered[:5])}; dropless.convert.names does not map it")
     wanted = local_hf_tensors(all_tensors, _expert_ranges(model))
     missing_targets = sorted({t.ours for t in wanted if t.ours not in targets})
     if missing_targets:

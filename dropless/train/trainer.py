@@ -328,6 +328,8 @@ class Trainer:
         env.barrier()
 
         self.model = build_model(self.args, cfg, env)
+        if cfg.get("init_from") and not (cfg.resume and ckpt.latest_checkpoint(self.run_dir)):  # weights only
+            init_from(self.model, cfg.init_from, mesh=env.mesh if env.ep_size > 1 else None)
         self.model.train()
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -360,8 +362,6 @@ class Trainer:
                 self.step = int(st["step"])
                 self.loader.load_state_dict({"epoch": st["data_epoch"], "offset": st["data_offset"]})
                 self.resumed_from = self.step
-        if cfg.get("init_from") and self.resumed_from is None:  # weights only; a resumed run keeps its own
-            init_from(self.model, cfg.init_from, mesh=env.mesh if env.ep_size > 1 else None)
         self.metrics = MetricsLogger(self.run_dir, cfg.logging, OmegaConf.to_container(cfg, resolve=True),
                                      enabled=self.main, resume=bool(cfg.resume))
 
