@@ -1,6 +1,7 @@
 """Import under expert parallelism (2 gloo ranks, CPU): each rank reads only its own experts'
 tensors from the Hugging Face files (counted), and gets the same weights as a one-process
-import; a DCP weights checkpoint loads the same way (``init_from`` under EP)."""
+import; a DCP weights checkpoint loads the same way (``init_from`` under EP); and the Hugging
+Face import again with the non-expert weights FSDP2-sharded (``train.shard_dense``: DTensors)."""
 
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ def test_ep_ranks_read_only_their_experts(tmp_path):
         experts_read = [n for n in res["names_read"] if ".mlp.experts." in n]
         assert len(res["names_read"]) == non_expert + 3 * e * n_moe       # its experts only, nothing twice
         assert {int(n.split(".mlp.experts.")[1].split(".")[0]) for n in experts_read} == set(range(r * e, r * e + e))
-        for src in ("hf", "dcp"):
+        assert res["hf_dtensors"] == res["dcp_dtensors"] == 0 and res["hf_sharded_dtensors"] > 10
+        for src in ("hf", "dcp", "hf_sharded"):
             for k, v in res[src].items():
                 if k.endswith((".experts.w13", ".experts.w2")):
                     assert torch.equal(v, ref[k][r * e:(r + 1) * e]), (src, k)
