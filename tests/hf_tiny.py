@@ -21,8 +21,7 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import (  # noqa: E402
-    DeepseekV3DecoderLayer, DeepseekV3RMSNorm)
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm  # noqa: E402
 
 SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
              num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1, n_routed_experts=8,

@@ -8,14 +8,12 @@ import json
 import pytest
 import torch
 
-from tests.hf_tiny import make_hf_dir, read_all
-
 from dropless.config import ModelArgs
 from dropless.convert import args_from_hf_config, read_hf_config
 from dropless.convert.cli import main, parse_size
 from dropless.train.config import compose
 from dropless.train.trainer import Trainer
-from transformers import DeepseekV3ForCausalLM
+from tests.hf_tiny import DeepseekV3ForCausalLM, make_hf_dir, read_all
 
 
 def test_hf_to_dcp_to_hf_is_bitwise(tmp_path, capsys):

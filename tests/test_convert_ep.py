@@ -13,11 +13,10 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from tests import convert_ep_worker
-from tests.hf_tiny import make_hf_dir
-
 from dropless.convert import args_from_hf_config, load_hf, read_hf_config, save_model_dcp
 from dropless.model import Transformer
+from tests import convert_ep_worker
+from tests.hf_tiny import make_hf_dir
 
 WORLD = convert_ep_worker.WORLD
 
@@ -41,7 +40,8 @@ def test_ep_ranks_read_only_their_experts(tmp_path):
     non_expert = rep.tensors_read - 3 * E * n_moe
 
     with tempfile.TemporaryDirectory() as out:
-        ctx = mp.start_processes(convert_ep_worker.worker, args=(_free_port(), out, str(hf_dir), str(dcp_dir)), nprocs=WORLD,
+        ctx = mp.start_processes(convert_ep_worker.worker, args=(_free_port(), out, str(hf_dir), str(dcp_dir)),
+                                 nprocs=WORLD,
                                  join=False, start_method="spawn")
         t0 = time.monotonic()
         try:

@@ -8,12 +8,11 @@ import json
 import pytest
 import torch
 
-from tests.hf_tiny import _add_shard, make_hf_dir, read_all
-
 from dropless.config import ConfigError
 from dropless.convert import args_from_hf_config, load_hf, read_hf_config
 from dropless.convert.start import init_from
 from dropless.model import Transformer
+from tests.hf_tiny import _add_shard, make_hf_dir, read_all
 
 
 @pytest.fixture(scope="module")

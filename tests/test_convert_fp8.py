@@ -65,10 +65,9 @@ def test_scale_grid_mismatch_is_named():
 def test_fp8_checkpoint_imports_dequantised(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from tests.hf_tiny import make_hf_dir
-
     from dropless.convert import args_from_hf_config, load_hf, read_hf_config
     from dropless.model import Transformer
+    from tests.hf_tiny import make_hf_dir
 
     make_hf_dir(tmp_path)
     cfg = read_hf_config(tmp_path)
@@ -91,7 +90,8 @@ def test_fp8_checkpoint_imports_dequantised(tmp_path):
     rep = load_hf(model, tmp_path)
     assert not any(n.endswith("_scale_inv") for n in rep.names_read)
     sd = model.state_dict()
-    torch.testing.assert_close(sd["layers.0.attention.wq_a.weight"], expected["model.layers.0.self_attn.q_a_proj.weight"],
+    torch.testing.assert_close(sd["layers.0.attention.wq_a.weight"],
+                               expected["model.layers.0.self_attn.q_a_proj.weight"],
                                rtol=0, atol=0)
     torch.testing.assert_close(sd["layers.1.moe.experts.w13"][3, :, 16:],
                                expected["model.layers.1.mlp.experts.3.up_proj.weight"].t(), rtol=0, atol=0)

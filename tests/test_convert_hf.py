@@ -15,14 +15,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.hf_tiny import hf_mtp_reference, make_hf_dir, read_all
-
 from dropless.config import ModelArgs
-from dropless.convert import (StateDictSource, args_from_hf_config, export_hf, hf_config_from_args,
-                              load_hf, read_hf_config)
-from dropless.convert import hf_import
+from dropless.convert import (
+    StateDictSource,
+    args_from_hf_config,
+    export_hf,
+    hf_config_from_args,
+    hf_import,
+    load_hf,
+    read_hf_config,
+)
 from dropless.model import Transformer
-from transformers import DeepseekV3ForCausalLM
+from tests.hf_tiny import DeepseekV3ForCausalLM, hf_mtp_reference, make_hf_dir, read_all
 
 TOL = dict(rtol=0, atol=2e-5)
 
@@ -55,9 +59,10 @@ def test_import_gives_transformers_logits(tmp_path, q_lora_rank):
     # group-limited routing is active: some token's top-k would change without the group mask
     with torch.no_grad():
         h = hf.model.embed_tokens(tokens).flatten(0, 1)
-        s = torch.sigmoid(h @ hf.model.layers[1].mlp.gate.weight.T) + hf.model.layers[1].mlp.gate.e_score_correction_bias
+        gate = hf.model.layers[1].mlp.gate
+        s = torch.sigmoid(h @ gate.weight.T) + gate.e_score_correction_bias
         free = s.topk(2, dim=-1).indices
-        _, _, grouped = hf.model.layers[1].mlp.gate(h)
+        _, _, grouped = gate(h)
     assert (free.sort(-1).values != grouped.sort(-1).values).any()
 
 

@@ -44,6 +44,10 @@ def _batch(seed=0, B=2, S=10, V=48):
     return w[:, :-1], w[:, 1:]
 
 
+def _rms(v, w):
+    return v / torch.sqrt((v * v).mean(-1, keepdim=True) + 1e-6) * w
+
+
 def test_loss_is_the_reports_formula_in_float64():
     model = _model(gemm="loop").double().eval()
     x, y = _batch()
@@ -58,10 +62,9 @@ def test_loss_is_the_reports_formula_in_float64():
         for k, mod in enumerate(model.mtp.layers, start=1):
             n = S - k
             e = model.tok_embeddings.weight[x[:, k:]]
-            rms = lambda v, w: v / torch.sqrt((v * v).mean(-1, keepdim=True) + 1e-6) * w
-            hp = torch.cat([rms(e, mod.enorm.weight), rms(prev[:, :n], mod.hnorm.weight)], -1) @ mod.eh_proj.weight.T
+            hp = torch.cat([_rms(e, mod.enorm.weight), _rms(prev[:, :n], mod.hnorm.weight)], -1) @ mod.eh_proj.weight.T
             prev = mod.block(hp, cos[:n], sin[:n])
-            logits = rms(prev, mod.head_norm.weight) @ model.output.weight.T
+            logits = _rms(prev, mod.head_norm.weight) @ model.output.weight.T
             ces.append(F.cross_entropy(logits.flatten(0, 1), y[:, k:].reshape(-1)))
         want = 0.3 / 2 * (ces[0] + ces[1])
     assert got.dtype == torch.float64 and want > 1.0
@@ -76,7 +79,10 @@ def test_loss_is_the_reports_formula_in_float64():
 def test_depth_k_sees_tokens_up_to_i_plus_k_and_scores_i_plus_k_plus_1():
     model = _model(num_nextn_predict_layers=1).eval()
     x, y = _batch(S=12)
-    ce = lambda hn, lab: F.cross_entropy(model.output(hn).flatten(0, 1), lab.reshape(-1), reduction="none")
+
+    def ce(hn, lab):
+        return F.cross_entropy(model.output(hn).flatten(0, 1), lab.reshape(-1), reduction="none")
+
     cos, sin = rope_cos_sin(12, 8, model.args.rope_theta)
     with torch.no_grad():
         _, h = _final_hidden(model, x)

@@ -33,7 +33,8 @@ def resolve_source(path: str | Path) -> tuple[str, Path]:
         ConfigError: ``path`` is none of the three kinds (the message lists them).
     """
     p = Path(path).expanduser()
-    if (p / "config.json").is_file() and (any(p.glob("*.safetensors")) or (p / "model.safetensors.index.json").is_file()):
+    has_weights = any(p.glob("*.safetensors")) or (p / "model.safetensors.index.json").is_file()
+    if (p / "config.json").is_file() and has_weights:
         return "hf", p
     if is_dcp_dir(p):
         return "dcp", p
