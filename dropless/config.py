@@ -97,6 +97,7 @@ class ModelArgs:
                                             # mscale, mscale_all_dim (see yarn())
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
+    num_nextn_predict_layers: int = 0       # D multi-token-prediction modules (V3 §2.2); 0: none
 
     # --- dropless's own MoE fields -----------------------------------------
     bias_update_speed: float = 1e-3         # γ of the aux-loss-free bias update
@@ -111,6 +112,7 @@ class ModelArgs:
     gemm: str = "torch"                     # grouped GEMM backend (dropless.ops.list_backends())
     poison_padding: bool = False            # debug: fill padding rows of every buffer with NaN
     seed: int = 0                           # weight-init seed, independent of the parallel layout
+    mtp_loss_weight: float = 0.3            # λ of the MTP loss (V3 §4.2: 0.3, later 0.1); used when D > 0
 
     # ---------------------------------------------------------------------
     @property
@@ -185,6 +187,10 @@ class ModelArgs:
         if self.qk_rope_head_dim % 2:
             bad("qk_rope_head_dim", "must be even (RoPE rotates pairs)")
         self.yarn()
+        if self.num_nextn_predict_layers < 0:
+            bad("num_nextn_predict_layers", "must be >= 0 (0: no multi-token-prediction module)")
+        if self.mtp_loss_weight < 0:
+            bad("mtp_loss_weight", "must be >= 0 (the MTP loss is added with this weight)")
         return self
 
     def yarn(self) -> Yarn | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import cmath
 import copy
+import dataclasses
 import math
 import time
 import warnings
@@ -155,10 +156,13 @@ def test_published_deepseek_v3_config_loads_and_counts_671b_37b():
     with pytest.warns(UserWarning) as record:
         args = ModelArgs.from_json(DATA / "deepseek_v3_config.json")
     message = " ".join(str(w.message) for w in record)
-    for key in ("architectures", "quantization_config", "num_nextn_predict_layers"):
+    for key in ("architectures", "quantization_config"):
         assert key in message
     assert "rope_scaling" not in message and args.rope_scaling["type"] == "yarn"  # kept and applied (test_yarn.py)
-    assert args == ModelArgs.deepseek_v3_671b()
+    assert "num_nextn_predict_layers" not in message     # read: the released model has one MTP module
+    assert args == ModelArgs.deepseek_v3_671b(num_nextn_predict_layers=1)
+    with_mtp = args
+    args = dataclasses.replace(args, num_nextn_predict_layers=0)   # the main model: 671B / 37B
 
     t0 = time.perf_counter()
     with torch.device("meta"):
@@ -187,6 +191,19 @@ def test_published_deepseek_v3_config_loads_and_counts_671b_37b():
     # "37B activated": 36.63B here; DeepSeek rounds (and leaves the 0.93B input embedding out,
     # see the V2-Lite check below), so 37B is matched to 1.1 %, not 0.5 %.
     assert abs(activated - 37e9) / 37e9 < 0.011
+
+    # The MTP module (layer 61 of the released files): enorm, hnorm, eh_proj [H, 2H], one MoE
+    # layer, head norm; it shares the embedding and the head, which the Hugging Face files store
+    # again in layer 61: "685B ... includes 671B of the Main Model weights and 14B of the MTP
+    # Module weights" (the model card).
+    with torch.device("meta"):
+        model = Transformer(with_mtp)
+    assert len(model.moe_layers()) == 59 and model.mtp.layers[0].block.layer_id == 61
+    mtp = sum(p.numel() for p in model.mtp.parameters())
+    assert mtp == 2 * H * H + 3 * H + attn + norms + E * H + expert + E * expert
+    assert count_parameters(model)[0] == total + mtp
+    assert abs(total + mtp + 2 * V * H - 685e9) / 685e9 < 0.005
+    assert abs(mtp + 2 * V * H - 14e9) / 14e9 < 0.05
 
 
 def test_deepseek_v2_lite_counts_fix_the_activated_convention():

@@ -11,8 +11,10 @@ tokens_BS ─ tok_embeddings ─ h_BSH
 Layers ``0 .. first_k_dense_replace-1`` are dense SwiGLU (``intermediate_size``);
 the rest (every ``moe_layer_freq``-th) hold :class:`dropless.moe.MoE`
 (DeepSeek-V3 technical report, section 2). The output head is untied from the
-embedding (``tie_word_embeddings`` false, as published). No multi-token
-prediction module.
+embedding (``tie_word_embeddings`` false, as published). With
+``num_nextn_predict_layers = D > 0`` the model also holds ``mtp``, the D multi-token-prediction
+modules of :mod:`dropless.model.mtp` (their loss: :meth:`Transformer.mtp_loss`; the forward
+does not run them).
 
 Shape letters: B batch, S sequence, H ``hidden_size``, V ``vocab_size``.
 """
@@ -30,6 +32,7 @@ from dropless.config import ConfigError, ModelArgs
 from dropless.mlp import FeedForward
 from dropless.model.attention import MLA
 from dropless.model.loss import linear_cross_entropy
+from dropless.model.mtp import MultiTokenPrediction, dense_head_loss, mtp_block_is_moe, mtp_layer_ids
 from dropless.model.norm import RMSNorm
 from dropless.model.rope import rope_cos_sin
 from dropless.moe import MoE
@@ -38,14 +41,17 @@ from dropless.moe import MoE
 class LossOutput(NamedTuple):
     """:meth:`Transformer.loss`: 0-dim tensors, fp32 (float64 in a float64 model).
 
-    ``loss = ce + aux`` is what to backpropagate; ``ce`` is the mean next-token
+    ``loss = ce + aux + mtp`` is what to backpropagate; ``ce`` is the mean next-token
     cross-entropy (nats per target token), ``aux`` the sum over MoE layers of their
-    sequence-wise aux losses.
+    sequence-wise aux losses, ``mtp`` the multi-token-prediction loss
+    (:meth:`Transformer.mtp_loss`, its weight included; 0 without MTP modules or when
+    ``mtp_loss_weight`` is 0).
     """
 
     loss: torch.Tensor
     ce: torch.Tensor
     aux: torch.Tensor
+    mtp: torch.Tensor | None = None
 
 
 class Block(nn.Module):
@@ -57,19 +63,21 @@ class Block(nn.Module):
             ``args.moe_layer_ids()``).
         dispatcher: the MoE layer's dispatcher (None = local); ignored by a
             dense layer.
+        moe: force an MoE (True) or dense (False) FFN; None decides by
+            ``args.moe_layer_ids()`` (the MTP blocks, past ``num_hidden_layers``, pass it).
 
     Submodules: ``attention_norm``, ``attention`` (:class:`MLA`), ``ffn_norm``,
     and either ``moe`` (:class:`dropless.moe.MoE`, ``moe_enabled`` True) or
     ``feed_forward`` (:class:`FeedForward` of width ``intermediate_size``).
     """
 
-    def __init__(self, args: ModelArgs, layer_id: int, dispatcher=None) -> None:
+    def __init__(self, args: ModelArgs, layer_id: int, dispatcher=None, moe: bool | None = None) -> None:
         super().__init__()
         self.layer_id = int(layer_id)
         self.attention_norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.attention = MLA(args)
         self.ffn_norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.moe_enabled = self.layer_id in args.moe_layer_ids()
+        self.moe_enabled = self.layer_id in args.moe_layer_ids() if moe is None else bool(moe)
         if self.moe_enabled:
             self.moe = MoE(args, self.layer_id, dispatcher)
         else:
@@ -104,7 +112,9 @@ class Transformer(nn.Module):
             may be toggled later through the attribute of the same name.
 
     Submodules: ``tok_embeddings`` [V, H], ``layers`` (``nn.ModuleDict`` keyed
-    ``"0" .. str(L-1)``), ``norm``, ``output`` (``nn.Linear(H, V)``, no bias).
+    ``"0" .. str(L-1)``), ``norm``, ``output`` (``nn.Linear(H, V)``, no bias), and
+    ``mtp`` (:class:`~dropless.model.mtp.MultiTokenPrediction`, its blocks numbered
+    ``L .. L+D-1``) or None when ``num_nextn_predict_layers`` is 0.
 
     Builds on the meta device (``with torch.device("meta"): Transformer(args)``)
     without allocating; materialise with ``to_empty(device=...)`` and then
@@ -137,6 +147,14 @@ class Transformer(nn.Module):
             self.layers[str(layer_id)] = Block(args, layer_id, dispatcher)
         self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.output = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.mtp = None
+        if args.num_nextn_predict_layers > 0:
+            blocks = []
+            for layer_id in mtp_layer_ids(args):
+                moe = mtp_block_is_moe(args, layer_id)
+                dispatcher = dispatcher_factory(layer_id) if moe and dispatcher_factory is not None else None
+                blocks.append(Block(args, layer_id, dispatcher, moe=moe))
+            self.mtp = MultiTokenPrediction(args, blocks)
 
     # ------------------------------------------------------------------ forward
     def forward(self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor | None = None, *,
@@ -159,7 +177,7 @@ class Transformer(nn.Module):
         if targets_BS is None:
             logits_BSV = self.output(h_BSH)
             return logits_BSV.to(torch.promote_types(logits_BSV.dtype, torch.float32))
-        return self._head_loss(h_BSH, aux_loss, targets_BS, ignore_index, loss_impl)
+        return self._head_loss(h_BSH, aux_loss, tokens_BS, targets_BS, ignore_index, loss_impl)
 
     def loss(self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor, *, ignore_index: int = -100,
              loss_impl: str = "torch") -> "LossOutput":
@@ -207,20 +225,66 @@ class Transformer(nn.Module):
                 aux_loss = aux_loss + aux
         return self.norm(h_BSH), aux_loss
 
-    def _head_loss(self, h_BSH: torch.Tensor, aux_loss: torch.Tensor, targets_BS: torch.Tensor,
-                   ignore_index: int, loss_impl: str) -> "LossOutput":
-        """Mean cross-entropy of the output head on ``h_BSH`` (chunked: no [B, S, V] logits) + ``aux_loss``."""
+    def _head_loss(self, h_BSH: torch.Tensor, aux_loss: torch.Tensor, tokens_BS: torch.Tensor,
+                   targets_BS: torch.Tensor, ignore_index: int, loss_impl: str) -> "LossOutput":
+        """Mean cross-entropy of the output head on ``h_BSH`` (chunked: no [B, S, V] logits)
+        + ``aux_loss`` + the MTP loss (where the model has MTP modules and a non-zero weight)."""
         if targets_BS.shape != h_BSH.shape[:2]:
             raise ValueError(f"Transformer.loss: targets {tuple(targets_BS.shape)} must match the "
                              f"tokens' [batch, seq] {tuple(h_BSH.shape[:2])}")
-        ce = linear_cross_entropy(h_BSH, self.output.weight, targets_BS, ignore_index=ignore_index,
-                                  impl=loss_impl)
-        return LossOutput(ce + aux_loss, ce, aux_loss)
+
+        def head_loss(hn, labels):
+            return linear_cross_entropy(hn, self.output.weight, labels, ignore_index=ignore_index, impl=loss_impl)
+
+        ce = head_loss(h_BSH, targets_BS)
+        loss = ce + aux_loss
+        mtp = None
+        if self.mtp is not None and self.args.mtp_loss_weight > 0:
+            mtp = self.mtp_loss(h_BSH, tokens_BS, targets_BS, head_loss=head_loss)
+            loss = loss + mtp
+        return LossOutput(loss, ce, aux_loss, mtp)
+
+    def mtp_loss(self, h_BSH: torch.Tensor, tokens_BS: torch.Tensor, labels_BS: torch.Tensor,
+                 head_loss=None) -> torch.Tensor:
+        """The multi-token-prediction loss ``mtp_loss_weight / D · Σ_k CE_k`` to add to the
+        main loss (DeepSeek-V3 §2.2; :class:`~dropless.model.mtp.MultiTokenPrediction`).
+
+        Args:
+            h_BSH: the final hidden states of the same forward (the output of ``self.norm``,
+                the head's input), [B, S, H].
+            tokens_BS: that forward's input tokens; labels_BS: its targets (``t_{i+1}``).
+            head_loss: ``head_loss(hn_BnH, labels_Bn) -> mean CE`` of ``self.output``
+                (e.g. a fused linear cross-entropy); None: logits in fp32, then
+                :func:`torch.nn.functional.cross_entropy`.
+        Returns: 0-dim fp32 (fp64 in fp64) loss; the MTP blocks' aux losses are in it (or
+            ride on its backward, where the MoE layer attaches them itself).
+        Raises:
+            ValueError: the model has no MTP module (``num_nextn_predict_layers`` is 0), or
+                S <= D.
+        """
+        if self.mtp is None:
+            raise ValueError("mtp_loss: the model has no MTP module; build it with "
+                             "num_nextn_predict_layers >= 1")
+        seq_len = tokens_BS.shape[1]
+        rope_dtype = torch.float64 if h_BSH.dtype == torch.float64 else torch.float32
+        cos_SP, sin_SP = rope_cos_sin(
+            seq_len, self.args.qk_rope_head_dim, self.args.rope_theta,
+            max_position_embeddings=self.args.max_position_embeddings, yarn=self.yarn,
+            device=h_BSH.device, dtype=rope_dtype,
+        )
+        recompute = self.activation_checkpointing and torch.is_grad_enabled()
+        loss, _ = self.mtp(h_BSH, tokens_BS, labels_BS, self.tok_embeddings,
+                           head_loss or dense_head_loss(self.output), cos_SP, sin_SP, recompute=recompute)
+        return loss
 
     # ------------------------------------------------------------ parameters
+    def blocks(self) -> list[nn.Module]:
+        """Every decoder layer: ``layers`` in order, then the MTP blocks."""
+        return list(self.layers.values()) + (self.mtp.blocks() if self.mtp is not None else [])
+
     def moe_layers(self) -> list[nn.Module]:
-        """The :class:`dropless.moe.MoE` modules, in layer order."""
-        return [block.moe for block in self.layers.values() if block.moe_enabled]
+        """The :class:`dropless.moe.MoE` modules, in layer order (the MTP blocks' last)."""
+        return [block.moe for block in self.blocks() if block.moe_enabled]
 
     def expert_parameters(self) -> list[nn.Parameter]:
         """Parameters of the routed experts (``MoE.experts`` of every MoE layer)."""
@@ -261,7 +325,7 @@ class Transformer(nn.Module):
         seed = self.args.seed if seed is None else int(seed)
         std = self.args.initializer_range
         moe_param_ids: set[int] = set()
-        for block in self.layers.values():
+        for block in self.blocks():
             if block.moe_enabled:
                 moe_param_ids.update(id(p) for p in block.moe.parameters())
                 block.moe.init_weights(derive_seed(seed, f"layers.{block.layer_id}.moe"))

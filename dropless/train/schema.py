@@ -129,6 +129,7 @@ class RunConfig:
     recipe: Optional[str] = MISSING           # the applied recipe's name
     run_dir: Optional[str] = MISSING
     resume: bool = MISSING
+    init_from: Optional[str] = MISSING        # HF directory or DCP checkpoint to start from
     seed: int = MISSING
     device: str = MISSING                     # auto | cpu | cuda
     num_threads: Optional[int] = MISSING      # CPU threads per process; null: cores / local processes

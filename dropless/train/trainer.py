@@ -47,6 +47,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dropless.config import ConfigError, ModelArgs
 from dropless.model.loss import resolve_loss_impl
+from dropless.convert import init_from
 from dropless.train import checkpoint as ckpt
 from dropless.train.config import model_args
 from dropless.train.data import ShardedLoader, load_tokens, val_windows
@@ -332,6 +333,8 @@ class Trainer:
         env.barrier()
 
         self.model = build_model(self.args, cfg, env)
+        if cfg.get("init_from") and not (cfg.resume and ckpt.latest_checkpoint(self.run_dir)):  # weights only
+            init_from(self.model, cfg.init_from, mesh=env.mesh if env.ep_size > 1 else None)
         self.model.train()
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
