@@ -37,6 +37,7 @@ STEPS = 10
 def _torchrun(run_dir: Path, extra: list[str], *, restarts: int = 0, fault: dict | None = None,
               log: Path | None = None) -> subprocess.Popen:
     env = _env()
+    env["FAULT_PID_DIR"] = str(_pid_dir(run_dir))
     env.update(fault or {})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "--max-restarts", str(restarts), "--monitor-interval", "0.2", FAULT_RANK,
@@ -46,14 +47,30 @@ def _torchrun(run_dir: Path, extra: list[str], *, restarts: int = 0, fault: dict
                             start_new_session=True)
 
 
-def _finish(p: subprocess.Popen, timeout: float) -> int | None:
-    """torchrun's exit status, or None if it had to be killed (with its workers) after ``timeout`` s."""
+def _pid_dir(run_dir: Path) -> Path:
+    d = run_dir.with_name(run_dir.name + ".pids")
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _finish(p: subprocess.Popen, timeout: float, run_dir: Path) -> int | None:
+    """torchrun's exit status, or None if it had to be killed after ``timeout`` s. Either way no
+    worker outlives the test: torchrun starts them in sessions of their own, so each worker that
+    wrote its pid (tests/fault_rank.py) and still runs is killed by that pid."""
     try:
         return p.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
         p.wait()
         return None
+    finally:
+        for f in _pid_dir(run_dir).iterdir():
+            pid = int(f.read_text())
+            try:
+                if "fault_rank.py" in Path(f"/proc/{pid}/cmdline").read_text():
+                    os.kill(pid, signal.SIGKILL)
+            except (FileNotFoundError, ProcessLookupError):
+                pass
 
 
 def _losses(run_dir: Path) -> dict[int, tuple[float, float]]:
@@ -65,7 +82,7 @@ def _losses(run_dir: Path) -> dict[int, tuple[float, float]]:
 def reference(tmp_path_factory):
     rd = tmp_path_factory.mktemp("ref") / "run"
     p = _torchrun(rd, [f"train.steps={STEPS}", "train.ckpt_every=2", "train.ckpt_keep=0"])
-    assert _finish(p, 300) == 0, rd.with_suffix(".log").read_text()[-3000:]
+    assert _finish(p, 300, rd) == 0, rd.with_suffix(".log").read_text()[-3000:]
     got = _losses(rd)
     assert sorted(got) == list(range(1, STEPS + 1))
     return got
@@ -73,11 +90,10 @@ def reference(tmp_path_factory):
 
 def test_stalled_rank_fails_the_other_within_the_timeout(tmp_path):
     timeout_s = 4
-    rd, mark, pids = tmp_path / "run", tmp_path / "stalled_at", tmp_path / "pids"
-    pids.mkdir()
+    rd, mark = tmp_path / "run", tmp_path / "stalled_at"
+    pids = _pid_dir(rd)
     p = _torchrun(rd, ["train.steps=50", "train.ckpt_every=0", f"train.dist_timeout_s={timeout_s}"],
-                  fault={"FAULT": "stall", "FAULT_STEP": "2", "FAULT_RANK": "1", "FAULT_MARK": str(mark),
-                         "FAULT_PID_DIR": str(pids)})
+                  fault={"FAULT": "stall", "FAULT_STEP": "2", "FAULT_RANK": "1", "FAULT_MARK": str(mark)})
     try:
         deadline = time.monotonic() + 240
         while not mark.exists() and time.monotonic() < deadline and p.poll() is None:
@@ -89,7 +105,7 @@ def test_stalled_rank_fails_the_other_within_the_timeout(tmp_path):
         exited = time.time()
         stalled = float(mark.read_text())
     finally:
-        _finish(p, 0.1)
+        _finish(p, 0.1, rd)
     log = rd.with_suffix(".log").read_text()
     assert "train.dist_timeout_s=4" in log and "a peer rank died or stopped taking part" in log, log[-3000:]
     assert "rank 0 of 2" in log, log[-3000:]
@@ -106,10 +122,9 @@ def _alive(pid: int) -> bool:
 
 
 def test_killed_rank_restarts_and_continues_bitwise(tmp_path, reference):
-    rd, pids = tmp_path / "run", tmp_path / "pids"
-    pids.mkdir()
-    p = _torchrun(rd, [f"train.steps={STEPS}", "train.ckpt_every=2", "train.ckpt_keep=0"], restarts=1,
-                  fault={"FAULT_PID_DIR": str(pids)})
+    rd = tmp_path / "run"
+    pids = _pid_dir(rd)
+    p = _torchrun(rd, [f"train.steps={STEPS}", "train.ckpt_every=2", "train.ckpt_keep=0"], restarts=1)
     killed_after = 5
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and p.poll() is None:
@@ -118,7 +133,7 @@ def test_killed_rank_restarts_and_continues_bitwise(tmp_path, reference):
             break
         time.sleep(0.05)
     os.kill(int((pids / "rank1.start0").read_text()), signal.SIGKILL)
-    assert _finish(p, 300) == 0, rd.with_suffix(".log").read_text()[-3000:]
+    assert _finish(p, 300, rd) == 0, rd.with_suffix(".log").read_text()[-3000:]
     log = rd.with_suffix(".log").read_text()
     assert "torchrun restart 1: resuming" in log and (pids / "rank1.start1").exists(), log[-3000:]
     assert _losses(rd) == reference
@@ -128,7 +143,7 @@ def test_rank_killed_during_a_save_never_loads_the_half_written_checkpoint(tmp_p
     rd = tmp_path / "run"
     p = _torchrun(rd, [f"train.steps={STEPS}", "train.ckpt_every=2", "train.ckpt_keep=0"], restarts=1,
                   fault={"FAULT": "kill_in_save", "FAULT_STEP": "4", "FAULT_RANK": "1"})
-    assert _finish(p, 300) == 0, rd.with_suffix(".log").read_text()[-3000:]
+    assert _finish(p, 300, rd) == 0, rd.with_suffix(".log").read_text()[-3000:]
     log = rd.with_suffix(".log").read_text()
     assert "torchrun restart 1: resuming" in log, log[-3000:]
     assert "resumed from step 2" in log, log[-3000:]   # not from the half-written step 4
