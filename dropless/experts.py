@@ -5,14 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dropless.layout import ExpertLayout, poison_padding
-from dropless.ops import get_backend, grouped_mm, use_triton
+from dropless.ops import get_backend, grouped_mm
 from dropless.ops.backward import first_order_only, grad_wanted
 from dropless.ops.grouped_gemm import WgradAccumulator, check_operands, weight_grad
-from dropless.permute import RowSource, gather_rows, gather_sum, permute_rows
+from dropless.ops.rows import gather_rows, gather_sum
+from dropless.ops.swiglu import swiglu, swiglu_bwd, swiglu_fwd
+from dropless.permute import RowSource, permute_rows
 
 
 def init_expert_weights_(w13_eHI2: torch.Tensor, w2_eIH: torch.Tensor, seed: int, layer_id: int,
@@ -42,67 +43,6 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
     return x.dtype
-
-
-def _swiglu_fwd(h13_MI2: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
-    """``silu(gate) * up`` without autograd: the live-row Triton kernel on CUDA, torch ops elsewhere."""
-    if use_triton(h13_MI2):
-        from dropless.ops import triton_kernels
-
-        return triton_kernels.swiglu_fwd(h13_MI2, layout)
-    gate, up = h13_MI2.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def _swiglu_bwd(h13_MI2: torch.Tensor, dh_MI: torch.Tensor, layout: ExpertLayout,
-                row_w: torch.Tensor | None = None) -> torch.Tensor:
-    """Gradient ``[M, 2I]`` (d gate || d up) of :func:`_swiglu_fwd`, computed in fp32 (fp64 for fp64).
-
-    With ``row_w`` (``[M]`` folded routing weights) it is the gradient of ``swiglu(h13) · row_w``
-    (the weight rounded to ``h13``'s dtype, as in the forward), scaled inside the fp32
-    computation: no scaled ``[M, I]`` copy of ``dh_MI``.
-    """
-    if use_triton(h13_MI2):
-        from dropless.ops import triton_kernels
-
-        return triton_kernels.swiglu_bwd(h13_MI2, dh_MI, layout, row_w)
-    acc = torch.promote_types(h13_MI2.dtype, torch.float32)
-    gate, up = h13_MI2.to(acc).chunk(2, dim=-1)
-    s = torch.sigmoid(gate)
-    dh = dh_MI.to(acc)
-    if row_w is not None:
-        dh = dh * row_w.to(h13_MI2.dtype).to(acc).unsqueeze(1)
-    return torch.cat([dh * up * s * (1 + gate * (1 - s)), dh * gate * s], dim=-1).to(h13_MI2.dtype)
-
-
-class _SwiGLU(torch.autograd.Function):
-    """SwiGLU that saves only its input ``h13`` (not ``silu(gate)`` as autograd of the torch ops would)."""
-
-    @staticmethod
-    def forward(ctx, h13_MI2, layout):
-        ctx.layout = layout
-        ctx.save_for_backward(h13_MI2)
-        return _swiglu_fwd(h13_MI2, layout)
-
-    @staticmethod
-    @first_order_only
-    def backward(ctx, dout_MI):
-        (h13_MI2,) = ctx.saved_tensors
-        return _swiglu_bwd(h13_MI2, dout_MI.contiguous(), ctx.layout), None
-
-
-def swiglu(h13_MI2: torch.Tensor, layout: ExpertLayout | None = None) -> torch.Tensor:
-    """``silu(gate) * up`` on ``[M, 2I]`` (gate = first ``I`` columns) -> ``[M, I]``, same dtype.
-
-    Saves only ``h13`` for backward. On CUDA with Triton only live rows are computed
-    (DESIGN.md rule 3) and padding rows of the result and of its gradient stay unwritten;
-    elsewhere every row is computed (padding rows give garbage, never read). Without a
-    ``layout`` it is the plain torch expression (any rows, autograd of the torch ops).
-    """
-    if layout is None:
-        gate, up = h13_MI2.chunk(2, dim=-1)
-        return F.silu(gate) * up
-    return _SwiGLU.apply(h13_MI2, layout)
 
 
 class _RecomputeBox:
@@ -180,7 +120,7 @@ class _FC1SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_in, w13, row_w, src_M, dest_Nk, layout, backend, recompute_fc1, box, wgrad):
         h13 = backend.gmm(_landed(x_in, src_M), w13, layout)
-        h = _weighted_(_swiglu_fwd(h13, layout), row_w)
+        h = _weighted_(swiglu_fwd(h13, layout), row_w)
         ctx.layout, ctx.backend, ctx.recompute_fc1, ctx.box, ctx.wgrad = layout, backend, recompute_fc1, box, wgrad
         ctx.has_w, ctx.gather = row_w is not None, src_M is not None
         # h13 is a non-differentiable output: without this, backward would get a materialised
@@ -210,14 +150,14 @@ class _FC1SwiGLU(torch.autograd.Function):
             box.h13 = None
         d_row_w = dw13 = dx = None
         if want_rw:
-            a = _swiglu_fwd(h13, layout)
+            a = swiglu_fwd(h13, layout)
             # bf16 products summed in fp32: no [M, I] fp32 copies of dh and a (3 × M·I·4 bytes)
             d_row_w = torch.sum(dh_MI * a, dim=-1, dtype=torch.promote_types(a.dtype, torch.float32)).to(row_w.dtype)
             del a
         x, box.rows = box.rows, None
         if not (want_x or want_w13):
             return None, None, d_row_w, None, None, None, None, None, None, None
-        dh13 = _swiglu_bwd(h13, dh_MI.contiguous(), layout, row_w if ctx.has_w else None)
+        dh13 = swiglu_bwd(h13, dh_MI.contiguous(), layout, row_w if ctx.has_w else None)
         del h13
         if want_w13:
             # the rows only now, after h13 is freed: they never sit beside h13, dh and dh13 at once
@@ -264,7 +204,7 @@ class _FC2Recompute(torch.autograd.Function):
             h13 = _rebuild_h13(box, x_in, w13, src_M if ctx.gather else None, layout, be)
         dw2 = dh = None
         if want_w2:
-            h = _weighted_(_swiglu_fwd(h13, layout), row_w if ctx.has_w else None)
+            h = _weighted_(swiglu_fwd(h13, layout), row_w if ctx.has_w else None)
             dw2 = weight_grad(h, dy_MH, layout, be, w2.dtype, (ctx.wgrad, "w2") if ctx.wgrad is not None else None)
             del h
         del h13
