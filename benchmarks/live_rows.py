@@ -12,7 +12,8 @@ measured in the same run). Shapes:
   into the buffer), ``permute_bwd`` (sum of the k row gradients), ``combine`` (weighted fp32
   sum), ``combine_bwd`` (row gradients + weight gradients).
 
-``--old DIR``: also time a checkout's ``dropless/ops/triton_kernels.py`` (the kernels before
+``--sweep``: also time launch variants (:class:`dropless.ops.swiglu.LaunchConfig`, the row
+kernels' block sizes). ``--old DIR``: also time a checkout's ``dropless/ops/triton_kernels.py`` (the kernels before
 this file existed) at the same shapes. Needs CUDA and triton; no hydra/wandb.
 
 Usage: ``python benchmarks/live_rows.py [--old DIR] [--no-compile] [--sweep]``.
@@ -61,6 +62,13 @@ def layout_for(counts, A, M):
     return ExpertLayout.from_counts(torch.tensor(counts, device="cuda"), A, capacity=M)
 
 
+# (schedule, block_m, block_n, num_warps, programs_per_sm) variants timed with --sweep
+_FWD = [("flat", 4, 1024, 4, 4), ("flat", 4, 1024, 4, 16), ("flat", 4, 1024, 4, 32), ("flat", 2, 1024, 4, 16),
+        ("flat", 1, 2048, 8, 16), ("flat", 8, 1024, 8, 8), ("flat", 4, 2048, 8, 8), ("flat", 2, 2048, 4, 16),
+        ("flat", 8, 512, 4, 8), ("expert", 4, 1024, 4, 4), ("expert", 4, 1024, 4, 16)]
+SWEEP = {"swiglu_fwd": _FWD, "swiglu_bwd": _FWD[:6], "swiglu_quant": _FWD[:6]}
+
+
 def swiglu_suite(tag, M, I, layouts, copy, old, compile_, sweep):
     from dropless.ops import swiglu as sw
 
@@ -93,9 +101,13 @@ def swiglu_suite(tag, M, I, layouts, copy, old, compile_, sweep):
                  live * per_row["swiglu_bwd"])
             line("schedule", f"old:tiles:{name}", live, timeit(lambda: olay.tiles(64)), 1)
         if sweep:
-            for p in (8, 17, 33, 66, 132, 264):
-                line("swiglu_fwd", f"new:{name}:P={p}", live, timeit(lambda: sw.swiglu_fwd(h13, lay, programs=p)),
-                     live * per_row["swiglu_fwd"])
+            for op, cfgs in SWEEP.items():
+                for c in cfgs:
+                    cfg = sw.LaunchConfig(*c)
+                    fn = {"swiglu_fwd": lambda: sw.swiglu_fwd(h13, lay, config=cfg),
+                          "swiglu_bwd": lambda: sw.swiglu_bwd(h13, dout, lay, config=cfg),
+                          "swiglu_quant": lambda: sw.swiglu_quant(h13, lay, config=cfg)}[op]
+                    line(op, f"new:{name}:" + ",".join(map(str, c)), live, timeit(fn), live * per_row[op])
     line("swiglu_fwd", "new:dense", M, timeit(lambda: sw.swiglu_fwd(h13)), M * per_row["swiglu_fwd"])
     line("swiglu_bwd", "new:dense", M, timeit(lambda: sw.swiglu_bwd(h13, dout)), M * per_row["swiglu_bwd"])
     line("swiglu_bwd", "new:dense+row_w", M, timeit(lambda: sw.swiglu_bwd(h13, dout, None, rw)),
@@ -110,9 +122,10 @@ def swiglu_suite(tag, M, I, layouts, copy, old, compile_, sweep):
         line("swiglu_quant", "torch.compile:dense", M, timeit(lambda: q(h13)), M * per_row["swiglu_quant"])
 
 
-def rows_suite(tag, counts, A, T, k, H, copy, old, compile_):
+def rows_suite(tag, counts, A, T, k, H, copy, old, compile_, sweep):
     from dropless.ops import rows as rw
 
+    saved, saved_g = (rw.COMBINE_BWD_BLOCK_H, rw.COMBINE_BWD_WARPS), (rw.BLOCK_H, rw.NUM_WARPS)
     torch.manual_seed(0)
     dt = torch.bfloat16
     lay = layout_for(counts, A, sum(counts) + (len(counts) - 1) * (A - 1))
@@ -144,6 +157,18 @@ def rows_suite(tag, counts, A, T, k, H, copy, old, compile_):
         line("permute_bwd", "old", timeit(lambda: ok.gather_sum(y, dest, None)), (T + R) * H * e)
         line("combine", "old", timeit(lambda: ok.gather_sum(y, dest, w)), (T + R) * H * e)
         line("combine_bwd", "old", timeit(lambda: ok.combine_bwd(g, y, dest, w, M, True)), (T + 2 * R) * H * e)
+    if sweep:
+        for bh, nw in ((256, 4), (512, 4), (1024, 4), (1024, 8), (2048, 8)):
+            rw.COMBINE_BWD_BLOCK_H, rw.COMBINE_BWD_WARPS = bh, nw
+            line("combine_bwd", f"new:BLOCK_H={bh},warps={nw}", timeit(lambda: rw.combine_bwd(g, y, dest, w, M, True)),
+                 (T + 2 * R) * H * e)
+        rw.COMBINE_BWD_BLOCK_H, rw.COMBINE_BWD_WARPS = saved
+        for bh, nw in ((512, 4), (1024, 8), (2048, 8)):
+            rw.BLOCK_H, rw.NUM_WARPS = bh, nw
+            line("permute", f"new:scatter:BLOCK_H={bh},warps={nw}", timeit(lambda: rw.scatter_rows(x, dest, M)),
+                 (T + R) * H * e)
+            line("combine", f"new:BLOCK_H={bh},warps={nw}", timeit(lambda: rw.gather_sum(y, dest, w)), (T + R) * H * e)
+        rw.BLOCK_H, rw.NUM_WARPS = saved_g
     if compile_:
         c = torch.compile(lambda y_, d, w_: (y_[d].float() * w_.unsqueeze(-1)).sum(1).to(y_.dtype))
         line("combine", "torch.compile", timeit(lambda: c(y, dest, w)), (T + R) * H * e)
@@ -153,7 +178,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--old", default=None, help="a checkout whose dropless/ops/triton_kernels.py to time too")
     p.add_argument("--no-compile", action="store_true")
-    p.add_argument("--sweep", action="store_true", help="also sweep P, the programs per expert")
+    p.add_argument("--sweep", action="store_true", help="also time launch variants")
     p.add_argument("--only", choices=["seed", "rank", "rows"], default=None)
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -177,7 +202,7 @@ def main(argv=None) -> int:
         lay = layout_for(counts, 128, sum(counts) + 3 * 127)
         swiglu_suite("rank_activation", lay.capacity, 2048, {"rank": lay}, copy, old, compile_, False)
     if a.only in (None, "rows", "rank"):
-        rows_suite("rank_rows", counts, 128, 8192, 8, 7168, copy, old, compile_)
+        rows_suite("rank_rows", counts, 128, 8192, 8, 7168, copy, old, compile_, a.sweep)
     return 0
 
 

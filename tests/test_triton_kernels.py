@@ -170,9 +170,12 @@ SENTINEL = -12345.0  # exactly representable in bf16 and fp32: a padding row tha
 
 @pytest.mark.parametrize("counts,A,M", [([96, 0, 129, 1], 128, 600), ([0, 0, 0], 8, 64), ([300, 0, 0], 1, 320),
                                         ([33] * 9, 16, 9 * 48)])
-@pytest.mark.parametrize("programs", [None, 1, 3])
-def test_swiglu_grid_stride_covers_live_rows_and_never_writes_padding(counts, A, M, programs):
-    """Every live row is computed whatever P is (a grid-stride loop), and no padding row of any output is written."""
+@pytest.mark.parametrize("config", [None, sw.LaunchConfig(programs_per_sm=1, block_m=2),
+                                    sw.LaunchConfig(schedule="expert"),
+                                    sw.LaunchConfig(schedule="expert", programs_per_sm=1, block_n=64)])
+def test_swiglu_grid_stride_covers_live_rows_and_never_writes_padding(counts, A, M, config):
+    """Every live row is computed whatever the grid is (a grid-stride loop; both schedules), and no padding
+    row of any output is written."""
     torch.manual_seed(2)
     lay = ExpertLayout.from_counts(torch.tensor(counts, device=DEV), A, capacity=M)
     I = 136  # not a multiple of the column block: the masked column tail
@@ -183,8 +186,8 @@ def test_swiglu_grid_stride_covers_live_rows_and_never_writes_padding(counts, A,
     dout[~live] = float("nan")
     out = torch.full((M, I), SENTINEL, device=DEV, dtype=DT)
     dh = torch.full((M, 2 * I), SENTINEL, device=DEV, dtype=DT)
-    sw.swiglu_fwd(h13, lay, out=out, programs=programs)
-    sw.swiglu_bwd(h13, dout, lay, out=dh, programs=programs)
+    sw.swiglu_fwd(h13, lay, out=out, config=config)
+    sw.swiglu_bwd(h13, dout, lay, out=dh, config=config)
     assert (out[~live] == SENTINEL).all() and (dh[~live] == SENTINEL).all()
     if live.any():
         ref = sw.swiglu_fwd_torch(h13.double())
@@ -225,6 +228,8 @@ def test_swiglu_quant_kernel(ue8m0):
     q = torch.full((M, I), 0x7E, dtype=torch.uint8, device=DEV).view(torch.float8_e4m3fn)  # a byte sentinel
     scale = torch.full((I // 128, M), SENTINEL, device=DEV).t()
     sw.swiglu_quant(h13, lay, ue8m0, out=(q, scale))
+    q2, s2 = sw.swiglu_quant(h13, lay, ue8m0, config=sw.LaunchConfig(schedule="expert", block_n=128, block_m=8))
+    assert torch.equal(q2.view(torch.uint8)[live], q.view(torch.uint8)[live]) and torch.equal(s2[live], scale[live])
     assert (q.view(torch.uint8)[~live] == 0x7E).all() and (scale[~live] == SENTINEL).all()
     a = sw.swiglu_fwd_torch(h13.float())  # fp32 SwiGLU
     _, sref = sw.quant_fp8_torch(a, ue8m0)

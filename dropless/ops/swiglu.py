@@ -10,11 +10,11 @@ Ops (each picks its Triton kernel or its torch reference in one place, :func:`dr
   blockwise FP8 GEMMs), ``scale = amax / 448`` or its power-of-two ceiling (``ue8m0``).
 * :func:`swiglu` — the autograd op over :func:`swiglu_fwd` / :func:`swiglu_bwd` saving only ``h13``.
 
-The live-row contract (DESIGN.md rule 3, seed 000 §2-3): with a layout, the Triton kernels
-run on a grid of ``(P, e)`` programs; program ``(p, i)`` reads ``start[i]``/``end[i]`` on the
-device and walks rows ``start[i] + p·BM, start[i] + (p + P)·BM, …`` below ``end[i]`` (a
-grid-stride loop), so the work is bounded by live rows and padding rows of every output stay
-unwritten; there is no schedule computed beforehand and no host sync. Without a layout
+The live-row contract (DESIGN.md rule 3, seed 000 §2-3): with a layout, each program of the
+Triton kernel reads ``start``/``end`` on the device and walks live row blocks only in a
+grid-stride loop (:class:`LaunchConfig` says how the blocks are dealt out), so the work is
+bounded by live rows and padding rows of every output stay unwritten; there is no schedule
+computed by other kernels beforehand and no host sync. Without a layout
 (``layout=None``) every one of the ``M`` rows is computed (the dense path). Each row is read
 in 16-byte vectors (the column blocks are multiples of 8 elements; ``I`` must be a multiple
 of 8 for the kernels, of 128 for the quantisation). The torch references compute every row
@@ -26,6 +26,8 @@ in the input's dtype; ``silu(g) = g·sigmoid(g)``, ``d silu(g)/dg = s·(1 + g·(
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -36,28 +38,23 @@ from dropless.ops.backward import first_order_only
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 QUANT_GROUP = 128  # columns per scale (1×128)
 
+OP_FWD, OP_BWD, OP_QUANT = 0, 1, 2
+
 if select.HAS_TRITON:
     import triton
     import triton.language as tl
 
     @triton.jit
-    def _row_range(start_ptr, end_ptr, M, HAS_LAYOUT: tl.constexpr):
-        """``[lo, hi)``: expert ``program_id(1)``'s live rows (clamped to ``M``), or all ``M`` rows."""
-        if HAS_LAYOUT:
-            ex = tl.program_id(1)
-            lo = tl.load(start_ptr + ex)
-            hi = tl.minimum(tl.load(end_ptr + ex), M)
-        else:
-            lo = M * 0
-            hi = M
-        return lo, hi
-
-    @triton.jit
-    def _fwd_rows(h_ptr, out_ptr, r0, hi, I, stride_h, stride_o, EVEN_N: tl.constexpr, NUM_NB: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _rows(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, r0, hi, I, stride_h, stride_do, stride_o, stride_s,
+              OP: tl.constexpr, HAS_W: tl.constexpr, UE8M0: tl.constexpr, EVEN_N: tl.constexpr,
+              NUM_NB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+        """Rows ``[r0, min(r0 + BLOCK_M, hi))``, all ``I`` columns, ``BLOCK_N`` at a time."""
         rows = r0 + tl.arange(0, BLOCK_M)
         rmask = rows < hi
         r64 = rows.to(tl.int64)[:, None]
+        if OP == 1:
+            if HAS_W:  # folded routing weight: d(out) = d(out · w) · w, w as the forward rounded it
+                w = tl.load(w_ptr + rows, mask=rmask, other=0.0).to(h_ptr.dtype.element_ty).to(tl.float32)
         for nb in tl.static_range(NUM_NB):
             cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
             if EVEN_N:
@@ -67,112 +64,118 @@ if select.HAS_TRITON:
             hp = h_ptr + r64 * stride_h + cols[None, :]
             g = tl.load(hp, mask=mask, other=0.0).to(tl.float32)
             u = tl.load(hp + I, mask=mask, other=0.0).to(tl.float32)
-            a = g * tl.sigmoid(g) * u
-            tl.store(out_ptr + r64 * stride_o + cols[None, :], a.to(out_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _swiglu_fwd_kernel(h_ptr, out_ptr, start_ptr, end_ptr, M, I, stride_h, stride_o,
-                           HAS_LAYOUT: tl.constexpr, EVEN_N: tl.constexpr, NUM_NB: tl.constexpr,
-                           INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        lo, hi = _row_range(start_ptr, end_ptr, M, HAS_LAYOUT)
-        step = tl.num_programs(0) * BLOCK_M
-        r0 = lo + tl.program_id(0) * BLOCK_M
-        if INTERPRET:  # the interpreter's scalars are 1-element arrays, which range() rejects
-            while r0 < hi:
-                _fwd_rows(h_ptr, out_ptr, r0, hi, I, stride_h, stride_o, EVEN_N, NUM_NB, BLOCK_M, BLOCK_N)
-                r0 += step
-        else:
-            for r in range(r0, hi, step):
-                _fwd_rows(h_ptr, out_ptr, r, hi, I, stride_h, stride_o, EVEN_N, NUM_NB, BLOCK_M, BLOCK_N)
-
-    @triton.jit
-    def _bwd_rows(h_ptr, do_ptr, w_ptr, dh_ptr, r0, hi, I, stride_h, stride_do, stride_dh, HAS_W: tl.constexpr,
-                  EVEN_N: tl.constexpr, NUM_NB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        rows = r0 + tl.arange(0, BLOCK_M)
-        rmask = rows < hi
-        r64 = rows.to(tl.int64)[:, None]
-        if HAS_W:  # folded routing weight: d(out) = d(out · w) · w, w as the forward rounded it
-            w = tl.load(w_ptr + rows, mask=rmask, other=0.0).to(h_ptr.dtype.element_ty).to(tl.float32)
-        for nb in tl.static_range(NUM_NB):
-            cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-            if EVEN_N:
-                mask = rmask[:, None]
-            else:
-                mask = rmask[:, None] & (cols[None, :] < I)
-            hp = h_ptr + r64 * stride_h + cols[None, :]
-            g = tl.load(hp, mask=mask, other=0.0).to(tl.float32)
-            u = tl.load(hp + I, mask=mask, other=0.0).to(tl.float32)
-            do = tl.load(do_ptr + r64 * stride_do + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            if HAS_W:
-                do = do * w[:, None]
             s = tl.sigmoid(g)
-            dg = do * u * s * (1.0 + g * (1.0 - s))
-            du = do * g * s
-            dp = dh_ptr + r64 * stride_dh + cols[None, :]
-            tl.store(dp, dg.to(dh_ptr.dtype.element_ty), mask=mask)
-            tl.store(dp + I, du.to(dh_ptr.dtype.element_ty), mask=mask)
+            if OP == 0:
+                tl.store(out_ptr + r64 * stride_o + cols[None, :], (g * s * u).to(out_ptr.dtype.element_ty),
+                         mask=mask)
+            elif OP == 1:
+                do = tl.load(do_ptr + r64 * stride_do + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                if HAS_W:
+                    do = do * w[:, None]
+                op = out_ptr + r64 * stride_o + cols[None, :]
+                tl.store(op, (do * u * s * (1.0 + g * (1.0 - s))).to(out_ptr.dtype.element_ty), mask=mask)
+                tl.store(op + I, (do * g * s).to(out_ptr.dtype.element_ty), mask=mask)
+            else:  # 1x128 e4m3: one scale per row per GROUP columns
+                a = tl.reshape(g * s * u, (BLOCK_M, BLOCK_N // GROUP, GROUP))
+                amax = tl.maximum(tl.max(tl.abs(a), axis=2), 1e-10)
+                scale = amax / 448.0
+                if UE8M0:
+                    scale = tl.exp2(tl.ceil(tl.log2(scale)))
+                q = tl.reshape(tl.clamp(a / scale[:, :, None], -448.0, 448.0), (BLOCK_M, BLOCK_N))
+                tl.store(out_ptr + r64 * stride_o + cols[None, :],
+                         q.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+                grp = nb * (BLOCK_N // GROUP) + tl.arange(0, BLOCK_N // GROUP)
+                tl.store(s_ptr + grp[None, :] * stride_s + rows[:, None], scale,
+                         mask=rmask[:, None] & (grp[None, :] * GROUP < I))
 
     @triton.jit
-    def _swiglu_bwd_kernel(h_ptr, do_ptr, w_ptr, dh_ptr, start_ptr, end_ptr, M, I, stride_h, stride_do,
-                           stride_dh, HAS_LAYOUT: tl.constexpr, HAS_W: tl.constexpr, EVEN_N: tl.constexpr,
-                           NUM_NB: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr):
-        lo, hi = _row_range(start_ptr, end_ptr, M, HAS_LAYOUT)
-        step = tl.num_programs(0) * BLOCK_M
-        r0 = lo + tl.program_id(0) * BLOCK_M
-        if INTERPRET:
-            while r0 < hi:
-                _bwd_rows(h_ptr, do_ptr, w_ptr, dh_ptr, r0, hi, I, stride_h, stride_do, stride_dh, HAS_W, EVEN_N,
-                          NUM_NB, BLOCK_M, BLOCK_N)
-                r0 += step
+    def _flat_block(b, ar, nb_v, cum_v, start_v, end_v):
+        """Row block ``b`` of the flat schedule: ``(first row, end of its expert)``."""
+        ex = tl.sum((cum_v <= b).to(tl.int32), 0)  # the expert whose blocks include b
+        sel = ar == ex
+        first = tl.sum(tl.where(sel, cum_v - nb_v, 0), 0)
+        lo = tl.sum(tl.where(sel, start_v, 0), 0)
+        hi = tl.sum(tl.where(sel, end_v, 0), 0)
+        return lo, first, hi
+
+    @triton.jit
+    def _swiglu_kernel(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, start_ptr, end_ptr, M, E, I, stride_h, stride_do,
+                       stride_o, stride_s, OP: tl.constexpr, HAS_LAYOUT: tl.constexpr, FLAT: tl.constexpr,
+                       HAS_W: tl.constexpr, UE8M0: tl.constexpr, EVEN_N: tl.constexpr, NUM_NB: tl.constexpr,
+                       EP: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       GROUP: tl.constexpr):
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        if FLAT:
+            # every program reads the e end points and numbers the live row blocks itself:
+            # blocks of expert i are cum[i] - nb[i] … cum[i] - 1; program p takes p, p + G, …
+            ar = tl.arange(0, EP)
+            em = ar < E
+            if HAS_LAYOUT:
+                start_v = tl.load(start_ptr + ar, mask=em, other=0)
+                end_v = tl.minimum(tl.load(end_ptr + ar, mask=em, other=0), M)
+            else:
+                start_v = tl.where(ar == 0, 0, M)
+                end_v = tl.where(ar == 0, M, M)
+            nb_v = tl.where(em, (tl.maximum(end_v - start_v, 0) + BLOCK_M - 1) // BLOCK_M, 0)
+            cum_v = tl.cumsum(nb_v, 0)
+            total = tl.sum(nb_v, 0)
+            if INTERPRET:  # the interpreter's scalars are 1-element arrays, which range() rejects
+                b = pid
+                while b < total:
+                    lo, first, hi = _flat_block(b, ar, nb_v, cum_v, start_v, end_v)
+                    _rows(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, lo + (b - first) * BLOCK_M, hi, I, stride_h,
+                          stride_do, stride_o, stride_s, OP, HAS_W, UE8M0, EVEN_N, NUM_NB, BLOCK_M, BLOCK_N, GROUP)
+                    b += nprog
+            else:
+                for b in range(pid, total, nprog):
+                    lo, first, hi = _flat_block(b, ar, nb_v, cum_v, start_v, end_v)
+                    _rows(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, lo + (b - first) * BLOCK_M, hi, I, stride_h,
+                          stride_do, stride_o, stride_s, OP, HAS_W, UE8M0, EVEN_N, NUM_NB, BLOCK_M, BLOCK_N, GROUP)
         else:
-            for r in range(r0, hi, step):
-                _bwd_rows(h_ptr, do_ptr, w_ptr, dh_ptr, r, hi, I, stride_h, stride_do, stride_dh, HAS_W, EVEN_N,
-                          NUM_NB, BLOCK_M, BLOCK_N)
+            # program (p, i): expert i's rows start[i] + p·BLOCK_M, start[i] + (p + P)·BLOCK_M, … below end[i]
+            if HAS_LAYOUT:
+                ex = tl.program_id(1)
+                lo = tl.load(start_ptr + ex)
+                hi = tl.minimum(tl.load(end_ptr + ex), M)
+            else:
+                lo = M * 0
+                hi = M
+            r0 = lo + pid * BLOCK_M
+            if INTERPRET:
+                while r0 < hi:
+                    _rows(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, r0, hi, I, stride_h, stride_do, stride_o, stride_s,
+                          OP, HAS_W, UE8M0, EVEN_N, NUM_NB, BLOCK_M, BLOCK_N, GROUP)
+                    r0 += nprog * BLOCK_M
+            else:
+                for r in range(r0, hi, nprog * BLOCK_M):
+                    _rows(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, r, hi, I, stride_h, stride_do, stride_o, stride_s,
+                          OP, HAS_W, UE8M0, EVEN_N, NUM_NB, BLOCK_M, BLOCK_N, GROUP)
 
-    @triton.jit
-    def _quant_rows(h_ptr, q_ptr, s_ptr, r0, hi, I, stride_h, stride_q, stride_s, UE8M0: tl.constexpr,
-                    NUM_G: tl.constexpr, BLOCK_M: tl.constexpr, GROUP: tl.constexpr):
-        rows = r0 + tl.arange(0, BLOCK_M)
-        rmask = rows < hi
-        r64 = rows.to(tl.int64)[:, None]
-        for gi in tl.static_range(NUM_G):
-            cols = gi * GROUP + tl.arange(0, GROUP)
-            mask = rmask[:, None]
-            hp = h_ptr + r64 * stride_h + cols[None, :]
-            g = tl.load(hp, mask=mask, other=0.0).to(tl.float32)
-            u = tl.load(hp + I, mask=mask, other=0.0).to(tl.float32)
-            a = g * tl.sigmoid(g) * u
-            amax = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-10)
-            scale = amax / 448.0
-            if UE8M0:
-                scale = tl.exp2(tl.ceil(tl.log2(scale)))
-            q = tl.clamp(a / scale[:, None], -448.0, 448.0)
-            tl.store(q_ptr + r64 * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
-            tl.store(s_ptr + gi * stride_s + rows, scale, mask=rmask)
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How the SwiGLU kernels are launched (the defaults are the measured best on an H200).
 
-    @triton.jit
-    def _swiglu_quant_kernel(h_ptr, q_ptr, s_ptr, start_ptr, end_ptr, M, I, stride_h, stride_q, stride_s,
-                             HAS_LAYOUT: tl.constexpr, UE8M0: tl.constexpr, NUM_G: tl.constexpr,
-                             INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, GROUP: tl.constexpr):
-        lo, hi = _row_range(start_ptr, end_ptr, M, HAS_LAYOUT)
-        step = tl.num_programs(0) * BLOCK_M
-        r0 = lo + tl.program_id(0) * BLOCK_M
-        if INTERPRET:
-            while r0 < hi:
-                _quant_rows(h_ptr, q_ptr, s_ptr, r0, hi, I, stride_h, stride_q, stride_s, UE8M0, NUM_G, BLOCK_M,
-                            GROUP)
-                r0 += step
-        else:
-            for r in range(r0, hi, step):
-                _quant_rows(h_ptr, q_ptr, s_ptr, r, hi, I, stride_h, stride_q, stride_s, UE8M0, NUM_G, BLOCK_M,
-                            GROUP)
+    Attributes:
+        schedule: ``"flat"``: a 1-D grid of ``G`` programs; each reads the ``e`` end points,
+            numbers the live row blocks of all experts itself (``cumsum`` in registers) and
+            takes blocks ``p, p + G, …``, so any split of the rows over the experts (one expert
+            holding every row included) spreads over the whole GPU. ``"expert"``: a ``(P, e)``
+            grid; program ``(p, i)`` walks expert ``i``'s rows from ``start[i] + p·block_m`` in
+            steps of ``P·block_m`` (``program_id(1)`` picks the expert, as in seed 000).
+        block_m: rows per step. block_n: columns per step (a power of two; a multiple of 128
+            for the quantisation). num_warps: warps per program.
+        programs_per_sm: ``G`` (flat) or ``P·e`` (expert) is about this many programs per SM.
+    """
 
-# Launch shape: BLOCK_M rows × BLOCK_N columns per step (4 warps: 8 bf16 = 16 bytes per thread
-# per load at BLOCK_N = 1024), and P programs per expert.
-BLOCK_M, BLOCK_N, NUM_WARPS = 4, 1024, 4
-QUANT_BLOCK_M = 16
-PROGRAMS_PER_SM = 4  # resident programs per SM the grid aims at
+    schedule: str = "flat"
+    block_m: int = 4
+    block_n: int = 1024
+    num_warps: int = 4
+    programs_per_sm: int = 8
+
+
+DEFAULT_CONFIG = LaunchConfig()
 
 
 def _num_sms(device: torch.device) -> int:
@@ -181,18 +184,36 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def programs_per_expert(layout: ExpertLayout, device: torch.device, block_m: int,
-                        per_sm: int = PROGRAMS_PER_SM) -> int:
-    """``P``: programs per local expert in the ``(P, e)`` grid.
-
-    ``P·e`` is about ``per_sm`` programs per SM, but ``P`` is at least ``per_sm·SMs/8`` so
-    that a skewed layout (one expert holding every row) still spreads over an eighth of the
-    GPU; never more than the buffer's row blocks.
-    """
+def _grid(layout: ExpertLayout | None, m: int, cfg: LaunchConfig, device: torch.device) -> tuple[int, int]:
     sms = _num_sms(device)
-    blocks = max(1, -(-layout.capacity // block_m))
+    blocks = max(1, -(-m // cfg.block_m))
+    if layout is None or cfg.schedule == "flat":
+        e = layout.num_experts if layout is not None else 0
+        return max(1, min(blocks + e, sms * cfg.programs_per_sm)), 1
     e = max(1, layout.num_experts)
-    return max(1, min(blocks, max(-(-sms * per_sm // e), -(-sms * per_sm // 8))))
+    # P: about programs_per_sm per SM in all, but at least an eighth of the GPU for one expert
+    p = max(-(-sms * cfg.programs_per_sm // e), -(-sms * cfg.programs_per_sm // 8))
+    return max(1, min(blocks, p)), e
+
+
+def _launch(op: int, h13: torch.Tensor, layout: ExpertLayout | None, out: torch.Tensor, *, dout=None, row_w=None,
+            scale=None, ue8m0: bool = False, config: LaunchConfig | None = None) -> None:
+    cfg = config or DEFAULT_CONFIG
+    if cfg.schedule not in ("flat", "expert"):
+        raise ValueError(f"LaunchConfig.schedule must be 'flat' or 'expert', got {cfg.schedule!r}")
+    m, i = h13.shape[0], h13.shape[1] // 2
+    bn = min(cfg.block_n, max(triton.next_power_of_2(i), QUANT_GROUP if op == OP_QUANT else 1))
+    e = layout.num_experts if layout is not None else 1
+    start, end = (layout.start, layout.end) if layout is not None else (h13, h13)
+    do = dout if dout is not None else h13
+    w = row_w if row_w is not None else h13
+    s = scale if scale is not None else h13
+    _swiglu_kernel[_grid(layout, m, cfg, h13.device)](
+        h13, do, w, out, s, start, end, m, e, i, h13.stride(0), do.stride(0), out.stride(0),
+        scale.stride(1) if scale is not None else 0, OP=op, HAS_LAYOUT=layout is not None,
+        FLAT=cfg.schedule == "flat" or layout is None, HAS_W=row_w is not None, UE8M0=ue8m0, EVEN_N=i % bn == 0,
+        NUM_NB=-(-i // bn), EP=triton.next_power_of_2(max(e, 2)), INTERPRET=select.interpreting(),
+        BLOCK_M=cfg.block_m, BLOCK_N=bn, GROUP=QUANT_GROUP, num_warps=cfg.num_warps)
 
 
 def _check(name: str, h13_MI2: torch.Tensor, layout: ExpertLayout | None, kernel: bool) -> int:
@@ -218,17 +239,6 @@ def _check_same(name: str, what: str, t: torch.Tensor, shape: tuple, kernel: boo
         raise ValueError(f"{name}: {what} must be {list(shape)}, got {list(t.shape)}")
     if kernel and t.dim() == 2 and t.stride(1) != 1:
         raise ValueError(f"{name}: {what}'s columns must be contiguous, got strides {t.stride()}")
-
-
-def _launch_args(layout: ExpertLayout | None, h13: torch.Tensor, i: int, block_m: int, block_n: int,
-                 programs: int | None):
-    """``(start, end, BLOCK_N, grid)``: the ``(P, e)`` grid with a layout, one program per row block without."""
-    bn = min(block_n, triton.next_power_of_2(i))
-    if layout is None:
-        p = programs or -(-h13.shape[0] // block_m)
-        return h13, h13, bn, (p, 1)
-    p = programs or programs_per_expert(layout, h13.device, block_m)
-    return layout.start, layout.end, bn, (p, max(1, layout.num_experts))
 
 
 # ---------------------------------------------------------------------------- torch references
@@ -268,7 +278,7 @@ def quant_fp8_torch(a_MI: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tens
 
 # ---------------------------------------------------------------------------- the ops
 def swiglu_fwd(h13_MI2: torch.Tensor, layout: ExpertLayout | None = None, *, out: torch.Tensor | None = None,
-               programs: int | None = None) -> torch.Tensor:
+               config: LaunchConfig | None = None) -> torch.Tensor:
     """``silu(gate) * up``: ``h13 [M, 2I]`` -> ``[M, I]`` in ``h13``'s dtype, without autograd.
 
     Args:
@@ -277,8 +287,7 @@ def swiglu_fwd(h13_MI2: torch.Tensor, layout: ExpertLayout | None = None, *, out
             rows only and leaves padding rows unwritten. None: every row (dense).
         out: ``[M, I]`` buffer to write into (its padding rows are left as they are on the
             Triton path); default a fresh one.
-        programs: override ``P``, the programs per expert (default :func:`programs_per_expert`;
-            without a layout, the number of programs of the grid-stride loop).
+        config: how the kernel is launched (:class:`LaunchConfig`; default :data:`DEFAULT_CONFIG`).
     Raises:
         ValueError: ``h13`` not ``[M, 2I]``, ``M`` not the layout's capacity, columns not
             contiguous or ``I`` not a multiple of 8 (Triton path).
@@ -293,16 +302,13 @@ def swiglu_fwd(h13_MI2: torch.Tensor, layout: ExpertLayout | None = None, *, out
     out = h13_MI2.new_empty(m, i) if out is None else out
     if m == 0 or i == 0:
         return out
-    start, end, bn, grid = _launch_args(layout, h13_MI2, i, BLOCK_M, BLOCK_N, programs)
-    _swiglu_fwd_kernel[grid](h13_MI2, out, start, end, m, i, h13_MI2.stride(0), out.stride(0),
-                             HAS_LAYOUT=layout is not None, EVEN_N=i % bn == 0, NUM_NB=-(-i // bn),
-                             INTERPRET=select.interpreting(), BLOCK_M=BLOCK_M, BLOCK_N=bn, num_warps=NUM_WARPS)
+    _launch(OP_FWD, h13_MI2, layout, out, config=config)
     return out
 
 
 def swiglu_bwd(h13_MI2: torch.Tensor, dout_MI: torch.Tensor, layout: ExpertLayout | None = None,
                row_w_M: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
-               programs: int | None = None) -> torch.Tensor:
+               config: LaunchConfig | None = None) -> torch.Tensor:
     """Gradient ``[M, 2I]`` (d gate || d up) of :func:`swiglu_fwd`, in ``h13``'s dtype.
 
     With ``row_w_M`` (``[M]``, the folded routing weights) it is the gradient of
@@ -326,17 +332,14 @@ def swiglu_bwd(h13_MI2: torch.Tensor, dout_MI: torch.Tensor, layout: ExpertLayou
     dh = h13_MI2.new_empty(m, 2 * i) if out is None else out
     if m == 0 or i == 0:
         return dh
-    start, end, bn, grid = _launch_args(layout, h13_MI2, i, BLOCK_M, BLOCK_N, programs)
-    w = row_w_M.contiguous() if row_w_M is not None else dout_MI
-    _swiglu_bwd_kernel[grid](h13_MI2, dout_MI, w, dh, start, end, m, i, h13_MI2.stride(0), dout_MI.stride(0),
-                             dh.stride(0), HAS_LAYOUT=layout is not None, HAS_W=row_w_M is not None,
-                             EVEN_N=i % bn == 0, NUM_NB=-(-i // bn), INTERPRET=select.interpreting(),
-                             BLOCK_M=BLOCK_M, BLOCK_N=bn, num_warps=NUM_WARPS)
+    _launch(OP_BWD, h13_MI2, layout, dh, dout=dout_MI, row_w=row_w_M.contiguous() if row_w_M is not None else None,
+            config=config)
     return dh
 
 
 def swiglu_quant(h13_MI2: torch.Tensor, layout: ExpertLayout | None = None, ue8m0: bool = False, *,
-                 out: tuple[torch.Tensor, torch.Tensor] | None = None, programs: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 out: tuple[torch.Tensor, torch.Tensor] | None = None, config: LaunchConfig | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``silu(gate) * up`` quantised to FP8 e4m3 with 1×128 scales, in one pass over ``h13``.
 
     Args:
@@ -375,11 +378,7 @@ def swiglu_quant(h13_MI2: torch.Tensor, layout: ExpertLayout | None = None, ue8m
         return q.copy_(qr), scale.copy_(sr)
     if m == 0 or i == 0:
         return q, scale
-    start, end, _, grid = _launch_args(layout, h13_MI2, i, QUANT_BLOCK_M, QUANT_GROUP, programs)
-    _swiglu_quant_kernel[grid](h13_MI2, q, scale, start, end, m, i, h13_MI2.stride(0), q.stride(0),
-                               scale.stride(1), HAS_LAYOUT=layout is not None, UE8M0=ue8m0,
-                               NUM_G=i // QUANT_GROUP, INTERPRET=select.interpreting(), BLOCK_M=QUANT_BLOCK_M,
-                               GROUP=QUANT_GROUP, num_warps=NUM_WARPS)
+    _launch(OP_QUANT, h13_MI2, layout, q, scale=scale, ue8m0=ue8m0, config=config)
     return q, scale
 
 
