@@ -17,13 +17,11 @@ landed buffers and of their gradients are never read (DESIGN.md rule 2).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from dropless.layout import ExpertLayout
 from dropless.ops.backward import first_order_only
-from dropless.ops.rows import combine_bwd, gather_rows, gather_sum, land_rows  # noqa: F401 (gather_rows, gather_sum re-exported)
+from dropless.ops.rows import RowSource, combine_bwd, gather_rows, gather_sum, land_rows  # noqa: F401 (re-exported)
 
 
 def sort_by_expert(expert_idx_Nk: torch.Tensor, num_experts: int, alignment: int = 1,
@@ -72,26 +70,6 @@ def sort_by_expert(expert_idx_Nk: torch.Tensor, num_experts: int, alignment: int
     src.scatter_(0, torch.where(here & (dest < layout.capacity), dest, torch.full_like(dest, layout.capacity)),
                  torch.arange(n * k, device=dev) // k)
     return layout, dest.view(n, k), src[: layout.capacity]
-
-
-@dataclass
-class RowSource:
-    """A landed buffer given by where its rows come from, not materialised.
-
-    ``rows_MH[m] = x_NH[src_M[m]]`` (:func:`gather_rows`); its gradient goes back to ``x_NH``
-    as ``Σ_j grad_rows[dest_Nk[n, j]]``. Dispatchers that land rows by a local gather
-    (``local``, ``fsdp``) can return this, so that the experts save ``x_NH`` (which the
-    router keeps anyway) and re-gather in backward instead of saving ``[M, H]``
-    (``recompute_gather``; seed 003 §4: the buffer is ``k``× the layer input).
-
-    Attributes:
-        x_NH: ``[N, H]`` source rows. src_M: int64 ``[M]`` (``-1`` on padding).
-        dest_Nk: int64 ``[N, k]`` landed row of each choice (``-1``: not landed).
-    """
-
-    x_NH: torch.Tensor
-    src_M: torch.Tensor
-    dest_Nk: torch.Tensor
 
 
 class _PermuteRows(torch.autograd.Function):

@@ -256,9 +256,10 @@ def test_fc1_output_is_rebuilt_before_each_chunks_combine_backward(monkeypatch, 
     gets its gradient, before the combine's backward lands the [M, H] row gradient (so the
     re-gathered rows are freed first), one chunk at a time; results unchanged."""
     from dropless import experts, permute
+    from dropless.ops import expert_mlp
 
     log = []
-    real_rebuild, real_bwd = experts._rebuild_h13, permute._CombineRows.backward
+    real_rebuild, real_bwd = expert_mlp._rebuild_h13, permute._CombineRows.backward
 
     def rebuild(box, *a):
         if box.h13 is None:
@@ -269,7 +270,7 @@ def test_fc1_output_is_rebuilt_before_each_chunks_combine_backward(monkeypatch, 
         log.append("combine")
         return real_bwd(ctx, grad)
 
-    monkeypatch.setattr(experts, "_rebuild_h13", rebuild)
+    monkeypatch.setattr(expert_mlp, "_rebuild_h13", rebuild)
     monkeypatch.setattr(permute._CombineRows, "backward", staticmethod(combine_bwd))
     kw = dict(recompute_fc1=True, fold_routing_weights=True, recompute_gather=gather, num_token_chunks=3)
     got = _layer_run(**kw)

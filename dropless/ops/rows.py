@@ -23,6 +23,8 @@ Indices are int64 ``dest_Nk [N, k]`` (``-1``: not landed here) and ``src_M [M]``
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from dropless.ops import select
@@ -94,8 +96,28 @@ if select.HAS_TRITON:
         if NEED_GW:
             tl.store(grad_w_ptr + n * K + js, dot, mask=jmask)
 
+@dataclass
+class RowSource:
+    """A landed buffer given by where its rows come from, not materialised.
+
+    ``rows_MH[m] = x_NH[src_M[m]]`` (:func:`gather_rows`); its gradient goes back to ``x_NH``
+    as ``Σ_j grad_rows[dest_Nk[n, j]]``. Dispatchers that land rows by a local gather
+    (``local``, ``fsdp``) can return this, so that the experts save ``x_NH`` (which the
+    router keeps anyway) and re-gather in backward instead of saving ``[M, H]``
+    (``recompute_gather``; seed 003 §4: the buffer is ``k``× the layer input).
+
+    Attributes:
+        x_NH: ``[N, H]`` source rows. src_M: int64 ``[M]`` (``-1`` on padding).
+        dest_Nk: int64 ``[N, k]`` landed row of each choice (``-1``: not landed).
+    """
+
+    x_NH: torch.Tensor
+    src_M: torch.Tensor
+    dest_Nk: torch.Tensor
+
+
 BLOCK_H, NUM_WARPS = 1024, 4
-COMBINE_BWD_BLOCK_H, COMBINE_BWD_WARPS = 512, 8
+COMBINE_BWD_BLOCK_H, COMBINE_BWD_WARPS = 256, 4  # measured best at the per-rank shape (live_rows.py --sweep)
 
 
 def _check_rows(name: str, what: str, t: torch.Tensor, kernel: bool) -> None:

@@ -172,10 +172,13 @@ class LaunchConfig:
     block_m: int = 4
     block_n: int = 1024
     num_warps: int = 4
-    programs_per_sm: int = 8
+    programs_per_sm: int = 32
 
 
-DEFAULT_CONFIG = LaunchConfig()
+#: Per op, the configs measured best on an H200 (benchmarks/live_rows.py --sweep): the full
+#: buffer's time first, then 3,072 live of 28,672 rows (benchmarks/results/h200_live_rows_*).
+DEFAULT_CONFIGS = {OP_FWD: LaunchConfig(block_m=1, block_n=2048, num_warps=8, programs_per_sm=16),
+                   OP_BWD: LaunchConfig(), OP_QUANT: LaunchConfig()}
 
 
 def _num_sms(device: torch.device) -> int:
@@ -187,8 +190,10 @@ def _num_sms(device: torch.device) -> int:
 def _grid(layout: ExpertLayout | None, m: int, cfg: LaunchConfig, device: torch.device) -> tuple[int, int]:
     sms = _num_sms(device)
     blocks = max(1, -(-m // cfg.block_m))
-    if layout is None or cfg.schedule == "flat":
-        e = layout.num_experts if layout is not None else 0
+    if layout is None:  # dense: one program per row block
+        return blocks, 1
+    if cfg.schedule == "flat":
+        e = layout.num_experts
         return max(1, min(blocks + e, sms * cfg.programs_per_sm)), 1
     e = max(1, layout.num_experts)
     # P: about programs_per_sm per SM in all, but at least an eighth of the GPU for one expert
@@ -198,7 +203,7 @@ def _grid(layout: ExpertLayout | None, m: int, cfg: LaunchConfig, device: torch.
 
 def _launch(op: int, h13: torch.Tensor, layout: ExpertLayout | None, out: torch.Tensor, *, dout=None, row_w=None,
             scale=None, ue8m0: bool = False, config: LaunchConfig | None = None) -> None:
-    cfg = config or DEFAULT_CONFIG
+    cfg = config or DEFAULT_CONFIGS[op]
     if cfg.schedule not in ("flat", "expert"):
         raise ValueError(f"LaunchConfig.schedule must be 'flat' or 'expert', got {cfg.schedule!r}")
     m, i = h13.shape[0], h13.shape[1] // 2
@@ -287,7 +292,7 @@ def swiglu_fwd(h13_MI2: torch.Tensor, layout: ExpertLayout | None = None, *, out
             rows only and leaves padding rows unwritten. None: every row (dense).
         out: ``[M, I]`` buffer to write into (its padding rows are left as they are on the
             Triton path); default a fresh one.
-        config: how the kernel is launched (:class:`LaunchConfig`; default :data:`DEFAULT_CONFIG`).
+        config: how the kernel is launched (:class:`LaunchConfig`; default :data:`DEFAULT_CONFIGS`).
     Raises:
         ValueError: ``h13`` not ``[M, 2I]``, ``M`` not the layout's capacity, columns not
             contiguous or ``I`` not a multiple of 8 (Triton path).
