@@ -259,3 +259,17 @@ def test_scatter_rows_writes_live_rows_once_each(A):
     live = lay.live_mask()
     assert torch.equal(rows[live], x[src[live]])
     assert torch.equal(rw.land_rows(x, src, dest)[live], x[src[live]])
+
+
+def test_moe_layer_compiles_on_the_triton_kernel_path(monkeypatch):
+    """torch.compile(fullgraph=True) of the MoE layer with the Triton kernels as custom ops (issue 12 item 4):
+    forward and backward bitwise equal to eager."""
+    from tests.test_compile import _check_equal, _layer
+
+    torch.manual_seed(1)
+    m = _layer(fold_routing_weights=True).to(DEV).to(DT)
+    x = torch.randn(2, 12, 32, device=DEV, dtype=DT, requires_grad=True)
+    g = torch.randn(2, 12, 32, device=DEV, dtype=DT)
+    eager, compiled = _check_equal(m, x, g)
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b)

@@ -119,6 +119,44 @@ class RowSource:
 BLOCK_H, NUM_WARPS = 1024, 4
 COMBINE_BWD_BLOCK_H, COMBINE_BWD_WARPS = 256, 4  # measured best at the per-rank shape (live_rows.py --sweep)
 
+# ---------------------------------------------------------------------------- the Triton launches, as opaque ops
+# (mutating their outputs, with no-op fakes) so that torch.compile traces around them with fullgraph=True
+@torch.library.custom_op("dropless::scatter_rows", mutates_args=("out",))
+def _scatter_op(x: torch.Tensor, dest: torch.Tensor, out: torch.Tensor, block_h: int, num_warps: int) -> None:
+    n, k = dest.shape
+    h = x.shape[1]
+    bh = _block_h(h, block_h)
+    _scatter_rows_kernel[(n,)](x, dest, out, out.shape[0], h, x.stride(0), out.stride(0), K=k, NUM_HB=-(-h // bh),
+                               BLOCK_H=bh, num_warps=num_warps)
+
+
+@torch.library.custom_op("dropless::gather_sum", mutates_args=("out",))
+def _gather_sum_op(rows: torch.Tensor, dest: torch.Tensor, weight: torch.Tensor | None, out: torch.Tensor,
+                   block_h: int, num_warps: int) -> None:
+    n, k = dest.shape
+    h = rows.shape[1]
+    bh = _block_h(h, block_h)
+    _gather_sum_kernel[(n,)](rows, dest, weight if weight is not None else dest, out, h, rows.stride(0),
+                             out.stride(0), K=k, HAS_W=weight is not None, NUM_HB=-(-h // bh), BLOCK_H=bh,
+                             num_warps=num_warps)
+
+
+@torch.library.custom_op("dropless::combine_bwd", mutates_args=("grad_y", "grad_w"))
+def _combine_bwd_op(grad: torch.Tensor, y: torch.Tensor | None, dest: torch.Tensor, weight: torch.Tensor | None,
+                    grad_y: torch.Tensor, grad_w: torch.Tensor | None, block_h: int, num_warps: int) -> None:
+    n, k = dest.shape
+    h = grad.shape[1]
+    bh = _block_h(h, block_h)
+    need_gw = grad_w is not None
+    _combine_bwd_kernel[(n,)](grad, y if need_gw else grad_y, dest, weight if weight is not None else dest, grad_y,
+                              grad_w if need_gw else grad_y, h, grad.stride(0), (y if need_gw else grad_y).stride(0),
+                              grad_y.stride(0), K=k, KP=triton.next_power_of_2(k), HAS_W=weight is not None,
+                              NEED_GW=need_gw, NUM_HB=-(-h // bh), BLOCK_H=bh, num_warps=num_warps)
+
+
+for _op in (_scatter_op, _gather_sum_op, _combine_bwd_op):
+    _op.register_fake(lambda *args: None)
+
 
 def _check_rows(name: str, what: str, t: torch.Tensor, kernel: bool) -> None:
     if t.dim() != 2:
@@ -211,9 +249,7 @@ def scatter_rows(x_NH: torch.Tensor, dest_Nk: torch.Tensor, num_rows_M: int) -> 
     out = x_NH.new_empty(num_rows_M, h)
     if n == 0 or num_rows_M == 0 or k == 0:
         return out
-    bh = _block_h(h, BLOCK_H)
-    _scatter_rows_kernel[(n,)](x_NH, dest_Nk.contiguous(), out, num_rows_M, h, x_NH.stride(0), out.stride(0), K=k,
-                               NUM_HB=-(-h // bh), BLOCK_H=bh, num_warps=NUM_WARPS)
+    _scatter_op(x_NH, dest_Nk.contiguous(), out, BLOCK_H, NUM_WARPS)
     return out
 
 
@@ -264,11 +300,8 @@ def gather_sum(rows_MH: torch.Tensor, dest_Nk: torch.Tensor, weight_Nk: torch.Te
         return out
     if k == 0:
         return out.zero_()
-    bh = _block_h(h, BLOCK_H)
-    dest = dest_Nk.contiguous()
-    w = weight_Nk.contiguous() if weight_Nk is not None else dest
-    _gather_sum_kernel[(n,)](rows_MH, dest, w, out, h, rows_MH.stride(0), out.stride(0), K=k,
-                             HAS_W=weight_Nk is not None, NUM_HB=-(-h // bh), BLOCK_H=bh, num_warps=NUM_WARPS)
+    _gather_sum_op(rows_MH, dest_Nk.contiguous(), weight_Nk.contiguous() if weight_Nk is not None else None, out,
+                   BLOCK_H, NUM_WARPS)
     return out
 
 
@@ -298,14 +331,9 @@ def combine_bwd(grad_NH: torch.Tensor, y_MH: torch.Tensor | None, dest_Nk: torch
     grad_w = torch.zeros(n, k, dtype=torch.float32, device=grad_NH.device) if need_grad_w else None
     if n == 0 or k == 0:
         return grad_y, grad_w
-    y = y_MH if need_grad_w else grad_y
     if need_grad_w:
-        _check_rows("combine_bwd", "y", y, kernel)
-    dest = dest_Nk.contiguous()
-    w = weight_Nk.contiguous() if weight_Nk is not None else dest
-    bh = _block_h(h, COMBINE_BWD_BLOCK_H)
-    _combine_bwd_kernel[(n,)](grad_NH, y, dest, w, grad_y, grad_w if need_grad_w else grad_y, h, grad_NH.stride(0),
-                              y.stride(0), grad_y.stride(0), K=k, KP=triton.next_power_of_2(k),
-                              HAS_W=weight_Nk is not None, NEED_GW=need_grad_w, NUM_HB=-(-h // bh), BLOCK_H=bh,
-                              num_warps=COMBINE_BWD_WARPS)
+        _check_rows("combine_bwd", "y", y_MH, kernel)
+    _combine_bwd_op(grad_NH, y_MH if need_grad_w else None, dest_Nk.contiguous(),
+                    weight_Nk.contiguous() if weight_Nk is not None else None, grad_y, grad_w,
+                    COMBINE_BWD_BLOCK_H, COMBINE_BWD_WARPS)
     return grad_y, grad_w

@@ -187,15 +187,15 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _grid(layout: ExpertLayout | None, m: int, cfg: LaunchConfig, device: torch.device) -> tuple[int, int]:
+def _grid(num_experts: int | None, m: int, cfg: LaunchConfig, device: torch.device) -> tuple[int, int]:
+    """The launch grid for ``num_experts`` local experts (None: the dense path) over ``m`` rows."""
     sms = _num_sms(device)
     blocks = max(1, -(-m // cfg.block_m))
-    if layout is None:  # dense: one program per row block
+    if num_experts is None:  # dense: one program per row block
         return blocks, 1
     if cfg.schedule == "flat":
-        e = layout.num_experts
-        return max(1, min(blocks + e, sms * cfg.programs_per_sm)), 1
-    e = max(1, layout.num_experts)
+        return max(1, min(blocks + num_experts, sms * cfg.programs_per_sm)), 1
+    e = max(1, num_experts)
     # P: about programs_per_sm per SM in all, but at least an eighth of the GPU for one expert
     p = max(-(-sms * cfg.programs_per_sm // e), -(-sms * cfg.programs_per_sm // 8))
     return max(1, min(blocks, p)), e
@@ -206,19 +206,37 @@ def _launch(op: int, h13: torch.Tensor, layout: ExpertLayout | None, out: torch.
     cfg = config or DEFAULT_CONFIGS[op]
     if cfg.schedule not in ("flat", "expert"):
         raise ValueError(f"LaunchConfig.schedule must be 'flat' or 'expert', got {cfg.schedule!r}")
+    start, end = (layout.start, layout.end) if layout is not None else (None, None)
+    _swiglu_op(op, h13, start, end, out, dout, row_w, scale, ue8m0, cfg.schedule, cfg.block_m, cfg.block_n,
+               cfg.num_warps, cfg.programs_per_sm)
+
+
+@torch.library.custom_op("dropless::swiglu", mutates_args=("out", "scale"))
+def _swiglu_op(op: int, h13: torch.Tensor, start: torch.Tensor | None, end: torch.Tensor | None, out: torch.Tensor,
+               dout: torch.Tensor | None, row_w: torch.Tensor | None, scale: torch.Tensor | None, ue8m0: bool,
+               schedule: str, block_m: int, block_n: int, num_warps: int, programs_per_sm: int) -> None:
+    """The Triton launch as an opaque op with a fake (no-op) implementation, so that ``torch.compile``
+    traces the layer around it (``fullgraph=True``) and calls the kernel as it is."""
+    cfg = LaunchConfig(schedule, block_m, block_n, num_warps, programs_per_sm)
     m, i = h13.shape[0], h13.shape[1] // 2
-    bn = min(cfg.block_n, max(triton.next_power_of_2(i), QUANT_GROUP if op == OP_QUANT else 1))
-    e = layout.num_experts if layout is not None else 1
-    start, end = (layout.start, layout.end) if layout is not None else (h13, h13)
+    bn = min(block_n, max(triton.next_power_of_2(i), QUANT_GROUP if op == OP_QUANT else 1))
+    has_layout = start is not None
+    e = start.numel() if has_layout else 1
+    sv, ev = (start, end) if has_layout else (h13, h13)
     do = dout if dout is not None else h13
     w = row_w if row_w is not None else h13
     s = scale if scale is not None else h13
-    _swiglu_kernel[_grid(layout, m, cfg, h13.device)](
-        h13, do, w, out, s, start, end, m, e, i, h13.stride(0), do.stride(0), out.stride(0),
-        scale.stride(1) if scale is not None else 0, OP=op, HAS_LAYOUT=layout is not None,
-        FLAT=cfg.schedule == "flat" or layout is None, HAS_W=row_w is not None, UE8M0=ue8m0, EVEN_N=i % bn == 0,
+    _swiglu_kernel[_grid(e if has_layout else None, m, cfg, h13.device)](
+        h13, do, w, out, s, sv, ev, m, e, i, h13.stride(0), do.stride(0), out.stride(0),
+        scale.stride(1) if scale is not None else 0, OP=op, HAS_LAYOUT=has_layout,
+        FLAT=schedule == "flat" or not has_layout, HAS_W=row_w is not None, UE8M0=ue8m0, EVEN_N=i % bn == 0,
         NUM_NB=-(-i // bn), EP=triton.next_power_of_2(max(e, 2)), INTERPRET=select.interpreting(),
-        BLOCK_M=cfg.block_m, BLOCK_N=bn, GROUP=QUANT_GROUP, num_warps=cfg.num_warps)
+        BLOCK_M=block_m, BLOCK_N=bn, GROUP=QUANT_GROUP, num_warps=num_warps)
+
+
+@_swiglu_op.register_fake
+def _(op, h13, start, end, out, dout, row_w, scale, ue8m0, schedule, block_m, block_n, num_warps, programs_per_sm):
+    return None
 
 
 def _check(name: str, h13_MI2: torch.Tensor, layout: ExpertLayout | None, kernel: bool) -> int:

@@ -30,11 +30,25 @@ if select.HAS_TRITON:
     from dropless.ops import triton_wgrad
 
 
-def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+@torch.library.custom_op("dropless::grouped_mm", mutates_args=())
+def _grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``grouped_mm(a, b, offs)`` as an opaque op: torch's meta function for it assumes CUDA bf16, so
+    ``torch.compile`` could not trace the CPU fp32 call; this op's fake says the shape for any dtype."""
     fn = getattr(F, "grouped_mm", None)
     if fn is None:  # torch < 2.10
         return torch._grouped_mm(a, b, offs=offs)
     return fn(a, b, offs=offs)
+
+
+@_grouped_mm_op.register_fake
+def _(a, b, offs):
+    if b.dim() == 3:  # [M, K] x [e, K, N] -> [M, N]
+        return a.new_empty(a.shape[0], b.shape[2])
+    return a.new_empty(offs.shape[0], a.shape[0], b.shape[1])  # [K, M] x [M, N] -> [e, K, N]
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return _grouped_mm_op(a, b, offs)
 
 
 class TorchBackend:
