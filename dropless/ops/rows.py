@@ -120,9 +120,9 @@ BLOCK_H, NUM_WARPS = 1024, 4
 COMBINE_BWD_BLOCK_H, COMBINE_BWD_WARPS = 256, 4  # measured best at the per-rank shape (live_rows.py --sweep)
 
 # ---------------------------------------------------------------------------- the Triton launches, as opaque ops
-# (mutating their outputs, with no-op fakes) so that torch.compile traces around them with fullgraph=True
-@torch.library.custom_op("dropless::scatter_rows", mutates_args=("out",))
-def _scatter_op(x: torch.Tensor, dest: torch.Tensor, out: torch.Tensor, block_h: int, num_warps: int) -> None:
+# (mutating their outputs, with no-op fakes) so that torch.compile traces around them with fullgraph=True;
+# eager calls launch directly (the ops' dispatch costs tens of µs a call)
+def _scatter_launch(x: torch.Tensor, dest: torch.Tensor, out: torch.Tensor, block_h: int, num_warps: int) -> None:
     n, k = dest.shape
     h = x.shape[1]
     bh = _block_h(h, block_h)
@@ -130,8 +130,7 @@ def _scatter_op(x: torch.Tensor, dest: torch.Tensor, out: torch.Tensor, block_h:
                                BLOCK_H=bh, num_warps=num_warps)
 
 
-@torch.library.custom_op("dropless::gather_sum", mutates_args=("out",))
-def _gather_sum_op(rows: torch.Tensor, dest: torch.Tensor, weight: torch.Tensor | None, out: torch.Tensor,
+def _gather_sum_launch(rows: torch.Tensor, dest: torch.Tensor, weight: torch.Tensor | None, out: torch.Tensor,
                    block_h: int, num_warps: int) -> None:
     n, k = dest.shape
     h = rows.shape[1]
@@ -141,8 +140,7 @@ def _gather_sum_op(rows: torch.Tensor, dest: torch.Tensor, weight: torch.Tensor 
                              num_warps=num_warps)
 
 
-@torch.library.custom_op("dropless::combine_bwd", mutates_args=("grad_y", "grad_w"))
-def _combine_bwd_op(grad: torch.Tensor, y: torch.Tensor | None, dest: torch.Tensor, weight: torch.Tensor | None,
+def _combine_bwd_launch(grad: torch.Tensor, y: torch.Tensor | None, dest: torch.Tensor, weight: torch.Tensor | None,
                     grad_y: torch.Tensor, grad_w: torch.Tensor | None, block_h: int, num_warps: int) -> None:
     n, k = dest.shape
     h = grad.shape[1]
@@ -154,6 +152,10 @@ def _combine_bwd_op(grad: torch.Tensor, y: torch.Tensor | None, dest: torch.Tens
                               NEED_GW=need_gw, NUM_HB=-(-h // bh), BLOCK_H=bh, num_warps=num_warps)
 
 
+_scatter_op = torch.library.custom_op("dropless::scatter_rows", _scatter_launch, mutates_args=("out",))
+_gather_sum_op = torch.library.custom_op("dropless::gather_sum", _gather_sum_launch, mutates_args=("out",))
+_combine_bwd_op = torch.library.custom_op("dropless::combine_bwd", _combine_bwd_launch,
+                                          mutates_args=("grad_y", "grad_w"))
 for _op in (_scatter_op, _gather_sum_op, _combine_bwd_op):
     _op.register_fake(lambda *args: None)
 
@@ -167,7 +169,8 @@ def _check_rows(name: str, what: str, t: torch.Tensor, kernel: bool) -> None:
 
 
 def _check_dest(name: str, dest_Nk: torch.Tensor, n: int | None = None) -> None:
-    if dest_Nk.dim() != 2 or dest_Nk.dtype not in (torch.int64, torch.int32) or (n is not None and dest_Nk.shape[0] != n):
+    bad_n = n is not None and dest_Nk.shape[0] != n
+    if dest_Nk.dim() != 2 or dest_Nk.dtype not in (torch.int64, torch.int32) or bad_n:
         raise ValueError(f"{name}: dest must be an integer [N, k] tensor{'' if n is None else f' with N = {n}'}, "
                          f"got {tuple(dest_Nk.shape)} {dest_Nk.dtype}")
 
@@ -249,7 +252,8 @@ def scatter_rows(x_NH: torch.Tensor, dest_Nk: torch.Tensor, num_rows_M: int) -> 
     out = x_NH.new_empty(num_rows_M, h)
     if n == 0 or num_rows_M == 0 or k == 0:
         return out
-    _scatter_op(x_NH, dest_Nk.contiguous(), out, BLOCK_H, NUM_WARPS)
+    launch = _scatter_op if torch.compiler.is_compiling() else _scatter_launch
+    launch(x_NH, dest_Nk.contiguous(), out, BLOCK_H, NUM_WARPS)
     return out
 
 
@@ -300,8 +304,9 @@ def gather_sum(rows_MH: torch.Tensor, dest_Nk: torch.Tensor, weight_Nk: torch.Te
         return out
     if k == 0:
         return out.zero_()
-    _gather_sum_op(rows_MH, dest_Nk.contiguous(), weight_Nk.contiguous() if weight_Nk is not None else None, out,
-                   BLOCK_H, NUM_WARPS)
+    launch = _gather_sum_op if torch.compiler.is_compiling() else _gather_sum_launch
+    launch(rows_MH, dest_Nk.contiguous(), weight_Nk.contiguous() if weight_Nk is not None else None, out, BLOCK_H,
+           NUM_WARPS)
     return out
 
 
@@ -333,7 +338,8 @@ def combine_bwd(grad_NH: torch.Tensor, y_MH: torch.Tensor | None, dest_Nk: torch
         return grad_y, grad_w
     if need_grad_w:
         _check_rows("combine_bwd", "y", y_MH, kernel)
-    _combine_bwd_op(grad_NH, y_MH if need_grad_w else None, dest_Nk.contiguous(),
-                    weight_Nk.contiguous() if weight_Nk is not None else None, grad_y, grad_w,
-                    COMBINE_BWD_BLOCK_H, COMBINE_BWD_WARPS)
+    launch = _combine_bwd_op if torch.compiler.is_compiling() else _combine_bwd_launch
+    launch(grad_NH, y_MH if need_grad_w else None, dest_Nk.contiguous(),
+           weight_Nk.contiguous() if weight_Nk is not None else None, grad_y, grad_w, COMBINE_BWD_BLOCK_H,
+           COMBINE_BWD_WARPS)
     return grad_y, grad_w

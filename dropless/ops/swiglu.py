@@ -207,16 +207,17 @@ def _launch(op: int, h13: torch.Tensor, layout: ExpertLayout | None, out: torch.
     if cfg.schedule not in ("flat", "expert"):
         raise ValueError(f"LaunchConfig.schedule must be 'flat' or 'expert', got {cfg.schedule!r}")
     start, end = (layout.start, layout.end) if layout is not None else (None, None)
-    _swiglu_op(op, h13, start, end, out, dout, row_w, scale, ue8m0, cfg.schedule, cfg.block_m, cfg.block_n,
+    # the opaque op only while torch.compile traces; eager calls skip its dispatch (tens of µs a call)
+    launch = _swiglu_op if torch.compiler.is_compiling() else _swiglu_launch
+    launch(op, h13, start, end, out, dout, row_w, scale, ue8m0, cfg.schedule, cfg.block_m, cfg.block_n,
                cfg.num_warps, cfg.programs_per_sm)
 
 
-@torch.library.custom_op("dropless::swiglu", mutates_args=("out", "scale"))
-def _swiglu_op(op: int, h13: torch.Tensor, start: torch.Tensor | None, end: torch.Tensor | None, out: torch.Tensor,
+def _swiglu_launch(op: int, h13: torch.Tensor, start: torch.Tensor | None, end: torch.Tensor | None, out: torch.Tensor,
                dout: torch.Tensor | None, row_w: torch.Tensor | None, scale: torch.Tensor | None, ue8m0: bool,
                schedule: str, block_m: int, block_n: int, num_warps: int, programs_per_sm: int) -> None:
-    """The Triton launch as an opaque op with a fake (no-op) implementation, so that ``torch.compile``
-    traces the layer around it (``fullgraph=True``) and calls the kernel as it is."""
+    """The Triton launch; as ``dropless::swiglu`` an opaque op with a fake (no-op) implementation, so
+    that ``torch.compile`` traces the layer around it (``fullgraph=True``) and calls the kernel as it is."""
     cfg = LaunchConfig(schedule, block_m, block_n, num_warps, programs_per_sm)
     m, i = h13.shape[0], h13.shape[1] // 2
     bn = min(block_n, max(triton.next_power_of_2(i), QUANT_GROUP if op == OP_QUANT else 1))
@@ -232,6 +233,9 @@ def _swiglu_op(op: int, h13: torch.Tensor, start: torch.Tensor | None, end: torc
         FLAT=schedule == "flat" or not has_layout, HAS_W=row_w is not None, UE8M0=ue8m0, EVEN_N=i % bn == 0,
         NUM_NB=-(-i // bn), EP=triton.next_power_of_2(max(e, 2)), INTERPRET=select.interpreting(),
         BLOCK_M=block_m, BLOCK_N=bn, GROUP=QUANT_GROUP, num_warps=num_warps)
+
+
+_swiglu_op = torch.library.custom_op("dropless::swiglu", _swiglu_launch, mutates_args=("out", "scale"))
 
 
 @_swiglu_op.register_fake
@@ -338,8 +342,8 @@ def swiglu_bwd(h13_MI2: torch.Tensor, dout_MI: torch.Tensor, layout: ExpertLayou
     ``swiglu_fwd(h13) · row_w`` given ``dout`` = d(that product): the weight (rounded to
     ``h13``'s dtype, as the forward multiplied it) scales ``dout`` in fp32 registers, so no
     scaled ``[M, I]`` copy of ``dout`` is made. With a layout, padding rows of the result
-    (``out`` if given, ``[M, 2I]``) are left unwritten (Triton path). Raises ValueError as :func:`swiglu_fwd`, and on a ``dout``
-    that is not ``[M, I]`` or a ``row_w`` that is not ``[M]``.
+    (``out`` if given, ``[M, 2I]``) are left unwritten (Triton path). Raises ValueError as
+    :func:`swiglu_fwd`, and on a ``dout`` that is not ``[M, I]`` or a ``row_w`` that is not ``[M]``.
     """
     kernel = select.use_triton(h13_MI2)
     i = _check("swiglu_bwd", h13_MI2, layout, kernel)

@@ -30,14 +30,17 @@ if select.HAS_TRITON:
     from dropless.ops import triton_wgrad
 
 
-@torch.library.custom_op("dropless::grouped_mm", mutates_args=())
-def _grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``grouped_mm(a, b, offs)`` as an opaque op: torch's meta function for it assumes CUDA bf16, so
-    ``torch.compile`` could not trace the CPU fp32 call; this op's fake says the shape for any dtype."""
+def _grouped_mm_eager(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``grouped_mm(a, b, offs)``; as ``dropless::grouped_mm`` an opaque op for ``torch.compile``:
+    torch's meta function for it assumes CUDA bf16, so the CPU fp32 call could not be traced; this
+    op's fake gives the shape for any dtype."""
     fn = getattr(F, "grouped_mm", None)
     if fn is None:  # torch < 2.10
         return torch._grouped_mm(a, b, offs=offs)
     return fn(a, b, offs=offs)
+
+
+_grouped_mm_op = torch.library.custom_op("dropless::grouped_mm", _grouped_mm_eager, mutates_args=())
 
 
 @_grouped_mm_op.register_fake
@@ -48,7 +51,7 @@ def _(a, b, offs):
 
 
 def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    return _grouped_mm_op(a, b, offs)
+    return (_grouped_mm_op if torch.compiler.is_compiling() else _grouped_mm_eager)(a, b, offs)
 
 
 class TorchBackend:

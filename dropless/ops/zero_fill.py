@@ -42,21 +42,24 @@ if select.HAS_TRITON:
                  tl.zeros([BLOCK_M, BLOCK_K], dtype=buf_ptr.dtype.element_ty), mask=mask)
 
 
-# the Triton launches as opaque in-place ops (no-op fakes), so that torch.compile traces around them
-@torch.library.custom_op("dropless::zero_gap_rows_", mutates_args=("buf",))
-def _zero_gap_rows_op(buf: torch.Tensor, start: torch.Tensor, end: torch.Tensor, alignment: int) -> None:
+# the Triton launches as opaque in-place ops (no-op fakes), so that torch.compile traces around them;
+# eager calls launch directly
+def _zero_gap_rows_launch(buf: torch.Tensor, start: torch.Tensor, end: torch.Tensor, alignment: int) -> None:
     k = buf.shape[1]
     bm, bk = 32, 256
     grid = (start.numel() - 1, triton.cdiv(alignment - 1, bm), triton.cdiv(k, bk))
     _zero_gap_rows_kernel[grid](buf, start, end, k, buf.stride(0), BLOCK_M=bm, BLOCK_K=bk)
 
 
-@torch.library.custom_op("dropless::zero_empty_experts_", mutates_args=("dw",))
-def _zero_empty_experts_op(dw: torch.Tensor, counts: torch.Tensor) -> None:
+def _zero_empty_experts_launch(dw: torch.Tensor, counts: torch.Tensor) -> None:
     n = dw[0].numel()
     _zero_empty_experts_kernel[(dw.shape[0], triton.cdiv(n, 8192))](dw, counts, n, BLOCK=8192)
 
 
+_zero_gap_rows_op = torch.library.custom_op("dropless::zero_gap_rows_", _zero_gap_rows_launch,
+                                            mutates_args=("buf",))
+_zero_empty_experts_op = torch.library.custom_op("dropless::zero_empty_experts_", _zero_empty_experts_launch,
+                                                 mutates_args=("dw",))
 for _op in (_zero_gap_rows_op, _zero_empty_experts_op):
     _op.register_fake(lambda *args: None)
 
@@ -78,7 +81,8 @@ def zero_gap_rows_(buf_MK: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
         return buf_MK.masked_fill_(gap.unsqueeze(1), 0)
     if buf_MK.stride(1) != 1:
         raise ValueError(f"zero_gap_rows_: columns must be contiguous, got strides {buf_MK.stride()}")
-    _zero_gap_rows_op(buf_MK, layout.start, layout.end, layout.alignment)
+    launch = _zero_gap_rows_op if torch.compiler.is_compiling() else _zero_gap_rows_launch
+    launch(buf_MK, layout.start, layout.end, layout.alignment)
     return buf_MK
 
 
@@ -99,5 +103,6 @@ def zero_empty_experts_(dw_eKN: torch.Tensor, counts_e: torch.Tensor) -> torch.T
     n = dw_eKN[0].numel() if e else 0
     if e == 0 or n == 0:
         return dw_eKN
-    _zero_empty_experts_op(dw_eKN, counts_e)
+    launch = _zero_empty_experts_op if torch.compiler.is_compiling() else _zero_empty_experts_launch
+    launch(dw_eKN, counts_e)
     return dw_eKN
