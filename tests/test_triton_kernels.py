@@ -273,3 +273,18 @@ def test_moe_layer_compiles_on_the_triton_kernel_path(monkeypatch):
     eager, compiled = _check_equal(m, x, g)
     for a, b in zip(eager, compiled):
         assert torch.equal(a, b)
+
+
+def test_kernels_stay_inside_the_buffer_when_counts_overflow_the_capacity():
+    """A layout whose end points pass M (counts over capacity; the dispatchers' device assert reports it):
+    the kernels clamp every row range to M and touch nothing beyond the buffer."""
+    ends = torch.tensor([30, 70], dtype=torch.int32, device=DEV)
+    lay = ExpertLayout(counts=torch.tensor([30, 40], dtype=torch.int32, device=DEV),
+                       start=torch.tensor([0, 30], dtype=torch.int32, device=DEV), end=ends, capacity=48, alignment=1)
+    I = 64
+    big = torch.randn(64, 2 * I, device=DEV, dtype=DT)
+    h13 = big[:48]  # rows 48..63 of the same storage lie beyond the buffer
+    out = torch.full((64, I), SENTINEL, device=DEV, dtype=DT)
+    sw.swiglu_fwd(h13, lay, out=out[:48])
+    assert (out[48:] == SENTINEL).all()
+    assert rel(out[:48], sw.swiglu_fwd_torch(h13.double())) < TOL
