@@ -9,7 +9,7 @@ from torch import nn
 
 from dropless.layout import ExpertLayout, poison_padding
 from dropless.ops import get_backend, grouped_mm
-from dropless.ops.expert_mlp import RecomputeAhead, expert_mlp_recompute
+from dropless.ops.expert_mlp import RecomputeAhead, expert_mlp_recompute  # noqa: F401 (RecomputeAhead re-exported)
 from dropless.ops.grouped_gemm import WgradAccumulator, check_operands
 from dropless.ops.swiglu import swiglu
 from dropless.permute import RowSource, permute_rows

@@ -325,7 +325,8 @@ def test_recompute_fc1_output_can_be_modified_in_place():
         assert torch.allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(recompute_swiglu=True), dict(recompute_fc1=True, fold_routing_weights=True),
+@pytest.mark.parametrize("kw", [dict(), dict(recompute_swiglu=True),
+                                dict(recompute_fc1=True, fold_routing_weights=True),
                                 dict(recompute_gather=True, num_token_chunks=3)])
 def test_double_backward_raises_instead_of_a_wrong_result(kw):
     """Second-order gradients through the routed experts are not supported: the custom backward

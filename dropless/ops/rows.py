@@ -96,6 +96,7 @@ if select.HAS_TRITON:
         if NEED_GW:
             tl.store(grad_w_ptr + n * K + js, dot, mask=jmask)
 
+
 @dataclass
 class RowSource:
     """A landed buffer given by where its rows come from, not materialised.
@@ -118,6 +119,7 @@ class RowSource:
 
 BLOCK_H, NUM_WARPS = 1024, 4
 COMBINE_BWD_BLOCK_H, COMBINE_BWD_WARPS = 256, 4  # measured best at the per-rank shape (live_rows.py --sweep)
+
 
 # ---------------------------------------------------------------------------- the Triton launches, as opaque ops
 # (mutating their outputs, with no-op fakes) so that torch.compile traces around them with fullgraph=True;

@@ -152,6 +152,7 @@ if select.HAS_TRITON:
                     _rows(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, r, hi, I, stride_h, stride_do, stride_o, stride_s,
                           OP, HAS_W, UE8M0, EVEN_N, NUM_NB, BLOCK_M, BLOCK_N, GROUP)
 
+
 @dataclass(frozen=True)
 class LaunchConfig:
     """How the SwiGLU kernels are launched (the defaults are the measured best on an H200).
