@@ -73,7 +73,8 @@ def build_experts(gemm: str, counts=(21733, 15004, 17982, 10817), H: int = 7168,
     return fwd, fwdbwd
 
 
-def build_layer(gemm: str, T: int = 8192, H: int = 7168, I: int = 2048, E: int = 32, k: int = 8, A: int = 1, **extra):
+def build_layer(gemm: str, T: int = 8192, H: int = 7168, I: int = 2048, E: int = 32, k: int = 8, A: int = 1,
+                fast_init: bool = False, **extra):
     """The whole-layer forward+backward closure at issue 2's shape (b)."""
     from dropless import ModelArgs
     from dropless.moe import MoE
@@ -82,7 +83,14 @@ def build_layer(gemm: str, T: int = 8192, H: int = 7168, I: int = 2048, E: int =
                      n_group=8, topk_group=4, n_shared_experts=1, routed_scaling_factor=2.5,
                      aux_loss_alpha=1e-4, expert_alignment=A, gemm=gemm, **extra)
     moe = MoE(args, 0)
-    moe.init_weights(0)
+    if fast_init:  # the same N(0, initializer_range) weights drawn on the GPU (the CPU draw is slow at this size)
+        moe = moe.cuda()
+        with torch.no_grad():
+            for p in moe.parameters():
+                p.normal_(0.0, args.initializer_range)
+            moe.router.e_score_correction_bias.zero_()
+    else:
+        moe.init_weights(0)
     moe = moe.cuda().to(torch.bfloat16).train()
     x = torch.randn(1, T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     gy = torch.randn(1, T, H, device="cuda", dtype=torch.bfloat16)
@@ -107,10 +115,11 @@ def experts_only(gemm: str, counts: list[int], H: int, I: int, A: int) -> None:
          fwdbwd_ms=round(ms_fb, 3), fwdbwd_tflops=round(3 * flops_fwd / ms_fb / 1e9, 1))
 
 
-def whole_layer(gemm: str, T: int, H: int, I: int, E: int, k: int, A: int, **extra) -> None:
+def whole_layer(gemm: str, T: int, H: int, I: int, E: int, k: int, A: int, label: str = "", fast_init: bool = False,
+                **extra) -> None:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    fwdbwd = build_layer(gemm, T, H, I, E, k, A, **extra)
+    fwdbwd = build_layer(gemm, T, H, I, E, k, A, fast_init=fast_init, **extra)
     fwdbwd()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -121,7 +130,7 @@ def whole_layer(gemm: str, T: int, H: int, I: int, E: int, k: int, A: int, **ext
     ms = bench(fwdbwd, warmup=3, iters=10)
     # live FLOPs: routed rows (T·k) through 3 GEMMs, shared expert (T rows), router (T·E·H)
     fwd = 6 * T * k * H * I + 6 * T * H * I + 2 * T * E * H
-    emit(bench="whole_layer", gemm=gemm, T=T, H=H, I=I, E=E, k=k, alignment=A, **extra,
+    emit(bench="whole_layer", label=label, gemm=gemm, T=T, H=H, I=I, E=E, k=k, alignment=A, **extra,
          fwdbwd_ms=round(ms, 3), fwdbwd_tflops=round(3 * fwd / ms / 1e9, 1),
          peak_gib=round(peak / 2**30, 2), resident_before_gib=round(base / 2**30, 2),
          activation_peak_gib=round((peak - base) / 2**30, 2))
@@ -132,6 +141,9 @@ def main(argv=None) -> int:
     p.add_argument("--gemm", default="torch")
     p.add_argument("--quick", action="store_true", help="smaller shapes (smoke test)")
     p.add_argument("--only", choices=["ceiling", "experts", "layer"], default=None)
+    p.add_argument("--alignments", default="1,128", help="expert_alignment values, comma-separated")
+    p.add_argument("--label", default="", help="a tag put in every whole_layer line (e.g. old/new)")
+    p.add_argument("--fast-init", action="store_true", help="draw the weights on the GPU (not init_weights)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/moe_layer.py needs a CUDA device", file=sys.stderr)
@@ -147,8 +159,8 @@ def main(argv=None) -> int:
         for A in (1, 128):
             experts_only(a.gemm, counts, H, I, A)
     if a.only in (None, "layer"):
-        for A in (1, 128):
-            whole_layer(a.gemm, 8192, H, I, 32, 8, A)
+        for A in map(int, a.alignments.split(",")):
+            whole_layer(a.gemm, 8192, H, I, 32, 8, A, label=a.label, fast_init=a.fast_init)
     return 0
 
 

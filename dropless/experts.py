@@ -5,14 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dropless.layout import ExpertLayout, poison_padding
-from dropless.ops import get_backend, grouped_mm, use_triton
-from dropless.ops.backward import first_order_only, grad_wanted
-from dropless.ops.grouped_gemm import WgradAccumulator, check_operands, weight_grad
-from dropless.permute import RowSource, gather_rows, gather_sum, permute_rows
+from dropless.ops import get_backend, grouped_mm
+from dropless.ops.expert_mlp import RecomputeAhead, expert_mlp_recompute  # noqa: F401 (RecomputeAhead re-exported)
+from dropless.ops.grouped_gemm import WgradAccumulator, check_operands
+from dropless.ops.swiglu import swiglu
+from dropless.permute import RowSource, permute_rows
 
 
 def init_expert_weights_(w13_eHI2: torch.Tensor, w2_eIH: torch.Tensor, seed: int, layer_id: int,
@@ -44,290 +44,12 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def _swiglu_fwd(h13_MI2: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
-    """``silu(gate) * up`` without autograd: the live-row Triton kernel on CUDA, torch ops elsewhere."""
-    if use_triton(h13_MI2):
-        from dropless.ops import triton_kernels
-
-        return triton_kernels.swiglu_fwd(h13_MI2, layout)
-    gate, up = h13_MI2.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def _swiglu_bwd(h13_MI2: torch.Tensor, dh_MI: torch.Tensor, layout: ExpertLayout,
-                row_w: torch.Tensor | None = None) -> torch.Tensor:
-    """Gradient ``[M, 2I]`` (d gate || d up) of :func:`_swiglu_fwd`, computed in fp32 (fp64 for fp64).
-
-    With ``row_w`` (``[M]`` folded routing weights) it is the gradient of ``swiglu(h13) · row_w``
-    (the weight rounded to ``h13``'s dtype, as in the forward), scaled inside the fp32
-    computation: no scaled ``[M, I]`` copy of ``dh_MI``.
-    """
-    if use_triton(h13_MI2):
-        from dropless.ops import triton_kernels
-
-        return triton_kernels.swiglu_bwd(h13_MI2, dh_MI, layout, row_w)
-    acc = torch.promote_types(h13_MI2.dtype, torch.float32)
-    gate, up = h13_MI2.to(acc).chunk(2, dim=-1)
-    s = torch.sigmoid(gate)
-    dh = dh_MI.to(acc)
-    if row_w is not None:
-        dh = dh * row_w.to(h13_MI2.dtype).to(acc).unsqueeze(1)
-    return torch.cat([dh * up * s * (1 + gate * (1 - s)), dh * gate * s], dim=-1).to(h13_MI2.dtype)
-
-
-class _SwiGLU(torch.autograd.Function):
-    """SwiGLU that saves only its input ``h13`` (not ``silu(gate)`` as autograd of the torch ops would)."""
-
-    @staticmethod
-    def forward(ctx, h13_MI2, layout):
-        ctx.layout = layout
-        ctx.save_for_backward(h13_MI2)
-        return _swiglu_fwd(h13_MI2, layout)
-
-    @staticmethod
-    @first_order_only
-    def backward(ctx, dout_MI):
-        (h13_MI2,) = ctx.saved_tensors
-        return _swiglu_bwd(h13_MI2, dout_MI.contiguous(), ctx.layout), None
-
-
-def swiglu(h13_MI2: torch.Tensor, layout: ExpertLayout | None = None) -> torch.Tensor:
-    """``silu(gate) * up`` on ``[M, 2I]`` (gate = first ``I`` columns) -> ``[M, I]``, same dtype.
-
-    Saves only ``h13`` for backward. On CUDA with Triton only live rows are computed
-    (DESIGN.md rule 3) and padding rows of the result and of its gradient stay unwritten;
-    elsewhere every row is computed (padding rows give garbage, never read). Without a
-    ``layout`` it is the plain torch expression (any rows, autograd of the torch ops).
-    """
-    if layout is None:
-        gate, up = h13_MI2.chunk(2, dim=-1)
-        return F.silu(gate) * up
-    return _SwiGLU.apply(h13_MI2, layout)
-
-
-class _RecomputeBox:
-    """Hands the rebuilt FC1 output (and the landed rows, when they were saved) on to the next backward node.
-
-    :class:`RecomputeAhead`'s hook (or else FC2's backward) fills it; FC2's backward reads it
-    and FC1's backward, which runs right after, takes it.
-    """
-
-    def __init__(self) -> None:
-        self.rows: torch.Tensor | None = None
-        self.h13: torch.Tensor | None = None
-        self.fc2_saved: tuple | None = None  # FC2's saved tensors, unpacked once by the ahead hook
-
-
-def _rebuild_h13(box: _RecomputeBox, x_in, w13, src_M, layout, backend) -> torch.Tensor:
-    """``box.h13`` = FC1 of the landed rows (re-gathered when ``src_M`` is given), unless already there."""
-    if box.h13 is None:
-        rows = _landed(x_in, src_M)
-        box.h13 = backend.gmm(rows, w13, layout)
-        # re-gathered rows are not kept for FC1's backward (it gathers again, a cheap copy):
-        # they would sit beside FC2's [M, H] gradient, the backward's largest buffers
-        box.rows = None if src_M is not None else rows
-    return box.h13
-
-
-class RecomputeAhead:
-    """Handle from :func:`expert_mlp_recompute` (``recompute_fc1``): :meth:`attach` it to the combined output.
-
-    ``y_TH = ahead.attach(y_TH)`` registers a gradient hook on the combined output of the
-    same rows. Autograd runs it right before the combine's backward, which lands the
-    ``[M, H]`` row gradient; the hook rebuilds FC1's output then (re-gathering the rows and
-    freeing them), so that FC2's backward no longer holds the rows, ``h13`` and the row
-    gradient at once (the peak of a chunk's backward). Optional: without it FC2's backward
-    rebuilds ``h13`` itself. Attach it to a tensor whose backward runs just before this
-    chunk's expert nodes (the output of a combine that finished at once): a hook on the
-    output of a later collective would run before every chunk's experts and rebuild every
-    chunk's ``h13`` up front. Not for FSDP2-managed experts (the weights are gathered again
-    only when the experts' outputs get their gradient, after the hook).
-    """
-
-    def __init__(self, fc2_node):
-        self._fc2 = fc2_node  # the _FC2Recompute node (it holds what the rebuild needs)
-
-    def attach(self, y_TH: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and y_TH.requires_grad:
-            fc2 = self._fc2
-            y_TH.register_hook(lambda grad: _FC2Recompute.rebuild_ahead(fc2))
-        return y_TH
-
-
-def _weighted_(a_MI: torch.Tensor, row_w: torch.Tensor | None) -> torch.Tensor:
-    """``a_MI × row_w`` per row, in place (``a_MI`` is a fresh SwiGLU output nobody else holds)."""
-    return a_MI if row_w is None else a_MI.mul_(row_w.to(a_MI.dtype).unsqueeze(1))
-
-
-def _landed(x_in: torch.Tensor, src_M: torch.Tensor | None) -> torch.Tensor:
-    """The landed rows: ``x_in`` itself, or re-gathered from the source tokens ``x_in[src_M]``."""
-    return x_in if src_M is None else gather_rows(x_in, src_M)
-
-
-class _FC1SwiGLU(torch.autograd.Function):
-    """(gather) -> FC1 (gate||up) -> SwiGLU (× row weight), without saving the SwiGLU output.
-
-    Input ``x_in``: the landed rows ``[M, H]``, or with ``src_M`` the source tokens ``[N, H]``
-    (``recompute_gather``: the rows are gathered here, not saved, and re-gathered in
-    backward; the gradient goes back to the tokens through ``dest_Nk``). Saves ``x_in``,
-    plus ``h13`` unless ``recompute_fc1``. Returns ``(h, h13)``; ``h13`` is
-    non-differentiable and only handed to :class:`_FC2Recompute` so that it can rebuild ``h``
-    (the storage this node saved: no extra memory). With ``recompute_fc1`` ``h13`` is None
-    and FC2's backward recomputes it. With ``wgrad`` (an accumulator) ``dW13`` is added into
-    it rather than returned.
-    """
-
-    @staticmethod
-    def forward(ctx, x_in, w13, row_w, src_M, dest_Nk, layout, backend, recompute_fc1, box, wgrad):
-        h13 = backend.gmm(_landed(x_in, src_M), w13, layout)
-        h = _weighted_(_swiglu_fwd(h13, layout), row_w)
-        ctx.layout, ctx.backend, ctx.recompute_fc1, ctx.box, ctx.wgrad = layout, backend, recompute_fc1, box, wgrad
-        ctx.has_w, ctx.gather = row_w is not None, src_M is not None
-        # h13 is a non-differentiable output: without this, backward would get a materialised
-        # all-zero [M, 2I] gradient for it (0.5 GiB at the V3 rank's shape)
-        ctx.set_materialize_grads(False)
-        empty = x_in.new_empty(0)
-        ctx.save_for_backward(x_in, w13, row_w if row_w is not None else empty,
-                              empty if recompute_fc1 else h13,
-                              src_M if src_M is not None else empty, dest_Nk if dest_Nk is not None else empty)
-        if recompute_fc1:
-            return h, None
-        ctx.mark_non_differentiable(h13)
-        return h, h13
-
-    @staticmethod
-    @first_order_only
-    def backward(ctx, dh_MI, _dh13):
-        if dh_MI is None:  # h did not reach the loss
-            return (None,) * 10
-        x_in, w13, row_w, h13, src_M, dest_Nk = ctx.saved_tensors
-        layout, be, box = ctx.layout, ctx.backend, ctx.box
-        src = src_M if ctx.gather else None
-        want_x, want_w13 = grad_wanted(ctx, 0), grad_wanted(ctx, 1)
-        want_rw = ctx.has_w and grad_wanted(ctx, 2)
-        if ctx.recompute_fc1:  # FC2's backward (or the ahead hook) left it in the box
-            h13 = _rebuild_h13(box, x_in, w13, src, layout, be) if (want_x or want_w13 or want_rw) else None
-            box.h13 = None
-        d_row_w = dw13 = dx = None
-        if want_rw:
-            a = _swiglu_fwd(h13, layout)
-            # bf16 products summed in fp32: no [M, I] fp32 copies of dh and a (3 × M·I·4 bytes)
-            d_row_w = torch.sum(dh_MI * a, dim=-1, dtype=torch.promote_types(a.dtype, torch.float32)).to(row_w.dtype)
-            del a
-        x, box.rows = box.rows, None
-        if not (want_x or want_w13):
-            return None, None, d_row_w, None, None, None, None, None, None, None
-        dh13 = _swiglu_bwd(h13, dh_MI.contiguous(), layout, row_w if ctx.has_w else None)
-        del h13
-        if want_w13:
-            # the rows only now, after h13 is freed: they never sit beside h13, dh and dh13 at once
-            if x is None:
-                x = _landed(x_in, src)
-            dw13 = weight_grad(x, dh13, layout, be, w13.dtype, (ctx.wgrad, "w13") if ctx.wgrad is not None else None)
-        del x
-        if want_x:
-            dx = be.gmm(dh13, w13.transpose(1, 2), layout)
-            del dh13
-            if ctx.gather:
-                dx = gather_sum(dx, dest_Nk, None)  # Σ over the k landed copies of each token, fp32
-        return dx, dw13, d_row_w, None, None, None, None, None, None, None
-
-
-class _FC2Recompute(torch.autograd.Function):
-    """FC2 whose input ``h`` is not saved: backward rebuilds it from what FC1 saved.
-
-    Saves (references to) ``x_in``, ``w13``, the row weights and ``h13`` — tensors
-    :class:`_FC1SwiGLU` already keeps — plus ``w2``. With ``recompute_fc1`` it re-gathers the
-    rows if needed and reruns the FC1 GEMM (+2·R·H·2I FLOPs), leaving the result (and the
-    rows, when they were saved rather than re-gathered) in the box for FC1's backward.
-    """
-
-    @staticmethod
-    def forward(ctx, h_MI, w2, x_in, w13, row_w, h13, src_M, layout, backend, box, wgrad):
-        ctx.layout, ctx.backend, ctx.box, ctx.wgrad = layout, backend, box, wgrad
-        ctx.has_w, ctx.has_h13, ctx.gather = row_w is not None, h13 is not None, src_M is not None
-        empty = x_in.new_empty(0)
-        ctx.save_for_backward(w2, x_in, w13, row_w if row_w is not None else empty,
-                              h13 if h13 is not None else empty, src_M if src_M is not None else empty)
-        return backend.gmm(h_MI, w2, layout)
-
-    @staticmethod
-    @first_order_only
-    def backward(ctx, dy_MH):
-        box = ctx.box
-        saved, box.fc2_saved = box.fc2_saved, None  # unpacked by the ahead hook (once: checkpoint allows one)
-        w2, x_in, w13, row_w, h13, src_M = saved if saved is not None else ctx.saved_tensors
-        layout, be = ctx.layout, ctx.backend
-        want_h, want_w2 = grad_wanted(ctx, 0), grad_wanted(ctx, 1)
-        dy_MH = dy_MH.contiguous()
-        if not ctx.has_h13:  # rebuilt by the ahead hook already, or here
-            h13 = _rebuild_h13(box, x_in, w13, src_M if ctx.gather else None, layout, be)
-        dw2 = dh = None
-        if want_w2:
-            h = _weighted_(_swiglu_fwd(h13, layout), row_w if ctx.has_w else None)
-            dw2 = weight_grad(h, dy_MH, layout, be, w2.dtype, (ctx.wgrad, "w2") if ctx.wgrad is not None else None)
-            del h
-        del h13
-        if want_h:
-            dh = be.gmm(dy_MH, w2.transpose(1, 2), layout)
-        else:  # FC1's backward will not run in this pass: nothing to hand on
-            box.h13 = box.rows = None
-        return dh, dw2, None, None, None, None, None, None, None, None, None
-
-    @staticmethod
-    def rebuild_ahead(ctx) -> None:
-        """:class:`RecomputeAhead`'s hook: rebuild ``h13`` into the box before this node's backward.
-
-        Unpacks the saved tensors once and leaves them in the box for :meth:`backward`
-        (non-reentrant activation checkpointing lets a saved tensor be unpacked only once).
-        Does nothing when ``h13`` was saved or this node will not run in this pass.
-        """
-        if ctx.has_h13:
-            return
-        try:
-            if not torch._C._will_engine_execute_node(ctx):
-                return
-        except (RuntimeError, AttributeError):
-            pass
-        box = ctx.box
-        box.fc2_saved = ctx.saved_tensors
-        _, x_in, w13, _, _, src_M = box.fc2_saved
-        box.h13 = box.rows = None  # rebuilt fresh: a retained graph's weights may have changed since
-        _rebuild_h13(box, x_in, w13, src_M if ctx.gather else None, ctx.layout, ctx.backend)
-
-
-def expert_mlp_recompute(x_in, w13, w2, row_w, layout, backend, recompute_fc1: bool,
-                         source: RowSource | None = None, wgrad: WgradAccumulator | None = None,
-                         with_ahead: bool = False):
-    """(gather) -> FC1 -> SwiGLU (× row weight) -> FC2 with selective recompute (MegaBlocks' memory-optimised MLP idea).
-
-    Args:
-        x_in: ``[M, H]`` landed rows, or None with ``source`` (re-gathered in backward).
-        w13: ``[e, H, 2I]``, w2: ``[e, I, H]``, in ``x_in``'s dtype.
-        row_w: ``[M]`` routing weight of each row (``fold_routing_weights``), or None.
-        layout: the rows' :class:`ExpertLayout`. backend: a grouped GEMM backend instance.
-        recompute_fc1: do not save ``h13``; FC2's backward reruns the FC1 GEMM.
-        source: :class:`~dropless.permute.RowSource` of the rows (``recompute_gather``).
-        wgrad: accumulator for ``dW13``/``dW2`` (chunked layer calls), or None to return them.
-        with_ahead: also return a :class:`RecomputeAhead` (None unless ``recompute_fc1``)
-            for the caller to attach to the combined output.
-    Returns:
-        ``[M, H]`` expert outputs (padding rows unspecified), in ``x_in``'s dtype; with
-        ``with_ahead``, the pair ``(outputs, ahead)``.
-    Saved for backward: the landed rows ``[M, H]`` (with ``source``: nothing beyond the
-    source tokens and the int64 indices ``src_M``, ``dest_Nk``), ``h13 [M, 2I]`` unless
-    ``recompute_fc1``, the row weights ``[M]`` if folded; never the SwiGLU output. Two
-    autograd nodes, so that FC2's gradients are released before FC1's backward runs.
-    """
-    box = _RecomputeBox()
-    src_M = dest_Nk = None
-    if source is not None:
-        x_in, src_M, dest_Nk = source.x_NH, source.src_M, source.dest_Nk
-    h, h13 = _FC1SwiGLU.apply(x_in, w13, row_w, src_M, dest_Nk, layout, backend, recompute_fc1, box, wgrad)
-    y = _FC2Recompute.apply(h, w2, x_in, w13, row_w, h13, src_M, layout, backend, box, wgrad)
-    if not with_ahead:
-        return y
-    return y, (RecomputeAhead(y.grad_fn) if recompute_fc1 and y.grad_fn is not None else None)
+def _poisoner(layout: ExpertLayout, on: bool):
+    """The identity, or with ``on`` (``poison_padding``, case-03) :func:`~dropless.layout.poison_padding`:
+    NaN into every padding row of a tensor and of its gradient, so a stage that reads padding shows NaN."""
+    if not on:
+        return lambda t: t
+    return lambda t: poison_padding(t, layout)
 
 
 @dataclass
@@ -431,18 +153,11 @@ class GroupedExperts(nn.Module):
                                             self.recompute_fc1, source=source, wgrad=acc, with_ahead=with_ahead)
             if rows_MH is None:
                 rows_MH = permute_rows(source.x_NH, source.src_M, source.dest_Nk)
-            x = rows_MH.to(dt)
-            if poison:
-                x = poison_padding(x, layout)
-            h13 = grouped_mm(x, w13, layout, self.backend, wgrad=(acc, "w13") if acc is not None else None)
-            if poison:
-                h13 = poison_padding(h13, layout)
+            mark = _poisoner(layout, poison)
+            x = mark(rows_MH.to(dt))
+            h13 = mark(grouped_mm(x, w13, layout, self.backend, wgrad=(acc, "w13") if acc is not None else None))
             h = swiglu(h13, layout)
             if row_weight_M is not None:
                 h = h * row_weight_M.to(h.dtype).unsqueeze(1)
-            if poison:
-                h = poison_padding(h, layout)
-            y = grouped_mm(h, w2, layout, self.backend, wgrad=(acc, "w2") if acc is not None else None)
-            if poison:
-                y = poison_padding(y, layout)
+            y = mark(grouped_mm(mark(h), w2, layout, self.backend, wgrad=(acc, "w2") if acc is not None else None))
             return (y, None) if with_ahead else y

@@ -4,8 +4,10 @@ Both are custom autograd Functions that save only integer indices (MaxText's
 custom sort VJP; DESIGN.md "Memory"): the backward of a gather is the inverse
 gather, not a stored copy of the rows.
 
-* :func:`permute_rows` gathers rows straight from ``x_NH`` by index into the
-  landed buffer (direct token gather: no ``repeat_interleave(k)`` copy of x).
+* :func:`permute_rows` lands rows straight from ``x_NH`` by index into the
+  buffer (:func:`dropless.ops.rows.land_rows`: each token read once and scattered to
+  its ``k`` rows by the Triton kernel, a gather by ``src_M`` elsewhere; no
+  ``repeat_interleave(k)`` copy of x).
 * :func:`combine_rows` is the weighted sum over ``k`` accumulated in fp32 in
   the fixed order ``j = 0 … k-1``, reading live rows only.
 
@@ -15,13 +17,11 @@ landed buffers and of their gradients are never read (DESIGN.md rule 2).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from dropless.layout import ExpertLayout
-from dropless.ops import use_triton
 from dropless.ops.backward import first_order_only
+from dropless.ops.rows import RowSource, combine_bwd, gather_rows, gather_sum, land_rows  # noqa: F401 (re-exported)
 
 
 def sort_by_expert(expert_idx_Nk: torch.Tensor, num_experts: int, alignment: int = 1,
@@ -72,39 +72,11 @@ def sort_by_expert(expert_idx_Nk: torch.Tensor, num_experts: int, alignment: int
     return layout, dest.view(n, k), src[: layout.capacity]
 
 
-@dataclass
-class RowSource:
-    """A landed buffer given by where its rows come from, not materialised.
-
-    ``rows_MH[m] = x_NH[src_M[m]]`` (:func:`gather_rows`); its gradient goes back to ``x_NH``
-    as ``Σ_j grad_rows[dest_Nk[n, j]]``. Dispatchers that land rows by a local gather
-    (``local``, ``fsdp``) can return this, so that the experts save ``x_NH`` (which the
-    router keeps anyway) and re-gather in backward instead of saving ``[M, H]``
-    (``recompute_gather``; seed 003 §4: the buffer is ``k``× the layer input).
-
-    Attributes:
-        x_NH: ``[N, H]`` source rows. src_M: int64 ``[M]`` (``-1`` on padding).
-        dest_Nk: int64 ``[N, k]`` landed row of each choice (``-1``: not landed).
-    """
-
-    x_NH: torch.Tensor
-    src_M: torch.Tensor
-    dest_Nk: torch.Tensor
-
-
-def gather_rows(x_NH: torch.Tensor, src_M: torch.Tensor) -> torch.Tensor:
-    """``rows_MH[m] = x_NH[src_M[m]]`` without autograd; padding rows (``src = -1``) unspecified."""
-    if x_NH.shape[0] == 0:  # a rank that received no rows: every landed row is padding
-        return x_NH.new_empty(src_M.shape[0], x_NH.shape[1])
-    # padding rows read row 0: garbage by contract, never used
-    return x_NH.index_select(0, src_M.clamp(min=0))
-
-
 class _PermuteRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_NH, src_M, dest_Nk):
         ctx.save_for_backward(dest_Nk)
-        return gather_rows(x_NH, src_M)
+        return land_rows(x_NH, src_M, dest_Nk)
 
     @staticmethod
     @first_order_only
@@ -129,62 +101,10 @@ class _CombineRows(torch.autograd.Function):
         saved = ctx.saved_tensors
         dest_Nk = saved[0]
         weight_Nk = saved[1] if len(saved) > 1 else None
-        grad_NH = grad_NH.contiguous()
-        n, k = dest_Nk.shape
-        if use_triton(grad_NH):
-            from dropless.ops import triton_kernels
-
-            w = weight_Nk if weight_Nk is not None else torch.ones(n, k, device=grad_NH.device)
-            need_gw = weight_Nk is not None and ctx.needs_input_grad[2]
-            grad_y, grad_w = triton_kernels.combine_bwd(grad_NH, saved[2] if need_gw else None, dest_Nk, w,
-                                                        ctx.num_rows_M, need_gw)
-            return grad_y, None, (grad_w.to(weight_Nk.dtype) if grad_w is not None else None)
-        acc_dt = torch.promote_types(grad_NH.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
-        g32 = grad_NH.to(acc_dt)
-        # padding rows of the gradient stay unwritten: nothing downstream reads them.
-        # One scratch row at index M takes the writes of choices routed elsewhere (dest < 0).
-        m = ctx.num_rows_M
-        grad_ext = grad_NH.new_empty(m + 1, grad_NH.shape[1])
-        for j in range(k):
-            idx = dest_Nk[:, j]
-            tgt = torch.where(idx >= 0, idx, torch.full_like(idx, m))
-            src = grad_NH if weight_Nk is None else (g32 * weight_Nk[:, j : j + 1].to(acc_dt)).to(grad_NH.dtype)
-            grad_ext.index_copy_(0, tgt, src)
-        grad_y = grad_ext[:m]
-        grad_w = None
-        if weight_Nk is not None and ctx.needs_input_grad[2]:
-            y_MH = saved[2]
-            cols = []
-            for j in range(k):
-                idx = dest_Nk[:, j]
-                yj = y_MH.index_select(0, idx.clamp(min=0)).to(acc_dt)
-                dot = (g32 * yj).sum(-1)
-                cols.append(torch.where(idx >= 0, dot, torch.zeros_like(dot)))
-            grad_w = torch.stack(cols, 1).to(weight_Nk.dtype)
-        return grad_y, None, grad_w
-
-
-def gather_sum(rows_MH: torch.Tensor, dest_Nk: torch.Tensor, weight_Nk: torch.Tensor | None) -> torch.Tensor:
-    """``out[n] = Σ_j w[n, j] · rows[dest[n, j]]`` over ``j = 0 … k-1`` in fp32 (fp64 for fp64 rows), fixed order.
-
-    Choices with ``dest < 0`` contribute nothing (their rows are not even read as data:
-    a masked select, since ``0 · NaN = NaN``). Returns ``rows_MH``'s dtype, ``[N, H]``.
-    """
-    if use_triton(rows_MH) and rows_MH.dtype != torch.float64:
-        from dropless.ops import triton_kernels
-
-        return triton_kernels.gather_sum(rows_MH, dest_Nk, weight_Nk)
-    n, k = dest_Nk.shape
-    acc_dt = torch.promote_types(rows_MH.dtype, torch.float32)  # fp32, or fp64 for fp64 rows
-    acc = torch.zeros(n, rows_MH.shape[1], dtype=acc_dt, device=rows_MH.device)
-    for j in range(k):
-        idx = dest_Nk[:, j]
-        live = (idx >= 0).unsqueeze(1)
-        r = rows_MH.index_select(0, idx.clamp(min=0)).to(acc_dt)
-        if weight_Nk is not None:
-            r = r * weight_Nk[:, j : j + 1].to(acc_dt)
-        acc += torch.where(live, r, torch.zeros((), device=r.device))
-    return acc.to(rows_MH.dtype)
+        need_gw = weight_Nk is not None and ctx.needs_input_grad[2]
+        grad_y, grad_w = combine_bwd(grad_NH.contiguous(), saved[2] if need_gw else None, dest_Nk, weight_Nk,
+                                     ctx.num_rows_M, need_gw)
+        return grad_y, None, (grad_w.to(weight_Nk.dtype) if grad_w is not None else None)
 
 
 def permute_rows(x_NH: torch.Tensor, src_M: torch.Tensor, dest_Nk: torch.Tensor) -> torch.Tensor:

@@ -114,7 +114,12 @@ def in_backward_recompute() -> bool:
     That is where activation checkpointing re-runs a forward (both
     ``use_reentrant`` modes of ``torch.utils.checkpoint``). A plain forward, even
     under ``torch.no_grad()``, returns False. Host-only (no device work).
+    Under ``torch.compile`` it is False: the compiled graph runs the forward once, and
+    AOTAutograd recomputes inside the backward graph without re-running this Python (a
+    compiled router inside an eager checkpoint would count its recompute again).
     """
+    if torch.compiler.is_compiling():
+        return False
     return torch._C._current_graph_task_id() != -1
 
 

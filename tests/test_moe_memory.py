@@ -256,9 +256,10 @@ def test_fc1_output_is_rebuilt_before_each_chunks_combine_backward(monkeypatch, 
     gets its gradient, before the combine's backward lands the [M, H] row gradient (so the
     re-gathered rows are freed first), one chunk at a time; results unchanged."""
     from dropless import experts, permute
+    from dropless.ops import expert_mlp
 
     log = []
-    real_rebuild, real_bwd = experts._rebuild_h13, permute._CombineRows.backward
+    real_rebuild, real_bwd = expert_mlp._rebuild_h13, permute._CombineRows.backward
 
     def rebuild(box, *a):
         if box.h13 is None:
@@ -269,7 +270,7 @@ def test_fc1_output_is_rebuilt_before_each_chunks_combine_backward(monkeypatch, 
         log.append("combine")
         return real_bwd(ctx, grad)
 
-    monkeypatch.setattr(experts, "_rebuild_h13", rebuild)
+    monkeypatch.setattr(expert_mlp, "_rebuild_h13", rebuild)
     monkeypatch.setattr(permute._CombineRows, "backward", staticmethod(combine_bwd))
     kw = dict(recompute_fc1=True, fold_routing_weights=True, recompute_gather=gather, num_token_chunks=3)
     got = _layer_run(**kw)
@@ -324,7 +325,8 @@ def test_recompute_fc1_output_can_be_modified_in_place():
         assert torch.allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(recompute_swiglu=True), dict(recompute_fc1=True, fold_routing_weights=True),
+@pytest.mark.parametrize("kw", [dict(), dict(recompute_swiglu=True),
+                                dict(recompute_fc1=True, fold_routing_weights=True),
                                 dict(recompute_gather=True, num_token_chunks=3)])
 def test_double_backward_raises_instead_of_a_wrong_result(kw):
     """Second-order gradients through the routed experts are not supported: the custom backward

@@ -14,27 +14,16 @@ Backends (``gemm=…``):
     ``loop``   a per-expert reference loop (any dtype, float64 included); it reads
                the layout on the host, so it is for tests, not for speed.
 
-On CUDA with Triton, the memory-bound steps around the GEMMs (SwiGLU over live rows,
-the combine and the permutation's backward) run as fused kernels
-(:mod:`dropless.ops.triton_kernels`); elsewhere plain torch ops compute the same.
+The memory-bound ops around the GEMMs, one file each, each holding its Triton kernel, its
+torch reference and the one place that picks between them (:mod:`dropless.ops.select`):
+:mod:`~dropless.ops.swiglu` (SwiGLU over live rows, its backward, the fused FP8 quantisation),
+:mod:`~dropless.ops.rows` (permute, gather-sum / combine, combine backward),
+:mod:`~dropless.ops.zero_fill` (gap rows, empty experts' gradients) and
+:mod:`~dropless.ops.triton_wgrad` (the accumulating grouped weight gradient).
 """
-
-import torch
 
 from dropless.ops.backends import GemmBackend, get_backend, list_backends, register_backend
 from dropless.ops.grouped_gemm import grouped_mm
-
-try:  # the live-row Triton kernels (dropless.ops.triton_kernels) need triton and CUDA
-    import triton  # noqa: F401
-
-    _HAS_TRITON = True
-except ImportError:  # CPU installs: the torch implementations are used instead
-    _HAS_TRITON = False
-
-
-def use_triton(t: torch.Tensor) -> bool:
-    """True when ``t`` is on CUDA and Triton imports: the fused live-row kernels then run."""
-    return _HAS_TRITON and t.is_cuda
-
+from dropless.ops.select import use_triton
 
 __all__ = ["GemmBackend", "get_backend", "list_backends", "register_backend", "grouped_mm", "use_triton"]

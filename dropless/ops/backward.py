@@ -46,10 +46,12 @@ def grad_wanted(ctx, i: int) -> bool:
     ``torch.autograd.grad`` (or ``backward(inputs=...)``) may ask for a subset; a gradient
     nobody takes is not computed (and a weight gradient is not added into a chunk
     accumulator that would then outlive the pass). Where autograd cannot tell (a leaf under
-    ``autograd.grad``), it is computed.
+    ``autograd.grad``, or a backward traced by ``torch.compile``), it is computed.
     """
     if not ctx.needs_input_grad[i]:
         return False
+    if torch.compiler.is_compiling():  # a traced backward has no engine nodes to ask
+        return True
     node = ctx.next_functions[i][0]
     if node is None:
         return False

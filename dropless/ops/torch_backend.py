@@ -6,11 +6,11 @@ rows, so gap rows produce garbage only in gap rows of the output.
 
 The weight gradient must not see padding rows (a NaN there would poison
 ``dw``; DESIGN.md rule 2). With ``A = 1`` there are no gaps and the ends are the
-offsets. With ``A > 1`` it runs ``2e`` groups with the interleaved offsets
-``[start[0], end[0], start[1], end[1], …]``: the even groups are the gaps, the
-odd groups the experts' live rows, and only the odd results are kept. An
-empty expert is forced to an exact zero (case-01: some GPU kernels leave
-garbage for empty groups).
+offsets. With ``A > 1`` the gap rows ``[end[i], start[i+1])`` of both operands
+are first overwritten with zeros (they are padding; :mod:`dropless.ops.zero_fill`),
+so the groups ``[end[i-1], end[i])`` add exact zeros for them. An empty expert
+is forced to an exact zero (case-01: some GPU kernels leave garbage for empty
+groups).
 
 Limits (torch 2.11–2.13): on CPU fp32/bf16/fp16 operands; on CUDA bf16 on
 sm90+; every row stride a multiple of 16 bytes (K and N multiples of 8 for
@@ -23,14 +23,35 @@ import torch
 import torch.nn.functional as F
 
 from dropless.layout import ExpertLayout
-from dropless.ops import use_triton
+from dropless.ops import select
+from dropless.ops.zero_fill import zero_empty_experts_, zero_gap_rows_
+
+if select.HAS_TRITON:
+    from dropless.ops import triton_wgrad
 
 
-def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def _grouped_mm_eager(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``grouped_mm(a, b, offs)``; as ``dropless::grouped_mm`` an opaque op for ``torch.compile``:
+    torch's meta function for it assumes CUDA bf16, so the CPU fp32 call could not be traced; this
+    op's fake gives the shape for any dtype."""
     fn = getattr(F, "grouped_mm", None)
     if fn is None:  # torch < 2.10
         return torch._grouped_mm(a, b, offs=offs)
     return fn(a, b, offs=offs)
+
+
+_grouped_mm_op = torch.library.custom_op("dropless::grouped_mm", _grouped_mm_eager, mutates_args=())
+
+
+@_grouped_mm_op.register_fake
+def _(a, b, offs):
+    if b.dim() == 3:  # [M, K] x [e, K, N] -> [M, N]
+        return a.new_empty(a.shape[0], b.shape[2])
+    return a.new_empty(offs.shape[0], a.shape[0], b.shape[1])  # [K, M] x [M, N] -> [e, K, N]
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return (_grouped_mm_op if torch.compiler.is_compiling() else _grouped_mm_eager)(a, b, offs)
 
 
 class TorchBackend:
@@ -54,38 +75,20 @@ class TorchBackend:
         return _grouped_mm(x_MK, w_eKN, layout.end)
 
     def gmm_wgrad(self, x_MK: torch.Tensor, dy_MN: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
-        e = layout.num_experts
-        if layout.alignment > 1 and use_triton(x_MK) and x_MK.stride(1) == 1 and dy_MN.stride(1) == 1:
-            # zero the gap rows of both operands (padding: nobody reads them), so that the
-            # groups [end[i-1], end[i]) add exact zeros for them; no [2e, K, N] transient.
-            from dropless.ops import triton_kernels
-
-            triton_kernels.zero_gap_rows_(x_MK, layout)
-            triton_kernels.zero_gap_rows_(dy_MN, layout)
-            dw = _grouped_mm(x_MK.t(), dy_MN, layout.end)
-            return triton_kernels.zero_empty_experts_(dw, layout.counts)
-        if layout.alignment == 1:
-            # no gaps between segments: group i = [end[i-1], end[i]) is exactly expert i's live
-            # rows, and grouped_mm ignores the tail after end[e-1].
-            dw = _grouped_mm(x_MK.t(), dy_MN, layout.end)
-            if use_triton(dw) and dw.is_contiguous():
-                from dropless.ops import triton_kernels
-
-                return triton_kernels.zero_empty_experts_(dw, layout.counts)
-        else:
-            # gaps: the even groups of the interleaved offsets take the gap rows, discarded
-            # (a transient [2e, K, N] result: the price of A > 1 on this backend).
-            offs = torch.stack([layout.start, layout.end], dim=1).reshape(2 * e)
-            dw = _grouped_mm(x_MK.t(), dy_MN, offs)[1::2]
-        live = (layout.counts > 0).view(e, 1, 1)
-        return torch.where(live, dw, torch.zeros((), dtype=dw.dtype, device=dw.device))
+        if layout.alignment > 1 and layout.num_experts > 1:
+            # zero the gap rows of both operands (padding: nobody reads them), so that the groups
+            # [end[i-1], end[i]) add exact zeros for them; no [2e, K, N] transient.
+            x_MK = zero_gap_rows_(x_MK if x_MK.stride(1) == 1 else x_MK.contiguous(), layout)
+            dy_MN = zero_gap_rows_(dy_MN if dy_MN.stride(1) == 1 else dy_MN.contiguous(), layout)
+        # group i = [end[i-1], end[i]) is expert i's live rows (after its zeroed gap); grouped_mm
+        # ignores the tail after end[e-1]
+        dw = _grouped_mm(x_MK.t(), dy_MN, layout.end)
+        return zero_empty_experts_(dw if dw.is_contiguous() else dw.contiguous(), layout.counts)
 
     def gmm_wgrad_acc_(self, dw_eKN: torch.Tensor, x_MK: torch.Tensor, dy_MN: torch.Tensor,
                        layout: ExpertLayout) -> None:
         """``dw[i] += x[live_i]^T @ dy[live_i]`` in place (the Triton kernel on CUDA)."""
-        if use_triton(dw_eKN) and dw_eKN.is_contiguous() and x_MK.stride(1) == 1 and dy_MN.stride(1) == 1:
-            from dropless.ops import triton_wgrad
-
+        if select.use_triton(dw_eKN) and dw_eKN.is_contiguous() and x_MK.stride(1) == 1 and dy_MN.stride(1) == 1:
             triton_wgrad.grouped_wgrad_(dw_eKN, x_MK, dy_MN, layout, accumulate=True)
         else:
             dw_eKN.add_(self.gmm_wgrad(x_MK, dy_MN, layout))

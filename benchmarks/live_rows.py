@@ -1,0 +1,210 @@
+"""Live-row kernels against the same kernel on a full buffer, torch.compile and the copy ceiling (issue 13).
+
+One JSON line per result (``bench``, ``op``, ``variant``, ``rows_live``, ``rows_alloc``, ``us``,
+``gbps`` over the fewest bytes the op must move, ``pct_copy`` of the device-to-device copy
+measured in the same run). Shapes:
+
+* the seed's activation shape: 28,672 allocated rows, 32 local experts, A = 128, I = 2,048,
+  with 3,072 live rows (96 per expert), every row live (896 per expert), and one expert
+  holding every row; ops ``swiglu_fwd``, ``swiglu_bwd``, ``swiglu_quant``;
+* the seed's per-rank training shape: counts [21733, 15004, 17982, 10817] (65,536 rows,
+  A = 128), H 7,168, I 2,048, T 8,192 tokens × k 8; ops ``swiglu_*`` and ``permute`` (scatter
+  into the buffer), ``permute_bwd`` (sum of the k row gradients), ``combine`` (weighted fp32
+  sum), ``combine_bwd`` (row gradients + weight gradients).
+
+``--sweep``: also time launch variants (:class:`dropless.ops.swiglu.LaunchConfig`, the row
+kernels' block sizes). ``--old DIR``: also time a checkout's ``dropless/ops/triton_kernels.py`` (the kernels before
+this file existed) at the same shapes. Needs CUDA and triton; no hydra/wandb.
+
+Usage: ``python benchmarks/live_rows.py [--old DIR] [--no-compile] [--sweep]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+
+import torch
+
+
+def emit(**kw) -> None:
+    print(json.dumps(kw), flush=True)
+
+
+def timeit(fn) -> float:
+    """Median microseconds (triton.testing.do_bench: CUDA events, L2 flushed between runs)."""
+    from triton.testing import do_bench
+
+    return 1e3 * do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def load_file(name: str, path: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def copy_gbps() -> float:
+    a = torch.empty(2 ** 30, dtype=torch.uint8, device="cuda").random_(0, 255)
+    b = torch.empty_like(a)
+    us = timeit(lambda: b.copy_(a))
+    return 2 * a.numel() / us / 1e3
+
+
+def layout_for(counts, A, M):
+    from dropless.layout import ExpertLayout
+
+    return ExpertLayout.from_counts(torch.tensor(counts, device="cuda"), A, capacity=M)
+
+
+# (schedule, block_m, block_n, num_warps, programs_per_sm) variants timed with --sweep
+_FWD = [("flat", 4, 1024, 4, 4), ("flat", 4, 1024, 4, 16), ("flat", 4, 1024, 4, 32), ("flat", 2, 1024, 4, 16),
+        ("flat", 1, 2048, 8, 16), ("flat", 8, 1024, 8, 8), ("flat", 4, 2048, 8, 8), ("flat", 2, 2048, 4, 16),
+        ("flat", 8, 512, 4, 8), ("expert", 4, 1024, 4, 4), ("expert", 4, 1024, 4, 16)]
+SWEEP = {"swiglu_fwd": _FWD, "swiglu_bwd": _FWD[:6], "swiglu_quant": _FWD[:6]}
+
+
+def swiglu_suite(tag, M, I, layouts, copy, old, compile_, sweep):
+    from dropless.ops import swiglu as sw
+
+    torch.manual_seed(0)
+    dt = torch.bfloat16
+    h13 = torch.randn(M, 2 * I, device="cuda", dtype=dt)
+    dout = torch.randn(M, I, device="cuda", dtype=dt)
+    rw = torch.rand(M, device="cuda")
+    esz = 2
+
+    def line(op, variant, live, us, bytes_):
+        gbps = bytes_ / us / 1e3
+        emit(bench=tag, op=op, variant=variant, rows_live=live, rows_alloc=M, I=I, us=round(us, 2),
+             gbps=round(gbps, 1), pct_copy=round(100 * gbps / copy, 1))
+
+    per_row = {"swiglu_fwd": 3 * I * esz, "swiglu_bwd": 5 * I * esz, "swiglu_quant": 2 * I * esz + I + 4 * I // 128}
+    for name, lay in layouts.items():
+        live = int(lay.counts.sum())
+        line("swiglu_fwd", f"new:{name}", live, timeit(lambda: sw.swiglu_fwd(h13, lay)), live * per_row["swiglu_fwd"])
+        line("swiglu_bwd", f"new:{name}", live, timeit(lambda: sw.swiglu_bwd(h13, dout, lay)),
+             live * per_row["swiglu_bwd"])
+        line("swiglu_quant", f"new:{name}", live, timeit(lambda: sw.swiglu_quant(h13, lay)),
+             live * per_row["swiglu_quant"])
+        if old is not None:
+            ok, ol = old
+            olay = ol.ExpertLayout(lay.counts, lay.start, lay.end, lay.capacity, lay.alignment)
+            line("swiglu_fwd", f"old:{name}", live, timeit(lambda: ok.swiglu_fwd(h13, olay)),
+                 live * per_row["swiglu_fwd"])
+            line("swiglu_bwd", f"old:{name}", live, timeit(lambda: ok.swiglu_bwd(h13, dout, olay)),
+                 live * per_row["swiglu_bwd"])
+            line("schedule", f"old:tiles:{name}", live, timeit(lambda: olay.tiles(64)), 1)
+        if sweep:
+            for op, cfgs in SWEEP.items():
+                for c in cfgs:
+                    cfg = sw.LaunchConfig(*c)
+                    fn = {"swiglu_fwd": lambda: sw.swiglu_fwd(h13, lay, config=cfg),
+                          "swiglu_bwd": lambda: sw.swiglu_bwd(h13, dout, lay, config=cfg),
+                          "swiglu_quant": lambda: sw.swiglu_quant(h13, lay, config=cfg)}[op]
+                    line(op, f"new:{name}:" + ",".join(map(str, c)), live, timeit(fn), live * per_row[op])
+    line("swiglu_fwd", "new:dense", M, timeit(lambda: sw.swiglu_fwd(h13)), M * per_row["swiglu_fwd"])
+    line("swiglu_bwd", "new:dense", M, timeit(lambda: sw.swiglu_bwd(h13, dout)), M * per_row["swiglu_bwd"])
+    line("swiglu_bwd", "new:dense+row_w", M, timeit(lambda: sw.swiglu_bwd(h13, dout, None, rw)),
+         M * per_row["swiglu_bwd"])
+    line("swiglu_quant", "new:dense", M, timeit(lambda: sw.swiglu_quant(h13)), M * per_row["swiglu_quant"])
+    if compile_:
+        f = torch.compile(lambda h: torch.nn.functional.silu(h[:, :I]) * h[:, I:])
+        line("swiglu_fwd", "torch.compile:dense", M, timeit(lambda: f(h13)), M * per_row["swiglu_fwd"])
+        b = torch.compile(lambda h, d: sw.swiglu_bwd_torch(h, d))
+        line("swiglu_bwd", "torch.compile:dense", M, timeit(lambda: b(h13, dout)), M * per_row["swiglu_bwd"])
+        q = torch.compile(lambda h: sw.quant_fp8_torch(sw.swiglu_fwd_torch(h.float())))
+        line("swiglu_quant", "torch.compile:dense", M, timeit(lambda: q(h13)), M * per_row["swiglu_quant"])
+
+
+def rows_suite(tag, counts, A, T, k, H, copy, old, compile_, sweep):
+    from dropless.ops import rows as rw
+
+    saved, saved_g = (rw.COMBINE_BWD_BLOCK_H, rw.COMBINE_BWD_WARPS), (rw.BLOCK_H, rw.NUM_WARPS)
+    torch.manual_seed(0)
+    dt = torch.bfloat16
+    lay = layout_for(counts, A, sum(counts) + (len(counts) - 1) * (A - 1))
+    M, R = lay.capacity, sum(counts)
+    assert R == T * k
+    live_rows = torch.nonzero(lay.live_mask()).squeeze(1)
+    dest = live_rows[torch.randperm(R, device="cuda")].view(T, k)
+    src = torch.full((M,), -1, dtype=torch.int64, device="cuda")
+    src[dest.reshape(-1)] = torch.arange(T, device="cuda").repeat_interleave(k)
+    x = torch.randn(T, H, device="cuda", dtype=dt)
+    y = torch.randn(M, H, device="cuda", dtype=dt)
+    g = torch.randn(T, H, device="cuda", dtype=dt)
+    w = torch.rand(T, k, device="cuda")
+    e = 2
+
+    def line(op, variant, us, bytes_):
+        gbps = bytes_ / us / 1e3
+        emit(bench=tag, op=op, variant=variant, T=T, k=k, H=H, rows_live=R, rows_alloc=M, us=round(us, 2),
+             gbps=round(gbps, 1), pct_copy=round(100 * gbps / copy, 1))
+
+    line("permute", "new:scatter", timeit(lambda: rw.scatter_rows(x, dest, M)), (T + R) * H * e)
+    line("permute", "torch:index_select", timeit(lambda: rw.gather_rows(x, src)), (T + R) * H * e)
+    line("permute_bwd", "new", timeit(lambda: rw.gather_sum(y, dest, None)), (T + R) * H * e)
+    line("combine", "new", timeit(lambda: rw.gather_sum(y, dest, w)), (T + R) * H * e)
+    line("combine_bwd", "new", timeit(lambda: rw.combine_bwd(g, y, dest, w, M, True)), (T + 2 * R) * H * e)
+    line("combine_bwd", "new:no_grad_w", timeit(lambda: rw.combine_bwd(g, None, dest, w, M, False)), (T + R) * H * e)
+    if old is not None:
+        ok, _ = old
+        line("permute_bwd", "old", timeit(lambda: ok.gather_sum(y, dest, None)), (T + R) * H * e)
+        line("combine", "old", timeit(lambda: ok.gather_sum(y, dest, w)), (T + R) * H * e)
+        line("combine_bwd", "old", timeit(lambda: ok.combine_bwd(g, y, dest, w, M, True)), (T + 2 * R) * H * e)
+    if sweep:
+        for bh, nw in ((256, 4), (512, 4), (1024, 4), (1024, 8), (2048, 8)):
+            rw.COMBINE_BWD_BLOCK_H, rw.COMBINE_BWD_WARPS = bh, nw
+            line("combine_bwd", f"new:BLOCK_H={bh},warps={nw}", timeit(lambda: rw.combine_bwd(g, y, dest, w, M, True)),
+                 (T + 2 * R) * H * e)
+        rw.COMBINE_BWD_BLOCK_H, rw.COMBINE_BWD_WARPS = saved
+        for bh, nw in ((512, 4), (1024, 8), (2048, 8)):
+            rw.BLOCK_H, rw.NUM_WARPS = bh, nw
+            line("permute", f"new:scatter:BLOCK_H={bh},warps={nw}", timeit(lambda: rw.scatter_rows(x, dest, M)),
+                 (T + R) * H * e)
+            line("combine", f"new:BLOCK_H={bh},warps={nw}", timeit(lambda: rw.gather_sum(y, dest, w)), (T + R) * H * e)
+        rw.BLOCK_H, rw.NUM_WARPS = saved_g
+    if compile_:
+        c = torch.compile(lambda y_, d, w_: (y_[d].float() * w_.unsqueeze(-1)).sum(1).to(y_.dtype))
+        line("combine", "torch.compile", timeit(lambda: c(y, dest, w)), (T + R) * H * e)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--old", default=None, help="a checkout whose dropless/ops/triton_kernels.py to time too")
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--sweep", action="store_true", help="also time launch variants")
+    p.add_argument("--only", choices=["seed", "rank", "rows"], default=None)
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/live_rows.py needs a CUDA device", file=sys.stderr)
+        return 2
+    old = None
+    if a.old:
+        ok = load_file("old_triton_kernels", os.path.join(a.old, "dropless/ops/triton_kernels.py"))
+        ol = load_file("old_layout", os.path.join(a.old, "dropless/layout.py"))
+        old = (ok, ol)
+    copy = copy_gbps()
+    emit(bench="copy_ceiling", gbps=round(copy, 1), device=torch.cuda.get_device_name())
+    compile_ = not a.no_compile
+    if a.only in (None, "seed"):
+        M, e, A, I = 28672, 32, 128, 2048
+        layouts = {"live3072": layout_for([96] * e, A, M), "full": layout_for([M // e] * e, A, M),
+                   "one_expert": layout_for([M] + [0] * (e - 1), A, M)}
+        swiglu_suite("seed_activation", M, I, layouts, copy, old, compile_, a.sweep)
+    counts = [21733, 15004, 17982, 10817]
+    if a.only in (None, "rank"):
+        lay = layout_for(counts, 128, sum(counts) + 3 * 127)
+        swiglu_suite("rank_activation", lay.capacity, 2048, {"rank": lay}, copy, old, compile_, False)
+    if a.only in (None, "rows", "rank"):
+        rows_suite("rank_rows", counts, 128, 8192, 8, 7168, copy, old, compile_, a.sweep)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
