@@ -35,7 +35,6 @@ import torch
 from benchmarks.moe_layer import bench, emit
 from dropless.saved_bytes import SavedBytes
 
-
 SETTINGS = {"none": dict(), "swiglu": dict(recompute_swiglu=True, fold_routing_weights=True),
             "fc1": dict(recompute_fc1=True, fold_routing_weights=True),
             "fc1_gather": dict(recompute_fc1=True, fold_routing_weights=True, recompute_gather=True)}
@@ -86,7 +85,7 @@ def measure(T, H, I, E, k, chunks: int, setting: str, explain: bool = False) -> 
     ms = bench(step, warmup=2, iters=7)
     owners = explain_peak(step) if explain else None
     rows = T * k
-    del moe, x, gy
+    moe = x = gy = None  # free them (the closure above holds the names)
     return dict(**({"peak_owners_mib": owners} if owners else {}),
                 bench="moe_memory", T=T, H=H, I=I, E=E, k=k, chunks=chunks, setting=setting,
                 activation_peak_gib=round(peak / 2**30, 3), saved_gib=round(saved / 2**30, 3),
@@ -151,7 +150,7 @@ def wgrad_step(T, H, I, E, k, chunks: int) -> None:
              torch_fresh_ms=round(t_fresh, 3), torch_fresh_plus_add_ms=round(t_add, 3),
              triton_accumulate_ms=round(t_acc, 3), triton_tflops=round(flop / t_acc / 1e9, 1),
              torch_tflops=round(flop / t_fresh / 1e9, 1), rel_err_vs_torch=float(f"{err:.2e}"))
-        del x, dy, dw, ref
+        x = dy = dw = ref = None  # free them (the lambdas above hold the names)
 
 
 def main(argv=None) -> int:

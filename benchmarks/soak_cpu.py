@@ -114,7 +114,8 @@ def main() -> int:
                "rss_mib_at_warmup": warm[0]["rss_mib"] if warm else None,
                "rss_mib_max_after_warmup": [max(s["rss_mib"][i] for s in warm) for i in range(2)] if warm else None,
                "growth_after_warmup": growth,
-               "last_over_warmup": [warm[-1]["rss_mib"][i] / warm[0]["rss_mib"][i] - 1 for i in range(2)] if warm else None,
+               "last_over_warmup": ([warm[-1]["rss_mib"][i] / warm[0]["rss_mib"][i] - 1 for i in range(2)]
+                                    if warm else None),
                "python": platform.python_version(),
                "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared)"}
     print(json.dumps(summary), flush=True)

@@ -47,7 +47,6 @@ def ref_moe_batched(x_TH, router_w_EH, topk_idx_Tk, w13_EHI2, w2_EIH, shared, *,
     return y
 
 
-
 def py_layout(counts: list[int], a: int) -> tuple[list[int], list[int]]:
     """DESIGN.md's live-row recurrence, one expert at a time (the tests' plain-Python reference):
     ``start[0] = 0``, ``start[i] = align_up(end[i-1], a)``, ``end[i] = start[i] + counts[i]``."""
@@ -59,6 +58,7 @@ def py_layout(counts: list[int], a: int) -> tuple[list[int], list[int]]:
         end.append(s + c)
         prev_end = s + c
     return start, end
+
 
 def assert_scaled(got, want, tol, what=""):
     """``max |got − want| ≤ tol · max |want|`` and ``got`` finite (NaN/Inf anywhere fails)."""

@@ -8,8 +8,15 @@ import torch
 from omegaconf import OmegaConf
 
 from dropless.config import ConfigError
-from dropless.train.data import (ShardedLoader, check_token_ids, load_tokens, num_windows, stdlib_dir,
-                                 text_files, val_windows)
+from dropless.train.data import (
+    ShardedLoader,
+    check_token_ids,
+    load_tokens,
+    num_windows,
+    stdlib_dir,
+    text_files,
+    val_windows,
+)
 
 
 def _cfg(**kw):

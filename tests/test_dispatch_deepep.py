@@ -26,8 +26,7 @@ from hypothesis import strategies as st
 
 from dropless.config import ConfigError, ModelArgs
 from dropless.dispatch import build_dispatcher
-from dropless.dispatch.deepep import (expand_received, layout_from_v2_psum, reduce_to_received,
-                                      v2_slots_to_dest)
+from dropless.dispatch.deepep import expand_received, layout_from_v2_psum, reduce_to_received, v2_slots_to_dest
 from dropless.layout import ExpertLayout
 from tests.conftest import py_layout
 

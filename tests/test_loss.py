@@ -122,6 +122,7 @@ def test_no_tensor_larger_than_one_chunk_of_logits(dtype):
 
 def test_no_grad_computes_no_gradient():
     h, w, y = _inputs(torch.float32)
+
     class CountMM(TorchDispatchMode):
         n = 0
 

@@ -3,9 +3,10 @@
 Two gloo ranks under torchrun with the a2a dispatcher (EP 2): 8 steps with sharding give the
 losses and gradient norms of 8 steps without (relative 1e-5; FSDP2's reduce-scatter and the
 trainer's all-reduce average the same gradients in another order), and resuming the sharded
-run from its step-4 checkpoint repeats its steps 5-8 bitwise. In-process (2 spawned gloo ranks): every non-expert parameter becomes a ``Shard(0)``
-DTensor over the world holding half the rows, the experts stay plain tensors, and one
-forward/backward gives the unsharded model's loss and world-averaged gradients.
+run from its step-4 checkpoint repeats its steps 5-8 bitwise. In-process (2 spawned gloo
+ranks): every non-expert parameter becomes a ``Shard(0)`` DTensor over the world holding half
+the rows, the experts stay plain tensors, and one forward/backward gives the unsharded model's
+loss and world-averaged gradients.
 """
 
 from __future__ import annotations
