@@ -1,0 +1,120 @@
+"""Mixed precision, AdamW and the schedule of the trainer (dropless.train.optim / grads), on CPU.
+
+bf16 (``train.dtype=bf16``): the compute parameters are bf16, the optimizer steps fp32 masters
+with fp32 moments, gradients accumulate over micro-batches in fp32 main-gradient buckets
+(exactly ``g1.float() + g2.float()`` of the micro-batches' bf16 gradients), the router's buffers
+stay fp32, the MoE layer's input is bf16 while the router logits are fp32, and after a step the
+compute copy is the masters rounded to bf16. Checkpoints hold the fp32 masters and a bf16 run
+resumes bitwise. The lr of every step is ``lr_at`` through ``LambdaLR``.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dropless.train.config import compose
+from dropless.train.optim import MasterWeights, lr_at
+from dropless.train.trainer import Trainer
+from tests.test_train import QUICK, records, run
+
+BF16 = ["train.dtype=bf16", "logging.mode=disabled", "train.val_every=0"]
+
+
+def _trainer(tmp_path, *extra) -> Trainer:
+    return Trainer(compose(QUICK + BF16 + [f"run_dir={tmp_path}", *extra]))
+
+
+def test_bf16_compute_params_fp32_masters_moments_and_buffers(tmp_path):
+    tr = _trainer(tmp_path, "train.steps=1")
+    try:
+        m = tr.masters
+        assert m.compute and all(p.dtype == torch.bfloat16 for p in m.compute)
+        assert all(q.dtype == torch.float32 for q in m.masters)
+        assert len(m.compute) == sum(1 for p in tr.model.parameters() if p.requires_grad)
+        for name, b in tr.model.named_buffers():   # expert bias and counts
+            assert b.dtype == torch.float32, name
+        seen = {}
+        moe = tr.moe_layers[0]
+        h1 = moe.register_forward_pre_hook(lambda mod, a: seen.update(moe_in=a[0].dtype))
+        h2 = moe.router.register_forward_hook(lambda mod, a, out: seen.update(scores=out.scores_TE.dtype))
+        tr.train_step()
+        h1.remove(), h2.remove()
+        assert seen == {"moe_in": torch.bfloat16, "scores": torch.float32}
+        for p, q in zip(m.compute, m.masters):     # refreshed once from the masters
+            assert torch.equal(p, q.to(torch.bfloat16))
+        for st in tr.optimizer.state.values():
+            assert st["exp_avg"].dtype == torch.float32 and st["exp_avg_sq"].dtype == torch.float32
+        assert all(p.grad is None for p in m.compute)          # bf16 grads freed by the hooks
+        assert all(g.dtype == torch.float32 for g in tr.grads.flats)
+        assert all(g["foreach"] and not g["fused"] for g in tr.optimizer.param_groups)   # CPU: foreach
+    finally:
+        tr.close()
+
+
+def test_micro_batches_accumulate_in_fp32(tmp_path):
+    """main grad = g1.float() + g2.float() exactly, for the bf16 gradients g1, g2 of two micro-batches."""
+    tr = _trainer(tmp_path, "train.steps=1", "train.grad_accum=2")
+    try:
+        ws = [tr.loader.next_window() for _ in range(2)]
+        per = []
+        for w in ws:  # each micro-batch's bf16 gradients on their own (no hooks: autograd.grad)
+            loss = tr._loss(w[:, :-1], w[:, 1:]) / 2
+            per.append(torch.autograd.grad(loss, tr.masters.compute, allow_unused=True))
+            tr.balancer.discard()
+        tr.grads.zero_()
+        for i, w in enumerate(ws):
+            tr.grads.start(sync=i == 1)
+            (tr._loss(w[:, :-1], w[:, 1:]) / 2).backward()
+        tr.grads.finish()
+        bad = 0
+        for main, g1, g2 in zip(tr.grads.main, *per):
+            want = (g1.float() if g1 is not None else 0) + (g2.float() if g2 is not None else 0)
+            bad += not torch.equal(main, torch.as_tensor(want).expand_as(main))
+        assert bad == 0
+        assert any(not torch.equal(main, (g1 + g2).float()) for main, g1, g2 in zip(tr.grads.main, *per)
+                   if g1 is not None)   # a bf16 sum would differ: the test can tell them apart
+    finally:
+        tr.close()
+
+
+def test_bf16_checkpoint_holds_fp32_masters_and_resumes_bitwise(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    common = BF16 + ["train.steps=4", "train.ckpt_every=2", "train.ckpt_keep=0", "train.grad_accum=2"]
+    _, tr = run([f"run_dir={a}"] + common)
+    meta = dcp.FileSystemReader(str(a / "checkpoints" / "step_00000002")).read_metadata().state_dict_metadata
+    w = [v for k, v in meta.items() if k.startswith("model.") and k.endswith(".weight")]
+    assert w and all(v.properties.dtype == torch.float32 for v in w)
+    assert "trainer.lr_step" in meta
+    (b / "checkpoints").mkdir(parents=True)
+    shutil.copytree(a / "checkpoints" / "step_00000002", b / "checkpoints" / "step_00000002")
+    _, tr2 = run([f"run_dir={b}", "resume=true"] + common)
+    ra = {r["step"]: r for r in records(a)}
+    rb = {r["step"]: r for r in records(b)}
+    assert sorted(rb) == [3, 4]
+    for s in (3, 4):
+        for k in ("loss", "grad_norm", "lr", "aux_loss"):
+            assert rb[s][k] == ra[s][k], (s, k)
+    assert tr2.scheduler.last_epoch == 4
+    for p, q in zip(tr.masters.masters, tr2.masters.masters):
+        assert torch.equal(p, q)
+
+
+def test_lambda_lr_follows_lr_at(tmp_path):
+    _, tr = run([f"run_dir={tmp_path}", "train.steps=7", "optim.warmup_steps=3", "logging.mode=disabled",
+                 "train.val_every=0"])
+    lrs = [r["lr"] for r in records(tmp_path)]
+    want = [lr_at(s, tr.cfg.optim, 7) for s in range(7)]
+    assert lrs == pytest.approx(want, rel=1e-12, abs=0)
+    assert lrs[0] < lrs[2] and lrs[-1] == pytest.approx(tr.cfg.optim.min_lr_ratio * tr.cfg.optim.lr, rel=1e-12)
+
+
+def test_master_weights_fp32_is_the_model_itself():
+    m = torch.nn.Linear(4, 3)
+    mw = MasterWeights(m, torch.float32)
+    assert mw.state_module is m and mw.masters is mw.compute and mw.grads_are_params
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        MasterWeights(torch.nn.Linear(2, 2), torch.float16)
