@@ -51,6 +51,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dropless.config import ConfigError, ModelArgs
 from dropless.train import checkpoint as ckpt
+from dropless.train.compile import check_compile, compile_blocks
 from dropless.train.config import model_args
 from dropless.train.data import ShardedLoader, load_tokens, val_windows
 from dropless.train.dist import DistEnv, init_distributed
@@ -59,7 +60,8 @@ from dropless.train.metrics import MetricsLogger, counts_metrics, peak_flops, pe
 from dropless.train.optim import (MasterWeights, RouterBiasUpdate, build_optimizer, build_scheduler, is_dtensor,
                                   lr_at)
 
-__all__ = ["Trainer", "lr_at", "check_train_config", "resolve_run_dir", "NonFiniteError", "compute_dtype"]
+__all__ = ["Trainer", "lr_at", "check_train_config", "resolve_run_dir", "NonFiniteError", "compute_dtype",
+           "set_deterministic"]
 
 
 class NonFiniteError(FloatingPointError):
@@ -83,6 +85,8 @@ def check_train_config(cfg: DictConfig) -> None:
     need(str(t.nonfinite) in ("error", "skip"), "train.nonfinite", t.nonfinite,
          "must be error (stop, naming the step) or skip (skip the optimizer step)")
     need(isinstance(t.compile, bool), "train.compile", t.compile, "must be true or false")
+    need(str(t.compile_backend) in ("inductor", "aot_eager", "eager"), "train.compile_backend", t.compile_backend,
+         "must be inductor, aot_eager or eager")
     need(isinstance(cfg.deterministic, bool), "deterministic", cfg.deterministic, "must be true or false")
     need(isinstance(t.get("shard_dense", False), bool), "train.shard_dense", t.get("shard_dense"),
          "must be true or false")
@@ -130,6 +134,20 @@ def resolve_run_dir(cfg: DictConfig, env: DistEnv) -> Path:
             raise ConfigError(f"run_dir={str(run_dir)!r} already holds a checkpoint (step {found[0]}): pass "
                               "resume=true to continue it, or give a new run_dir")
     return run_dir.resolve()
+
+
+def set_deterministic(seed: int) -> None:
+    """``deterministic=true``: deterministic kernels only, and seeded RNGs.
+
+    ``torch.use_deterministic_algorithms(True)`` (an op without a deterministic
+    implementation then raises, naming itself); ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` unless set
+    (cuBLAS reads it when its first handle is made, so it must be set before the process's
+    first CUDA matmul; the trainer sets it before building the model); ``torch.manual_seed``
+    (CPU and CUDA). The weight init and the data order are seeded by ``seed`` either way.
+    """
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.manual_seed(seed)
 
 
 # ----------------------------------------------------------------------------- model
@@ -208,6 +226,8 @@ class Trainer:
     def __init__(self, cfg: DictConfig):
         self.cfg = cfg
         check_train_config(cfg)
+        if cfg.deterministic:
+            set_deterministic(int(cfg.seed))
         self.args = model_args(cfg)
         t = cfg.train
         self.seq_len, self.batch, self.accum, self.steps = int(t.seq_len), int(t.micro_batch_size), \
@@ -230,6 +250,8 @@ class Trainer:
         env.barrier()
 
         self.dtype = compute_dtype(t, env.device)
+        if t.compile:
+            check_compile(env.device, str(t.compile_backend))
         self.model = build_model(self.args, cfg, env, self.dtype)
         self.model.train()
         expert = self.model.expert_parameters()
@@ -239,6 +261,8 @@ class Trainer:
         self.moe_layers = self.model.moe_layers()
         self.fsdp_params = [p for p in self.model.parameters() if p.requires_grad and is_dtensor(p)]
         self.masters = MasterWeights(self.model, self.dtype, skip={id(p) for p in self.fsdp_params})
+        if t.compile:
+            compile_blocks(self.model, str(t.compile_backend))
         sharded = self.expert_ids if env.ep_size > 1 else set()
         self._grad_group = dist.new_group(list(range(env.world_size))) if env.distributed else None
         self.grads = GradBuckets(self.masters.compute, sharded, self.masters.grads_are_params, env.world_size,
@@ -275,6 +299,12 @@ class Trainer:
                 sd = self.scheduler.state_dict()
                 sd.update(last_epoch=int(st["lr_step"]), _step_count=int(st["lr_step"]) + 1)
                 self.scheduler.load_state_dict(sd)
+                # the lr from the scheduler's position (with EP, ckpt.load re-reads the optimizer's
+                # param groups after loading, so their saved lr does not survive it)
+                for g, base, lam in zip(self.optimizer.param_groups, self.scheduler.base_lrs,
+                                        self.scheduler.lr_lambdas):
+                    g["lr"] = base * lam(self.scheduler.last_epoch)
+                self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
                 self.resumed_from = self.step
         self.metrics = MetricsLogger(self.run_dir, cfg.logging, OmegaConf.to_container(cfg, resolve=True),
                                      enabled=self.main, resume=bool(cfg.resume))
@@ -289,6 +319,11 @@ class Trainer:
         """Cross-entropy of the model on ``x`` against ``y`` (fp32 0-dim); the one model call."""
         logits = self.model(x)
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction=reduction)
+
+    @staticmethod
+    def _read_metrics(values: torch.Tensor) -> list[float]:
+        """The step's one host sync: every logged device scalar, read in one ``.tolist()``."""
+        return values.tolist()
 
     def print(self, *a: Any) -> None:
         if self.main:
@@ -360,7 +395,7 @@ class Trainer:
             dist.all_reduce(red)
             red[:2] /= env.world_size
         parts = [red, gnorm.reshape(1)] + ([counts.reshape(-1)] if counts is not None else [])
-        host = torch.cat(parts).tolist()            # the step's one host sync
+        host = self._read_metrics(torch.cat(parts))   # the step's one host sync
         loss_v, aux_v, dropped_v, stop_v, gnorm_v = host[:5]
         self._stop_agreed = stop_v > 0
         finite = math.isfinite(loss_v) and math.isfinite(gnorm_v)
@@ -430,7 +465,10 @@ class Trainer:
                   "(again to abort)", file=sys.stderr, flush=True)
 
     def _stop_requested(self) -> bool:
-        """Whether any rank had a stop signal at the last step's metrics all-reduce."""
+        """Whether to stop now: alone, a signal since the last check; with several ranks, any rank's
+        signal seen at the last step's metrics all-reduce (so that all ranks stop together)."""
+        if not self.env.distributed:
+            return self._stop_signal is not None
         return self._stop_agreed
 
     def train(self) -> dict[str, Any]:
@@ -449,7 +487,11 @@ class Trainer:
                        f"{env.device.type}, {torch.get_num_threads()} thread(s)/process; "
                        f"{self.tokens_per_step:,} tokens per step")
             self.print(f"[dropless] data: {self.tokens.source}")
-            if self.resumed_from is not None:
+            if self.resumed_from is not None and self.step >= self.steps:
+                self.print(f"[dropless] the run in {self.run_dir} already finished: its newest checkpoint is at step "
+                           f"{self.step} and train.steps={self.steps}; nothing to train (raise train.steps to "
+                           "continue it)")
+            elif self.resumed_from is not None:
                 self.print(f"[dropless] resumed from step {self.resumed_from}")
             elif cfg.resume:
                 self.print("[dropless] resume=true but no checkpoint in run_dir: starting at step 0")
@@ -498,7 +540,10 @@ class Trainer:
         wall = time.perf_counter() - start
         summary = {"steps": self.step, "wall_s": wall, "first_val_loss": first_val, "val_loss": last_val,
                    "run_dir": str(self.run_dir), "interrupted": self.interrupted}
-        if self.main and not self.interrupted:
+        if self.main and not self.interrupted and self.step == self.resumed_from:
+            self.print(f"[dropless] done: nothing to train, the run had finished all {self.steps} steps; metrics "
+                       f"{self.run_dir / 'metrics.jsonl'}")
+        elif self.main and not self.interrupted:
             if last_val is None:
                 v = "not measured (train.val_every=0)"
             elif first_val is None:
