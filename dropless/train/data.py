@@ -213,14 +213,17 @@ class ShardedLoader:
         batch_size: sequences per micro-batch.
         rank, world_size: this rank's place among all ranks that read different data.
         seed: base seed of the per-epoch permutation.
-    Yields (``next_batch``): ``(inputs_BS, targets_BS)`` int64 CPU tensors.
+        pin_memory: return page-locked windows (for ``.to("cuda", non_blocking=True)``; CUDA only).
+    Yields (``next_window``): int64 CPU ``[batch_size, seq_len + 1]`` windows (inputs ``[:, :-1]``,
+    targets ``[:, 1:]``); ``next_batch``: ``(inputs_BS, targets_BS)``.
     Raises:
         ConfigError: the shard holds fewer windows than one micro-batch.
     """
 
     def __init__(self, ids: np.ndarray, seq_len: int, batch_size: int, rank: int = 0,
-                 world_size: int = 1, seed: int = 0):
+                 world_size: int = 1, seed: int = 0, pin_memory: bool = False):
         self.ids, self.seq_len, self.batch_size = ids, int(seq_len), int(batch_size)
+        self.pin_memory = bool(pin_memory)
         self.rank, self.world_size, self.seed = int(rank), int(world_size), int(seed)
         n = num_windows(len(ids), self.seq_len)
         self.per_rank = n // self.world_size
@@ -249,9 +252,18 @@ class ShardedLoader:
         self.offset += self.batch_size
         return idx
 
+    def next_window(self) -> torch.Tensor:
+        """The next micro-batch as one int64 CPU ``[batch_size, seq_len + 1]`` tensor (pinned if asked).
+
+        Copy it to the device whole (one contiguous, asynchronous copy from pinned memory) and
+        slice there: inputs ``w[:, :-1]``, targets ``w[:, 1:]``.
+        """
+        w = _windows(self.ids, self.next_indices(), self.seq_len)
+        return w.pin_memory() if self.pin_memory else w
+
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(inputs_BS, targets_BS)``, int64 CPU tensors [batch_size, seq_len]."""
-        w = _windows(self.ids, self.next_indices(), self.seq_len)
+        w = self.next_window()
         return w[:, :-1], w[:, 1:]
 
     def state_dict(self) -> dict[str, int]:

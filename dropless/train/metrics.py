@@ -11,7 +11,11 @@ Every record is a flat JSON object with ``step`` (optimizer steps done) and thes
                                 step's micro-batches and all ranks
 ``lr``                          learning rate of the step
 ``grad_norm``                   global L2 norm of the gradients before clipping
-``tokens_per_s``                training tokens per second over all ranks (step wall time)
+``skipped_steps``               optimizer steps skipped so far for a non-finite loss or gradient
+                                norm (``train.nonfinite=skip``)
+``tokens_per_s``                training tokens per second over all ranks (wall time between
+                                two steps' metric reads; the first step after start, a
+                                validation or a checkpoint from its own start)
 ``tflops``                      achieved model TFLOP/s per device (FLOPs/token × tokens/s/device)
 ``mfu``                         tflops / the device's peak (see :func:`peak_flops`)
 ``peak_mem_gib``                CUDA max allocated, or the process's peak RSS on CPU (GiB)
@@ -44,7 +48,7 @@ from typing import Any, Mapping
 
 import torch
 
-__all__ = ["MetricsLogger", "peak_flops", "peak_memory_gib", "load_metrics", "PEAK_FLOPS_BF16",
+__all__ = ["MetricsLogger", "peak_flops", "peak_memory_gib", "counts_metrics", "PEAK_FLOPS_BF16",
            "REQUIRED_KEYS"]
 
 #: Dense bf16 peak FLOP/s per device (vendor data sheets, without sparsity).
@@ -58,7 +62,7 @@ PEAK_FLOPS_BF16 = {
 
 #: Keys every training record carries (``val_loss`` on validation steps only).
 REQUIRED_KEYS = ("loss", "aux_loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "peak_mem_gib",
-                 "rows_dropped", "dispatch_bytes_sent", "dispatch_bytes_received")
+                 "rows_dropped", "dispatch_bytes_sent", "dispatch_bytes_received", "skipped_steps")
 
 
 def peak_flops(device: torch.device, logging_cfg: Mapping[str, Any]) -> float | None:
@@ -87,15 +91,20 @@ def peak_memory_gib(device: torch.device) -> float:
     return rss / (2**30 if sys.platform == "darwin" else 2**20)
 
 
-def load_metrics(router_stats: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
-    """Flatten :func:`dropless.routing.update_router_biases`'s per-layer dict into metric keys.
+def counts_metrics(counts: Mapping[str, list[float]]) -> dict[str, float]:
+    """Per-layer load statistics from host per-expert counts.
 
-    ``{"layer{i}": {"max_over_mean", "min_over_mean", "empty_experts", ...}}`` ->
-    ``{"expert_load/layer{i}/max_over_mean": ..., ...}``; the values are the ones
-    ``update_router_biases`` computed from the step's counts (all micro-batches, all ranks).
+    ``{"layer{i}": [rows per expert, E floats]}`` (the step's, all micro-batches and ranks) ->
+    ``expert_load/layer{i}/max_over_mean`` and ``min_over_mean`` (max / min count over the mean;
+    0 when no row was routed) and ``expert_load/layer{i}/empty_experts`` (experts with 0 rows).
     """
-    keys = ("max_over_mean", "min_over_mean", "empty_experts")
-    return {f"expert_load/{layer}/{key}": float(st[key]) for layer, st in router_stats.items() for key in keys}
+    out: dict[str, float] = {}
+    for layer, c in counts.items():
+        mean = sum(c) / max(len(c), 1)
+        out[f"expert_load/{layer}/max_over_mean"] = max(c) / mean if mean > 0 else 0.0
+        out[f"expert_load/{layer}/min_over_mean"] = min(c) / mean if mean > 0 else 0.0
+        out[f"expert_load/{layer}/empty_experts"] = float(sum(1 for v in c if v == 0))
+    return out
 
 
 def _clean(v: Any) -> Any:

@@ -53,6 +53,9 @@ class TrainConfig:
     dtype: str = MISSING                      # auto | bf16 | fp32
     dist_timeout_s: float = MISSING           # collective timeout, seconds
     loss_impl: str = MISSING                  # auto | torch | liger: the head + cross-entropy
+    nonfinite: str = MISSING                  # error | skip: a NaN/Inf loss or gradient norm
+    compile: bool = MISSING                   # torch.compile each decoder block
+    compile_backend: str = MISSING            # inductor | aot_eager | eager
 
 
 @dataclass
@@ -131,6 +134,7 @@ class RunConfig:
     resume: bool = MISSING
     init_from: Optional[str] = MISSING        # HF directory or DCP checkpoint to start from
     seed: int = MISSING
+    deterministic: bool = MISSING             # torch.use_deterministic_algorithms + seeds
     device: str = MISSING                     # auto | cpu | cuda
     num_threads: Optional[int] = MISSING      # CPU threads per process; null: cores / local processes
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -37,7 +37,7 @@ __all__ = ["apply_fsdp", "shard_dense_params"]
 
 
 def shard_dense_params(model: nn.Module, world_size: int, device_type: str,
-                       reshard_after_forward: bool = True) -> Any:
+                       reshard_after_forward: bool = True, mp_policy: Any = None) -> Any:
     """FSDP2-shard every non-expert parameter of ``model`` over all ``world_size`` ranks.
 
     Args:
@@ -47,6 +47,8 @@ def shard_dense_params(model: nn.Module, world_size: int, device_type: str,
         device_type: ``"cuda"`` or ``"cpu"``.
         reshard_after_forward: free each block's gathered parameters after its forward
             (gather again in backward): less memory, one more all-gather per block.
+        mp_policy: an optional FSDP2 ``MixedPrecisionPolicy`` for every ``fully_shard`` call
+            (the trainer's bf16: ``param_dtype=bf16, reduce_dtype=fp32``).
     Returns:
         the 1-D ``("world",)`` DeviceMesh used, or None in one process.
     Raises:
@@ -63,10 +65,11 @@ def shard_dense_params(model: nn.Module, world_size: int, device_type: str,
     nested = {id(p) for m in model.modules() if isinstance(m, FSDPModule) for p in m.parameters()}
     experts = [p for p in model.expert_parameters() if id(p) not in nested]
     expert_ids = {id(p) for p in experts}
+    kw = {} if mp_policy is None else {"mp_policy": mp_policy}
     for block in model.layers.values():
         mine = {p for p in block.parameters() if id(p) in expert_ids}
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=mine)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=set(experts))
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=mine, **kw)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=set(experts), **kw)
     return mesh
 
 

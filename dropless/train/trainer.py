@@ -1,77 +1,71 @@
-"""The training loop: AdamW + warmup/cosine, accumulation, clipping, router bias update, eval, DCP.
+"""The training loop: micro-batches, one host sync for the metrics, the optimizer step, eval, DCP.
 
 One optimizer step (:meth:`Trainer.train_step`)::
 
-    for each of grad_accum micro-batches:   (model.loss(x, y).loss / grad_accum).backward()
-        (loss = mean CE + Σ MoE layers' sequence-wise aux losses: 1/grad_accum scales both)
-    sync gradients          non-expert: all_reduce SUM over all ranks, / world (with
-                            train.shard_dense: FSDP2's reduce-scatter, averaged, instead)
-                            expert, EP > 1: all_reduce SUM over dp (the ranks holding the same
-                            experts), / world — an EP dispatcher already summed the EP
-                            group's contributions on the owner (dropless/dispatch/mesh.py)
-                            FSDP2 DTensors (dispatcher=fsdp): reduced by FSDP2, left alone
-    grad_norm               global L2 norm (expert shards summed over their ranks), clip
-    optimizer.step          lr from :func:`lr_at`
-    update_router_biases    counts summed over micro-batches and ranks, bias += γ·sign(...)
+    for each of grad_accum micro-batches:   window copied from pinned memory (non_blocking)
+        loss = (model.loss(x, y).loss) / grad_accum; backward  (mean CE + Σ MoE layers'
+            sequence-wise aux losses [+ MTP]: 1/grad_accum scales them all)
+            post-accumulate hooks move each gradient into its fp32 main-gradient bucket;
+            on the last micro-batch each full bucket's all-reduce starts at once
+            (dropless.train.grads: groups, buckets, the / world scaling)
+    finish the all-reduces; grad_norm (device); router counts summed over ranks (device)
+    ONE host sync: loss, aux loss, grad norm, dropped rows, per-expert counts, stop flag
+    non-finite loss or grad norm: train.nonfinite=error raises NonFiniteError naming the
+        step; skip leaves the weights, masters and moments untouched (skipped_steps += 1)
+    clip (device), optimizer.step (fused AdamW on CUDA, foreach on CPU, fp32 masters)
+        + step post-hook: router biases += γ·sign(mean − load) (dropless.train.optim)
+    refresh the bf16 compute weights from the masters; lr scheduler step
 
-Learning rate (:func:`lr_at`, ``step`` = 0-based index of the optimizer step): linear warmup
-``lr · (step + 1) / warmup_steps`` for ``step < warmup_steps``, then cosine from ``lr`` to
-``min_lr_ratio · lr`` at the last step (``steps - 1``).
+Precision (``train.dtype``; auto = bf16 on CUDA, fp32 on CPU): bf16 means bf16 parameters
+(the compute copy) with fp32 masters, moments and main gradients
+(:class:`dropless.train.optim.MasterWeights`); no autocast. fp32 trains the parameters
+themselves.
 
-Autocast: bf16 on CUDA by default (``train.dtype=auto``), fp32 on CPU; the master weights,
-the optimizer state, the logits and the loss stay fp32.
+Learning rate: :func:`dropless.train.optim.lr_at` through ``LambdaLR``
+(:func:`dropless.train.optim.build_scheduler`).
 
 Checkpoints (:mod:`dropless.train.checkpoint`): every ``train.ckpt_every`` steps, at the
 end, and on SIGINT/SIGTERM (Ctrl-C): the signal sets a flag, the current step finishes,
-all ranks agree (a MAX all-reduce of the flag), a checkpoint is written and the run stops
-(:attr:`Trainer.interrupted`). A second Ctrl-C more than 3 s after the first aborts at once
-(a repeat within 3 s is torchrun forwarding the same Ctrl-C to its workers). ``resume=true`` continues
-from the newest checkpoint in ``run_dir``: same model, optimizer, step, data position and
-RNG, so the losses continue as if never stopped (bitwise on CPU, same thread count).
+all ranks agree (the flag rides in the step's metrics all-reduce), a checkpoint is written
+and the run stops (:attr:`Trainer.interrupted`). A second Ctrl-C more than 3 s after the
+first aborts at once (a repeat within 3 s is torchrun forwarding the same Ctrl-C to its
+workers). ``resume=true`` continues from the newest checkpoint in ``run_dir``: same fp32
+master weights, optimizer, scheduler, step, data position and RNG, so the losses continue
+as if never stopped (bitwise on CPU, same thread count).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import signal
 import sys
 import time
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from dropless.config import ConfigError, ModelArgs
-from dropless.model.loss import resolve_loss_impl
 from dropless.convert import init_from
+from dropless.model.loss import resolve_loss_impl
 from dropless.train import checkpoint as ckpt
+from dropless.train.compile import check_compile, compile_blocks
 from dropless.train.config import model_args
 from dropless.train.data import ShardedLoader, load_tokens, val_windows
 from dropless.train.dist import DistEnv, init_distributed
-from dropless.train.metrics import MetricsLogger, load_metrics, peak_flops, peak_memory_gib
+from dropless.train.grads import GradBuckets, clip_, grad_norm
+from dropless.train.metrics import MetricsLogger, counts_metrics, peak_flops, peak_memory_gib
+from dropless.train.optim import MasterWeights, RouterBiasUpdate, build_optimizer, build_scheduler, is_dtensor, lr_at
 
-__all__ = ["Trainer", "lr_at", "check_train_config", "build_optimizer", "resolve_run_dir"]
+__all__ = ["Trainer", "lr_at", "check_train_config", "resolve_run_dir", "NonFiniteError", "compute_dtype",
+           "set_deterministic"]
 
 
-# ----------------------------------------------------------------------------- schedule
-def lr_at(step: int, optim_cfg: Any, total_steps: int) -> float:
-    """Learning rate of optimizer step ``step`` (0-based): linear warmup, then cosine.
-
-    ``lr·(step+1)/warmup`` for ``step < warmup``; then
-    ``min + (lr − min)·½(1 + cos(π·p))``, ``p = (step − warmup)/max(1, total − 1 − warmup)``
-    clamped to [0, 1], ``min = min_lr_ratio·lr`` (SGDR cosine, Loshchilov & Hutter 2017).
-    """
-    lr = float(optim_cfg.lr)
-    warmup = int(optim_cfg.warmup_steps)
-    lo = float(optim_cfg.min_lr_ratio) * lr
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    p = min(1.0, max(0.0, (step - warmup) / max(1, total_steps - 1 - warmup)))
-    return lo + (lr - lo) * 0.5 * (1.0 + math.cos(math.pi * p))
+class NonFiniteError(FloatingPointError):
+    """A NaN/Inf training loss or gradient norm with ``train.nonfinite=error`` (names the step)."""
 
 
 # ----------------------------------------------------------------------------- checks
@@ -88,6 +82,12 @@ def check_train_config(cfg: DictConfig) -> None:
     for name in ("val_every", "ckpt_every"):
         need(int(t[name]) >= 0, f"train.{name}", t[name], "must be >= 0 (0: never / only at the end)")
     need(str(t.dtype) in ("auto", "bf16", "fp32"), "train.dtype", t.dtype, "must be auto, bf16 or fp32")
+    need(str(t.nonfinite) in ("error", "skip"), "train.nonfinite", t.nonfinite,
+         "must be error (stop, naming the step) or skip (skip the optimizer step)")
+    need(isinstance(t.compile, bool), "train.compile", t.compile, "must be true or false")
+    need(str(t.compile_backend) in ("inductor", "aot_eager", "eager"), "train.compile_backend", t.compile_backend,
+         "must be inductor, aot_eager or eager")
+    need(isinstance(cfg.deterministic, bool), "deterministic", cfg.deterministic, "must be true or false")
     need(isinstance(t.get("shard_dense", False), bool), "train.shard_dense", t.get("shard_dense"),
          "must be true or false")
     need(float(o.lr) > 0, "optim.lr", o.lr, "must be > 0")
@@ -138,15 +138,40 @@ def resolve_run_dir(cfg: DictConfig, env: DistEnv) -> Path:
     return run_dir.resolve()
 
 
-# ----------------------------------------------------------------------------- model / optim
-def build_model(args: ModelArgs, cfg: DictConfig, env: DistEnv) -> torch.nn.Module:
-    """The Transformer with the configured dispatcher in every MoE layer, initialised.
+def set_deterministic(seed: int) -> None:
+    """``deterministic=true``: deterministic kernels only, and seeded RNGs.
+
+    ``torch.use_deterministic_algorithms(True)`` (an op without a deterministic
+    implementation then raises, naming itself); ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` unless set
+    (cuBLAS reads it when its first handle is made, so it must be set before the process's
+    first CUDA matmul; the trainer sets it before building the model); ``torch.manual_seed``
+    (CPU and CUDA). The weight init and the data order are seeded by ``seed`` either way.
+    """
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.manual_seed(seed)
+
+
+# ----------------------------------------------------------------------------- model
+def compute_dtype(train_cfg: Any, device: torch.device) -> torch.dtype:
+    """``train.dtype`` as a torch dtype: auto = bf16 on CUDA, fp32 elsewhere."""
+    want = str(train_cfg.dtype)
+    if want == "auto":
+        want = "bf16" if device.type == "cuda" else "fp32"
+    return torch.bfloat16 if want == "bf16" else torch.float32
+
+
+def build_model(args: ModelArgs, cfg: DictConfig, env: DistEnv, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The Transformer with the configured dispatcher in every MoE layer, initialised (fp32).
 
     ``dispatcher=local``: the MoE default. Others: ``dropless.dispatch.build_dispatcher``
     with this rank's EP group; ``fsdp`` additionally shards the experts with FSDP2
     (``dropless.train.shard.apply_fsdp``) over the dp mesh dimension. With
     ``train.shard_dense`` the non-expert parameters are FSDP2-sharded over all ranks
-    (:func:`dropless.train.shard.shard_dense_params`).
+    (:func:`dropless.train.shard.shard_dense_params`). With ``dtype`` bf16 those FSDP2
+    calls get ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (inputs not
+    cast: the activations are bf16 already, the RoPE tables and routing weights stay fp32);
+    the other parameters are cast later by :class:`~dropless.train.optim.MasterWeights`.
     """
     from dropless.model import Transformer
 
@@ -163,131 +188,23 @@ def build_model(args: ModelArgs, cfg: DictConfig, env: DistEnv) -> torch.nn.Modu
                             activation_checkpointing=bool(cfg.train.activation_checkpointing))
     model.init_weights(int(cfg.seed))
     shard_dense = bool(cfg.train.get("shard_dense", False)) and env.world_size > 1
+    mp_policy = None
+    if dtype != torch.float32 and (shard_dense or (name == "fsdp" and env.world_size > 1)):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     if name == "fsdp" and env.world_size > 1:
         from dropless.train.shard import apply_fsdp
 
-        apply_fsdp(model, env.mesh, root=not shard_dense)  # shard_dense makes the root itself
+        apply_fsdp(model, env.mesh, root=not shard_dense, mp_policy=mp_policy)  # shard_dense makes the root
     if shard_dense:
         from dropless.train.shard import shard_dense_params
 
-        shard_dense_params(model, env.world_size, env.device.type)
+        shard_dense_params(model, env.world_size, env.device.type, mp_policy=mp_policy)
     return model
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(t, DTensor)
-
-
-def build_optimizer(model: torch.nn.Module, optim_cfg: Any) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices (dim >= 2) except the token embedding."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (decay if p.dim() >= 2 and "tok_embeddings" not in name else no_decay).append(p)
-    any_dt = any(_is_dtensor(p) for p in model.parameters())
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": float(optim_cfg.weight_decay)},
-         {"params": no_decay, "weight_decay": 0.0}],
-        lr=float(optim_cfg.lr), betas=tuple(float(b) for b in optim_cfg.betas), eps=float(optim_cfg.eps),
-        foreach=False if any_dt else None,
-    )
-
-
-# ----------------------------------------------------------------------------- gradients
-_BUCKET = 1 << 25  # elements per all-reduce bucket (128 MiB of fp32)
 _ABORT_AFTER_S = 3.0  # a second SIGINT/SIGTERM later than this after the first aborts at once
-
-
-def _all_reduce_mean(grads: list[torch.Tensor], group: Any, world: int) -> None:
-    """In place: ``g ← (Σ over group of g) / world``, in flattened buckets."""
-    i = 0
-    while i < len(grads):
-        j, n = i, 0
-        while j < len(grads) and (n == 0 or n + grads[j].numel() <= _BUCKET):
-            n += grads[j].numel()
-            j += 1
-        chunk = grads[i:j]
-        flat = torch.cat([g.reshape(-1).float() for g in chunk])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        flat.div_(world)
-        off = 0
-        for g in chunk:
-            g.copy_(flat[off:off + g.numel()].view_as(g))
-            off += g.numel()
-        i = j
-
-
-def sync_gradients(params: list[torch.nn.Parameter], expert_ids: set[int], env: DistEnv) -> None:
-    """Average gradients over the world (see the module docstring for the groups)."""
-    if not env.distributed:
-        return
-    world_g, dp_g = [], []
-    for p in params:
-        if p.grad is None:  # same collective sizes on every rank
-            p.grad = torch.zeros_like(p)
-        if _is_dtensor(p.grad):
-            continue
-        (dp_g if (id(p) in expert_ids and env.ep_size > 1) else world_g).append(p.grad)
-    _all_reduce_mean(world_g, None, env.world_size)
-    if dp_g:
-        if env.dp_size > 1:
-            _all_reduce_mean(dp_g, env.dp_group, env.world_size)
-        else:
-            torch._foreach_div_(dp_g, float(env.world_size))
-
-
-def grad_norm_and_clip(params: list[torch.nn.Parameter], expert_ids: set[int], env: DistEnv,
-                       max_norm: float | None) -> float:
-    """Global L2 norm of all gradients (host float); scales them to ``max_norm`` if larger.
-
-    Replicated gradients count once; expert shards (EP > 1) are summed over the EP group;
-    FSDP2 DTensor shards over their own mesh (the dp mesh of the fsdp dispatcher's experts,
-    all ranks for ``train.shard_dense``).
-    """
-    dev = env.device
-    rep, ep_sh = [], []
-    dt_sh: dict[Any, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is None:
-            continue
-        if _is_dtensor(p.grad):
-            dt_sh.setdefault(p.grad.device_mesh.get_group(), []).append(p.grad.to_local())
-        elif id(p) in expert_ids and env.ep_size > 1:
-            ep_sh.append(p.grad)
-        else:
-            rep.append(p.grad)
-
-    def sq(ts: list[torch.Tensor]) -> torch.Tensor:
-        if not ts:
-            return torch.zeros((), device=dev, dtype=torch.float32)
-        return torch.stack([n.float() for n in torch._foreach_norm(ts)]).pow(2).sum()
-
-    total = sq(rep)
-    if env.distributed and ep_sh:
-        s = sq(ep_sh)
-        dist.all_reduce(s, group=env.ep_group)
-        total = total + s
-    if env.distributed:
-        for group, shards in dt_sh.items():  # each FSDP2 mesh's shards sum over that mesh's ranks
-            s = sq(shards)
-            dist.all_reduce(s, group=group)
-            total = total + s
-    norm = float(total.sqrt())
-    if max_norm and norm > max_norm:
-        coef = max_norm / (norm + 1e-6)
-        grads = [p.grad for p in params if p.grad is not None]
-        plain = [g for g in grads if not _is_dtensor(g)]
-        if plain:
-            torch._foreach_mul_(plain, coef)
-        for g in grads:
-            if _is_dtensor(g):
-                g.mul_(coef)
-    return norm
 
 
 # ----------------------------------------------------------------------------- trainer
@@ -300,7 +217,9 @@ class Trainer:
     Args:
         cfg: the composed config.
     Attributes:
-        run_dir, step (optimizer steps done), model, optimizer, env, interrupted,
+        run_dir, step (optimizer steps done), model, optimizer, scheduler, masters
+        (:class:`~dropless.train.optim.MasterWeights`), grads
+        (:class:`~dropless.train.grads.GradBuckets`), env, interrupted, skipped_steps,
         history (list of the records logged, rank 0).
     Raises:
         ConfigError: any bad input, with the field and the fix.
@@ -309,6 +228,8 @@ class Trainer:
     def __init__(self, cfg: DictConfig):
         self.cfg = cfg
         check_train_config(cfg)
+        if cfg.deterministic:
+            set_deterministic(int(cfg.seed))
         self.args = model_args(cfg)
         t = cfg.train
         self.seq_len, self.batch, self.accum, self.steps = int(t.seq_len), int(t.micro_batch_size), \
@@ -324,7 +245,7 @@ class Trainer:
         self.run_dir = resolve_run_dir(cfg, env)
         self.tokens = load_tokens(cfg.data, self.args.vocab_size)
         self.loader = ShardedLoader(self.tokens.train, self.seq_len, self.batch, env.rank, env.world_size,
-                                    int(cfg.seed))
+                                    int(cfg.seed), pin_memory=env.device.type == "cuda")
         self.val_batches = val_windows(self.tokens.val, self.seq_len, self.batch, int(t.val_batches),
                                        env.rank, env.world_size)
         if self.main:
@@ -332,22 +253,30 @@ class Trainer:
             (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         env.barrier()
 
-        self.model = build_model(self.args, cfg, env)
+        self.dtype = compute_dtype(t, env.device)
+        if t.compile:
+            check_compile(env.device, str(t.compile_backend))
+        self.model = build_model(self.args, cfg, env, self.dtype)
         if cfg.get("init_from") and not (cfg.resume and ckpt.latest_checkpoint(self.run_dir)):  # weights only
             init_from(self.model, cfg.init_from, mesh=env.mesh if env.ep_size > 1 else None)
         self.model.train()
-        self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
         expert = self.model.expert_parameters()
         self.expert_ids = {id(p) for p in expert}
         names = {id(p): n for n, p in self.model.named_parameters()}
         self.expert_fqns = {names[id(p)] for p in expert if id(p) in names}
         self.moe_layers = self.model.moe_layers()
-
-        want = str(t.dtype)
-        if want == "auto":
-            want = "bf16" if env.device.type == "cuda" else "fp32"
-        self.autocast_dtype = torch.bfloat16 if want == "bf16" else None
+        self.fsdp_params = [p for p in self.model.parameters() if p.requires_grad and is_dtensor(p)]
+        self.masters = MasterWeights(self.model, self.dtype, skip={id(p) for p in self.fsdp_params})
+        if t.compile:
+            compile_blocks(self.model, str(t.compile_backend))
+        sharded = self.expert_ids if env.ep_size > 1 else set()
+        self._grad_group = dist.new_group(list(range(env.world_size))) if env.distributed else None
+        self.grads = GradBuckets(self.masters.compute, sharded, self.masters.grads_are_params, env.world_size,
+                                 self._grad_group, env.dp_group, env.dp_size, owners=self.masters.masters)
+        self.optimizer = build_optimizer(self.masters.named_masters, cfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.steps)
+        self.balancer = RouterBiasUpdate(self.model)
+        self.balancer.register(self.optimizer)
 
         from dropless.model.params import param_counts
         self.param_counts = param_counts(self.args)
@@ -355,17 +284,33 @@ class Trainer:
         self.tokens_per_step = env.world_size * self.accum * self.batch * self.seq_len
 
         self.step = 0
+        self.skipped_steps = 0
         self.interrupted = False
         self._stop_signal: int | None = None
         self._stop_time = 0.0
+        self._stop_agreed = False
+        self._t_mark: float | None = None
         self.history: list[dict] = []
         self.resumed_from: int | None = None
         if cfg.resume:
             found = ckpt.latest_checkpoint(self.run_dir)
             if found is not None:
-                st = ckpt.load(found[1], self.model, self.optimizer, self._trainer_state(), env, self.expert_fqns)
+                self.grads.detach_()  # get_state_dict creates the AdamW state only where no grad is set
+                st = ckpt.load(found[1], self.masters.state_module, self.optimizer, self._trainer_state(), env,
+                               self.expert_fqns)
+                self.masters.refresh()
                 self.step = int(st["step"])
+                self.skipped_steps = int(st["skipped_steps"])
                 self.loader.load_state_dict({"epoch": st["data_epoch"], "offset": st["data_offset"]})
+                sd = self.scheduler.state_dict()
+                sd.update(last_epoch=int(st["lr_step"]), _step_count=int(st["lr_step"]) + 1)
+                self.scheduler.load_state_dict(sd)
+                # the lr from the scheduler's position (with EP, ckpt.load re-reads the optimizer's
+                # param groups after loading, so their saved lr does not survive it)
+                for g, base, lam in zip(self.optimizer.param_groups, self.scheduler.base_lrs,
+                                        self.scheduler.lr_lambdas):
+                    g["lr"] = base * lam(self.scheduler.last_epoch)
+                self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
                 self.resumed_from = self.step
         self.metrics = MetricsLogger(self.run_dir, cfg.logging, OmegaConf.to_container(cfg, resolve=True),
                                      enabled=self.main, resume=bool(cfg.resume))
@@ -373,17 +318,17 @@ class Trainer:
     # ------------------------------------------------------------------ helpers
     def _trainer_state(self) -> dict[str, int]:
         d = self.loader.state_dict()
-        return {"step": self.step, "data_epoch": d["epoch"], "data_offset": d["offset"]}
-
-    def _autocast(self):
-        if self.autocast_dtype is None:
-            return nullcontext()
-        return torch.autocast(self.env.device.type, dtype=self.autocast_dtype)
+        return {"step": self.step, "data_epoch": d["epoch"], "data_offset": d["offset"],
+                "lr_step": self.scheduler.last_epoch, "skipped_steps": self.skipped_steps}
 
     def _loss(self, x: torch.Tensor, y: torch.Tensor):
-        """:meth:`Transformer.loss` of one micro-batch: ``(loss, ce, aux)``, ``loss = ce + aux``."""
-        with self._autocast():
-            return self.model.loss(x, y, loss_impl=self.loss_impl)
+        """:meth:`Transformer.loss` of one micro-batch, the one model call: ``(loss, ce, aux, mtp)``."""
+        return self.model.loss(x, y, loss_impl=self.loss_impl)
+
+    @staticmethod
+    def _read_metrics(values: torch.Tensor) -> list[float]:
+        """The step's one host sync: every logged device scalar, read in one ``.tolist()``."""
+        return values.tolist()
 
     def print(self, *a: Any) -> None:
         if self.main:
@@ -392,9 +337,11 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         path = ckpt.checkpoint_dir(self.run_dir, self.step)
-        ckpt.save(path, self.model, self.optimizer, self._trainer_state(), self.env, self.expert_fqns)
+        ckpt.save(path, self.masters.state_module, self.optimizer, self._trainer_state(), self.env,
+                  self.expert_fqns)
         if self.main:
             ckpt.prune(self.run_dir, int(self.cfg.train.get("ckpt_keep", 0) or 0))
+        self._t_mark = None
         return path
 
     # ------------------------------------------------------------------ eval
@@ -402,57 +349,80 @@ class Trainer:
     def validate(self) -> float:
         """Mean validation cross-entropy (nats per token) over every rank's fixed batches."""
         self.model.eval()
-        total = torch.zeros(2, dtype=torch.float64, device=self.env.device)
+        dev = self.env.device
+        total = torch.zeros(2, dtype=torch.float64, device=dev)
         for x, y in self.val_batches:
-            x, y = x.to(self.env.device), y.to(self.env.device)
+            x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
             total[0] += self._loss(x, y).ce.double() * y.numel()  # the mean over y's tokens
             total[1] += y.numel()
         if self.env.distributed:
             dist.all_reduce(total)
         self.model.train()
+        self._t_mark = None
         return float(total[0] / total[1])
 
     # ------------------------------------------------------------------ step
     def train_step(self) -> dict[str, Any]:
-        """One optimizer step; returns its metrics record (every rank computes the same)."""
+        """One optimizer step; returns its metrics record (every rank computes the same).
+
+        Raises:
+            NonFiniteError: a NaN/Inf loss or gradient norm with ``train.nonfinite=error``.
+        """
         env, dev = self.env, self.env.device
         for moe in self.moe_layers:  # count this step's traffic only (not the validation's)
             comm = getattr(getattr(moe, "dispatcher", None), "comm", None)
             if comm is not None:
                 comm.reset()
         t0 = time.perf_counter()
-        lr = lr_at(self.step, self.cfg.optim, self.steps)
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        self.grads.zero_()
         loss_sum = torch.zeros((), dtype=torch.float32, device=dev)
         aux_sum = torch.zeros((), dtype=torch.float32, device=dev)
         dropped = torch.zeros((), dtype=torch.float32, device=dev)
-        for _ in range(self.accum):
-            x, y = self.loader.next_batch()
-            x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
-            out = self._loss(x, y)
-            (out.loss / self.accum).backward()  # CE + aux losses: 1/accum scales both
+        for i in range(self.accum):
+            w = self.loader.next_window().to(dev, non_blocking=True)  # pinned on CUDA
+            self.grads.start(sync=i == self.accum - 1)
+            out = self._loss(w[:, :-1], w[:, 1:])
+            (out.loss / self.accum).backward()  # CE + aux losses (+ MTP): 1/accum scales them all
             loss_sum += out.ce.detach()
             aux_sum += out.aux.detach()
             for moe in self.moe_layers:
                 d = moe.last_stats.get("rows_dropped")
                 if d is not None:
                     dropped += d.float()
-        sync_gradients(self.params, self.expert_ids, env)
-        clip = self.cfg.optim.grad_clip
-        gnorm = grad_norm_and_clip(self.params, self.expert_ids, env, float(clip) if clip else None)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        from dropless.routing import update_router_biases
-        router = update_router_biases(self.model)  # counts summed over micro-batches and all ranks
-        red = torch.stack([loss_sum / self.accum, aux_sum / self.accum, dropped])  # means over micro-batches
+        self.grads.finish()
+        fsdp_grads = [p.grad for p in self.fsdp_params if p.grad is not None]
+        gnorm = grad_norm(self.grads, fsdp_grads, env)
+        counts = self.balancer.counts()            # int64 [L, E], summed over ranks
+        stop = 1.0 if self._stop_signal is not None else 0.0
+        red = torch.stack([loss_sum / self.accum, aux_sum / self.accum, dropped,  # means over micro-batches
+                           torch.full((), stop, device=dev)])
         if env.distributed:
             dist.all_reduce(red)
             red[:2] /= env.world_size
-        loss_v, aux_v, dropped_v = (float(v) for v in red.tolist())
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        dt = time.perf_counter() - t0
+        parts = [red, gnorm.reshape(1)] + ([counts.reshape(-1)] if counts is not None else [])
+        host = self._read_metrics(torch.cat([v.double() for v in parts]))  # the one host sync (fp64: exact counts)
+        loss_v, aux_v, dropped_v, stop_v, gnorm_v = host[:5]
+        self._stop_agreed = stop_v > 0
+        finite = math.isfinite(loss_v) and math.isfinite(gnorm_v)
+        if finite:
+            clip = self.cfg.optim.grad_clip
+            clip_(self.grads.flats + fsdp_grads, gnorm, float(clip) if clip else None)
+            self.optimizer.step()                   # + RouterBiasUpdate (step post-hook)
+            self.masters.refresh()
+        elif str(self.cfg.train.nonfinite) == "error":
+            raise NonFiniteError(f"step {self.step + 1}: non-finite training loss ({loss_v}) or gradient norm "
+                                 f"({gnorm_v}); the weights are those after step {self.step}. Lower optim.lr, "
+                                 "check the data, or set train.nonfinite=skip to skip such steps")
+        else:
+            self.balancer.discard()
+            self.skipped_steps += 1
+        for p in self.fsdp_params:
+            p.grad = None
+        self.scheduler.step()
+        now = time.perf_counter()
+        dt = now - (self._t_mark if self._t_mark is not None else t0)
+        self._t_mark = now
         self.step += 1
 
         sent = recv = 0
@@ -470,15 +440,21 @@ class Trainer:
         fpt = moe_flops_per_token(self.args, self.seq_len, rows)
         flops_dev = fpt * tok_s / env.world_size
         rec: dict[str, Any] = {
-            "loss": loss_v, "aux_loss": aux_v, "lr": lr, "grad_norm": gnorm,
+            "loss": loss_v, "aux_loss": aux_v, "lr": lr, "grad_norm": gnorm_v,
             "tokens_per_s": tok_s, "tflops": flops_dev / 1e12,
             "mfu": flops_dev / self.peak_flops if self.peak_flops else None,
             "peak_mem_gib": peak_memory_gib(dev), "step_time_s": dt,
             "tokens": self.step * self.tokens_per_step,
             "rows_dropped": dropped_v, "dispatch_bytes_sent": sent, "dispatch_bytes_received": recv,
+            "skipped_steps": self.skipped_steps,
         }
-        rec.update(load_metrics(router))
-        self._router_counts = {layer: st["counts"] for layer, st in router.items()}
+        self._router_counts = {}
+        if counts is not None:
+            E = counts.shape[1]
+            flat = host[5:]
+            for j, r in enumerate(self.balancer.routers):
+                self._router_counts[f"layer{r.layer_id}"] = [int(v) for v in flat[j * E:(j + 1) * E]]
+            rec.update(counts_metrics(self._router_counts))
         return rec
 
     # ------------------------------------------------------------------ loop
@@ -495,12 +471,11 @@ class Trainer:
                   "(again to abort)", file=sys.stderr, flush=True)
 
     def _stop_requested(self) -> bool:
-        flag = 1.0 if self._stop_signal is not None else 0.0
-        if self.env.distributed:
-            t = torch.tensor([flag], device=self.env.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            flag = float(t)
-        return flag > 0
+        """Whether to stop now: alone, a signal since the last check; with several ranks, any rank's
+        signal seen at the last step's metrics all-reduce (so that all ranks stop together)."""
+        if not self.env.distributed:
+            return self._stop_signal is not None
+        return self._stop_agreed
 
     def train(self) -> dict[str, Any]:
         """Run the steps from :attr:`step` to ``train.steps``; returns a summary dict."""
@@ -518,7 +493,11 @@ class Trainer:
                        f"{env.device.type}, {torch.get_num_threads()} thread(s)/process; "
                        f"{self.tokens_per_step:,} tokens per step")
             self.print(f"[dropless] data: {self.tokens.source}")
-            if self.resumed_from is not None:
+            if self.resumed_from is not None and self.step >= self.steps:
+                self.print(f"[dropless] the run in {self.run_dir} already finished: its newest checkpoint is at step "
+                           f"{self.step} and train.steps={self.steps}; nothing to train (raise train.steps to "
+                           "continue it)")
+            elif self.resumed_from is not None:
                 self.print(f"[dropless] resumed from step {self.resumed_from}")
             elif cfg.resume:
                 self.print("[dropless] resume=true but no checkpoint in run_dir: starting at step 0")
@@ -567,7 +546,10 @@ class Trainer:
         wall = time.perf_counter() - start
         summary = {"steps": self.step, "wall_s": wall, "first_val_loss": first_val, "val_loss": last_val,
                    "run_dir": str(self.run_dir), "interrupted": self.interrupted}
-        if self.main and not self.interrupted:
+        if self.main and not self.interrupted and self.step == self.resumed_from:
+            self.print(f"[dropless] done: nothing to train, the run had finished all {self.steps} steps; metrics "
+                       f"{self.run_dir / 'metrics.jsonl'}")
+        elif self.main and not self.interrupted:
             if last_val is None:
                 v = "not measured (train.val_every=0)"
             elif first_val is None:

@@ -1,0 +1,167 @@
+"""Training-step benchmark (issue 12): one JSON line per variant.
+
+For a recipe (default ``h200_single``) and each variant (``eager``, ``compile``: ``train.compile=true``)
+it builds a :class:`~dropless.train.trainer.Trainer` with ``logging.mode=disabled``, no validation
+and no checkpoints, runs ``--warmup`` steps, then ``--steps`` timed steps (the trainer's own
+``tokens_per_s``, ``mfu`` and ``tflops``: wall time between two steps' metric reads; medians
+reported), then ``--profile-steps`` steps under :mod:`torch.profiler`, whose kernel (CUDA) or
+operator (CPU) self times are summed per category of issue 12's table:
+
+``casts_copies``  copy / cast / cat / fill kernels (the bf16 refresh's foreach copy included)
+``optimizer``     ``multi_tensor_apply`` / fused and foreach AdamW, norm and clip kernels
+``dense_gemm``    cuBLAS / CUTLASS / nvjet GEMMs and ``aten::mm``-like ops that are not grouped
+``grouped_gemm``  grouped GEMMs (``_grouped_mm``, CUTLASS grouped kernels) and the Triton wgrad
+``softmax_ce``    softmax, log-softmax, NLL / cross-entropy
+``attention``     SDPA (flash, cuDNN, efficient attention)
+``sort_index_topk`` sort, top-k, index, gather, scatter, cub/radix kernels
+``other``         everything else (elementwise, reductions, the Triton SwiGLU and combine, ...)
+
+Fields: ``variant``, ``recipe``, ``device``, ``tokens_per_s``, ``mfu``, ``tflops``,
+``step_ms`` (median), ``peak_mem_gib`` (``torch.cuda.max_memory_allocated`` or the CPU peak
+RSS), ``losses`` (every step's training loss, warm-up first), ``kernel_ms_per_step`` (per
+category), ``kernel_ms_total_per_step``, ``kernels_per_step`` (launch count), ``build_s``
+(construction, compile excluded: compilation happens in the first steps), ``overrides``.
+
+Usage::
+
+    python -m benchmarks.train_step                                  # h200_single, eager + compile
+    python -m benchmarks.train_step --variants eager --steps 50      # e.g. the first 50 losses
+    python -m benchmarks.train_step --set model.recompute_fc1=true --set train.activation_checkpointing=true
+    python -m benchmarks.train_step --recipe cpu_default --set train.seq_len=32 --warmup 1 --steps 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+CATEGORIES = ("casts_copies", "optimizer", "dense_gemm", "grouped_gemm", "softmax_ce", "attention",
+              "sort_index_topk", "other")
+
+_RULES = (  # first match wins; matched against the lower-cased kernel / operator name
+    ("grouped_gemm", ("grouped", "groupproblem", "_grouped_mm", "gmm", "wgrad")),
+    ("attention", ("flash", "fmha", "sdpa", "attention", "cudnn", "attn")),
+    ("softmax_ce", ("softmax", "cross_entropy", "nll_loss", "logsumexp")),
+    ("casts_copies", ("copy", "cast", "catarray", "aten::cat", "_to_copy", "aten::to", "convert")),
+    ("optimizer", ("multi_tensor_apply", "adam", "_foreach", "foreach", "fused_")),
+    ("dense_gemm", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "aten::mm", "aten::addmm", "aten::bmm",
+                    "aten::matmul", "aten::linear", "sm90_", "sm80_", "ampere_")),
+    ("sort_index_topk", ("sort", "radix", "topk", "index", "gather", "scatter", "cub::", "bitonic", "argmax")),
+)
+
+
+def category(name: str) -> str:
+    """The issue-12 category of a kernel or operator name."""
+    n = name.lower()
+    for cat, keys in _RULES:
+        if any(k in n for k in keys):
+            return cat
+    return "other"
+
+
+def _profile(trainer, steps: int) -> dict[str, Any]:
+    """Per-step self time per category (ms) and launches, over ``steps`` profiled steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = trainer.env.device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            trainer.train_step()
+        if cuda:
+            torch.cuda.synchronize()
+    per = dict.fromkeys(CATEGORIES, 0.0)
+    launches = 0
+    for ev in prof.key_averages():
+        if cuda:
+            us = getattr(ev, "self_device_time_total", None)
+            if us is None:
+                us = ev.self_cuda_time_total
+            if not us or ev.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            launches += ev.count
+        else:
+            us = ev.self_cpu_time_total
+            if not ev.key.startswith("aten::") or not us:
+                continue
+            launches += ev.count
+        per[category(ev.key)] += us / 1e3
+    per = {k: round(v / steps, 3) for k, v in per.items()}
+    return {"kernel_ms_per_step": per, "kernel_ms_total_per_step": round(sum(per.values()), 3),
+            "kernels_per_step": launches // steps}
+
+
+def run_variant(recipe: str, variant: str, overrides: list[str], warmup: int, steps: int,
+                profile_steps: int) -> dict[str, Any]:
+    """Build, warm up, time and profile one variant; returns its JSON record."""
+    from dropless.train.config import compose
+    from dropless.train.trainer import Trainer
+
+    total = warmup + steps + profile_steps
+    with tempfile.TemporaryDirectory() as rd:
+        ov = [f"recipe={recipe}", "logging.mode=disabled", "logging.progress=false", "train.val_every=0",
+              "train.ckpt_every=0", f"train.steps={total}", f"run_dir={rd}/run",
+              f"train.compile={'true' if variant == 'compile' else 'false'}", *overrides]
+        t0 = time.perf_counter()
+        tr = Trainer(compose(ov))
+        build_s = time.perf_counter() - t0
+        try:
+            if tr.env.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(tr.env.device)
+            losses, timed = [], []
+            for i in range(warmup + steps):
+                rec = tr.train_step()
+                losses.append(rec["loss"])
+                if i >= warmup:
+                    timed.append(rec)
+            prof = _profile(tr, profile_steps) if profile_steps > 0 else {}
+            from dropless.train.metrics import peak_memory_gib
+
+            med = {k: statistics.median(r[k] for r in timed if r[k] is not None) if timed else None
+                   for k in ("tokens_per_s", "mfu", "tflops", "step_time_s")}
+            dev = tr.env.device
+            return {"bench": "train_step", "variant": variant, "recipe": recipe,
+                    "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                    "tokens_per_s": med["tokens_per_s"], "mfu": med["mfu"], "tflops": med["tflops"],
+                    "step_ms": None if med["step_time_s"] is None else med["step_time_s"] * 1e3,
+                    "peak_mem_gib": peak_memory_gib(dev), "losses": losses, "warmup": warmup, "steps": steps,
+                    "profile_steps": profile_steps, "build_s": build_s, "overrides": list(overrides), **prof}
+        finally:
+            tr.close()
+            del tr
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--recipe", default="h200_single")
+    p.add_argument("--variants", nargs="+", default=["eager", "compile"], choices=["eager", "compile"])
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile happens here)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps")
+    p.add_argument("--profile-steps", type=int, default=2, help="profiled steps after the timed ones (0: none)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override, repeatable (e.g. --set train.micro_batch_size=8)")
+    p.add_argument("--out", default=None, help="also append the JSON lines to this file")
+    a = p.parse_args(argv)
+    for variant in a.variants:
+        rec = run_variant(a.recipe, variant, a.overrides, a.warmup, a.steps, a.profile_steps)
+        line = json.dumps(rec)
+        print(line, flush=True)
+        if a.out:
+            with open(a.out, "a") as f:
+                f.write(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

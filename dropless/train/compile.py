@@ -1,0 +1,78 @@
+"""``train.compile=true``: ``torch.compile`` each decoder block, applied from the training side.
+
+Each block of a :class:`~dropless.model.Transformer` is compiled in place
+(:meth:`torch.nn.Module.compile`, so parameter names and checkpoints do not change):
+attention (MLA, RoPE), the norms, the dense MLP, and in MoE blocks the shared experts and the
+residual adds. The MoE layer's routed part stays eager: the router (its
+``in_backward_recompute`` check reads autograd's graph-task id, which Dynamo cannot trace) and
+:meth:`dropless.moe.MoE._routed` (dispatch, the grouped-GEMM autograd Functions, the combine)
+are wrapped with :func:`torch.compiler.disable`, so each MoE block compiles as the graphs before
+and after them. The wrapping is per instance (the model's class is untouched).
+
+:func:`check_compile` raises :class:`~dropless.config.ConfigError` where compile cannot run
+(no Triton for the inductor backend on CUDA, no C++ compiler for inductor on CPU, a Python or
+platform Dynamo does not support), before any step.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+from torch import nn
+
+from dropless.config import ConfigError
+
+__all__ = ["compile_blocks", "check_compile", "eager_regions"]
+
+
+def eager_regions(model: nn.Module) -> list[str]:
+    """Qualified names of the callables kept eager under compile (for the README and tests)."""
+    out = []
+    for name, block in model.layers.items():
+        if getattr(block, "moe_enabled", False):
+            out += [f"layers.{name}.moe.router", f"layers.{name}.moe._routed"]
+    return out
+
+
+def check_compile(device: torch.device, backend: str) -> None:
+    """Raise ConfigError if ``torch.compile(backend=backend)`` cannot run on ``device``."""
+    import torch._dynamo
+
+    if not torch._dynamo.is_dynamo_supported():
+        raise ConfigError("train.compile=true: torch.compile (Dynamo) is not supported on this Python/platform; "
+                          "set train.compile=false")
+    if backend != "inductor":
+        return
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError as e:
+            raise ConfigError("train.compile=true with train.compile_backend=inductor needs triton on CUDA "
+                              "(pip install triton), or set train.compile=false") from e
+    elif not any(shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if c):
+        raise ConfigError("train.compile=true with train.compile_backend=inductor on CPU needs a C++ compiler "
+                          "(g++/clang++, or CXX=...); install one, use train.compile_backend=aot_eager, "
+                          "or set train.compile=false")
+
+
+def compile_blocks(model: nn.Module, backend: str = "inductor") -> nn.Module:
+    """Compile every decoder block of ``model`` in place; the MoE routed part stays eager.
+
+    Args:
+        model: a :class:`~dropless.model.Transformer` (its ``layers``).
+        backend: the ``torch.compile`` backend (``inductor``; ``aot_eager`` for CPU tests).
+    Returns: ``model``.
+    Raises:
+        ValueError: ``model`` has no ``layers``.
+    """
+    if not hasattr(model, "layers"):
+        raise ValueError(f"compile_blocks: expected a dropless Transformer with .layers, got {type(model).__name__}")
+    for block in model.layers.values():
+        if getattr(block, "moe_enabled", False):
+            moe = block.moe
+            moe.router.forward = torch.compiler.disable(moe.router.forward)
+            moe._routed = torch.compiler.disable(moe._routed)
+        block.compile(backend=backend)
+    return model

@@ -1,0 +1,295 @@
+"""Gradients of a training step: fp32 main-gradient buckets, their all-reduce, the norm and clipping.
+
+:class:`GradBuckets` holds one fp32 *main gradient* per plain (non-FSDP2) trainable parameter,
+as views into flat buckets of at most ``bucket_elems`` elements. Each parameter's
+``register_post_accumulate_grad_hook`` moves its gradient there as soon as autograd has
+accumulated it:
+
+* bf16 compute parameters: ``main += p.grad`` (fp32), then ``p.grad = None`` at once, so the
+  micro-batches accumulate in fp32 and no second full-size bf16 gradient lives on;
+* fp32 parameters: ``p.grad`` *is* the main-gradient view (autograd accumulates into it in
+  place), the hook only counts.
+
+On the step's last micro-batch (:meth:`GradBuckets.start` with ``sync=True``) a bucket whose
+parameters all got their gradient is all-reduced asynchronously (SUM) while backward goes
+on, in bucket order on every rank (DDP's scheme: buckets hold the parameters in reverse
+registration order, roughly the order backward produces them); :meth:`GradBuckets.finish`
+launches what is left, waits and divides by the world size. Groups
+(``sync_gradients`` below is the unbucketed reference of the same arithmetic):
+
+* replicated parameters: all ranks (a dedicated process group, so these collectives never
+  interleave with others on the default group);
+* routed experts with EP > 1: the dp group (the ranks holding the same experts), since an
+  EP dispatcher already summed the EP group's contributions on the owner
+  (``dropless/dispatch/mesh.py``); no collective when dp = 1;
+* both then ``/ world``: every rank's loss is a mean over its own tokens.
+
+FSDP2 DTensor parameters (``dispatcher=fsdp`` experts, ``train.shard_dense``) keep FSDP2's
+own reduce-scatter and are left out.
+
+:func:`grad_norm` is the global L2 norm of every gradient (device tensor, no host sync):
+replicated buckets once, EP-sharded buckets summed over the EP group, FSDP2 shards over their
+own mesh. :func:`clip_` scales every gradient by ``max_norm / (norm + 1e-6)`` where ``norm > max_norm``,
+on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dropless.train.optim import is_dtensor
+
+__all__ = ["GradBuckets", "grad_norm", "clip_", "sync_gradients", "grad_norm_and_clip", "BUCKET_ELEMS"]
+
+#: default elements per bucket (25 MiB of fp32, DDP's default bucket size)
+BUCKET_ELEMS = 25 * 2**20 // 4
+
+
+@dataclass
+class _Bucket:
+    flat: torch.Tensor                  # fp32 [n]
+    params: list[torch.Tensor]
+    sharded: bool                       # routed experts with EP > 1 (reduced over dp)
+    ready: int = 0
+    work: Any = None
+    launched: bool = False
+    views: list[torch.Tensor] = field(default_factory=list)
+
+
+class GradBuckets:
+    """fp32 main gradients in flat buckets, filled by post-accumulate hooks (see the module doc).
+
+    Args:
+        params: the plain trainable parameters (compute copies), in registration order.
+        sharded_ids: ids of the parameters sharded over EP (> 1): reduced over ``dp_group``.
+        grads_are_params: fp32 training: ``p.grad`` is the main-gradient view itself.
+        owners: the tensors whose ``.grad`` are the main-gradient views (the fp32 masters the
+            optimizer steps, one per parameter); default: ``params`` (fp32 training).
+        world_size: ranks (the divisor); 1: no collectives.
+        world_group, dp_group, dp_size: the groups of the two kinds (see the module doc).
+        bucket_elems: at most this many elements per bucket (a larger parameter gets its own).
+        overlap: launch each bucket's all-reduce from the hooks (else all in :meth:`finish`).
+
+    Attributes:
+        main: fp32 views, one per parameter (``main[i]`` is ``params[i]``'s gradient).
+        sharded: per parameter, whether it is EP-sharded (reduced over dp).
+        flats: the flat fp32 buckets.
+    """
+
+    def __init__(self, params: list[torch.Tensor], sharded_ids: set[int], grads_are_params: bool,
+                 world_size: int = 1, world_group: Any = None, dp_group: Any = None, dp_size: int = 1,
+                 bucket_elems: int = BUCKET_ELEMS, overlap: bool = True,
+                 owners: list[torch.Tensor] | None = None):
+        self.params = list(params)
+        self.owners = self.params if owners is None else list(owners)
+        self.world_size, self.world_group, self.dp_group, self.dp_size = world_size, world_group, dp_group, dp_size
+        self.grads_are_params, self.overlap = grads_are_params, overlap
+        self.buckets: list[_Bucket] = []
+        self._where: dict[int, tuple[int, int]] = {}   # id(p) -> (bucket, index in bucket)
+        for sharded in (False, True):
+            chosen = [p for p in reversed(self.params) if (id(p) in sharded_ids) == sharded]
+            i = 0
+            while i < len(chosen):
+                j, n = i, 0
+                while j < len(chosen) and (n == 0 or n + chosen[j].numel() <= bucket_elems):
+                    n += chosen[j].numel()
+                    j += 1
+                ps = chosen[i:j]
+                flat = torch.zeros(n, dtype=torch.float32, device=ps[0].device)
+                b = _Bucket(flat, ps, sharded)
+                off = 0
+                for k, p in enumerate(ps):
+                    b.views.append(flat[off:off + p.numel()].view(p.shape))
+                    self._where[id(p)] = (len(self.buckets), k)
+                    off += p.numel()
+                self.buckets.append(b)
+                i = j
+        self.main = [self.buckets[self._where[id(p)][0]].views[self._where[id(p)][1]] for p in self.params]
+        self.sharded = [id(p) in sharded_ids for p in self.params]
+        self.flats = [b.flat for b in self.buckets]
+        self._sync = False
+        self._next = 0
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
+        self.zero_()
+
+    # ------------------------------------------------------------------ step protocol
+    def zero_(self) -> None:
+        """Zero every main gradient (before a step's first micro-batch); (re)attach the views
+        as the owners' ``.grad``."""
+        for b in self.buckets:
+            b.flat.zero_()
+            b.ready, b.work, b.launched = 0, None, False
+        self._next = 0
+        for o, g in zip(self.owners, self.main):
+            o.grad = g
+        if not self.grads_are_params:
+            for p in self.params:
+                p.grad = None
+
+    def detach_(self) -> None:
+        """Set every owner's and parameter's ``.grad`` to None (until the next :meth:`zero_`)."""
+        for t in self.owners + self.params:
+            t.grad = None
+
+    def start(self, sync: bool) -> None:
+        """Before a micro-batch's backward: ``sync`` = it is the step's last (reduce during it)."""
+        self._sync = sync and self.world_size > 1
+        for b in self.buckets:
+            b.ready = 0
+
+    def _hook(self, p: torch.Tensor) -> None:
+        bi, k = self._where[id(p)]
+        b = self.buckets[bi]
+        if not self.grads_are_params:
+            if p.grad is not None:
+                b.views[k].add_(p.grad)
+            p.grad = None
+        if self._sync and self.overlap:
+            b.ready += 1
+            buckets = self.buckets
+            while self._next < len(buckets) and buckets[self._next].ready >= len(buckets[self._next].params):
+                self._launch(self.buckets[self._next])
+                self._next += 1
+
+    def _launch(self, b: _Bucket) -> None:
+        if b.launched:
+            return
+        b.launched = True
+        if b.sharded:
+            if self.dp_size > 1:
+                b.work = dist.all_reduce(b.flat, op=dist.ReduceOp.SUM, group=self.dp_group, async_op=True)
+        else:
+            b.work = dist.all_reduce(b.flat, op=dist.ReduceOp.SUM, group=self.world_group, async_op=True)
+
+    def finish(self) -> None:
+        """After the last micro-batch's backward: launch the rest, wait, ``/ world``."""
+        if self.world_size <= 1:
+            return
+        for b in self.buckets[self._next:]:
+            self._launch(b)
+        self._next = len(self.buckets)
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+            b.flat.div_(self.world_size)
+        self._sync = False
+
+    def remove(self) -> None:
+        """Drop the hooks."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+# ----------------------------------------------------------------------------- norm and clip
+def _sq(ts: list[torch.Tensor], dev: torch.device) -> torch.Tensor:
+    if not ts:
+        return torch.zeros((), device=dev, dtype=torch.float32)
+    return torch.stack([n.float() for n in torch._foreach_norm(ts)]).pow(2).sum()
+
+
+def grad_norm(buckets: GradBuckets | None, dtensor_grads: list[torch.Tensor], env: Any) -> torch.Tensor:
+    """Global L2 norm of the main gradients and the FSDP2 gradients: fp32 0-dim device tensor.
+
+    Replicated buckets count once; EP-sharded buckets are summed over ``env.ep_group``;
+    FSDP2 shards over their own mesh's group. No host sync.
+    """
+    dev = env.device
+    # per-parameter norms (in parameter order), as a per-tensor reduction: fp32 norms of whole
+    # flat buckets lose precision on CPU (2e-5 relative at 1.5 M elements)
+    pairs = list(zip(buckets.main, buckets.sharded)) if buckets else []
+    rep = [g for g, sh in pairs if not sh]
+    ep_sh = [g for g, sh in pairs if sh]
+    total = _sq(rep, dev)
+    if ep_sh:
+        s = _sq(ep_sh, dev)
+        if env.distributed and env.ep_size > 1:
+            dist.all_reduce(s, group=env.ep_group)
+        total = total + s
+    by_group: dict[Any, list[torch.Tensor]] = {}
+    for g in dtensor_grads:
+        by_group.setdefault(g.device_mesh.get_group(), []).append(g.to_local())
+    for group, shards in by_group.items():
+        s = _sq(shards, dev)
+        if env.distributed:
+            dist.all_reduce(s, group=group)
+        total = total + s
+    return total.sqrt()
+
+
+@torch.no_grad()
+def clip_(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float | None) -> None:
+    """Where ``norm > max_norm``: scale ``grads`` in place by ``max_norm / (norm + 1e-6)`` (device-side).
+
+    No-op without ``max_norm``; otherwise one multiply (by exactly 1.0 when not clipping).
+    """
+    if not max_norm or not grads:
+        return
+    coef = torch.where(norm > max_norm, max_norm / (norm + 1e-6), torch.ones_like(norm))
+    plain = [g for g in grads if not is_dtensor(g)]
+    if plain:
+        torch._foreach_mul_(plain, coef)
+    for g in grads:
+        if is_dtensor(g):
+            g.mul_(coef)
+
+
+# ----------------------------------------------------------------------------- unbucketed reference
+def sync_gradients(params: list[torch.nn.Parameter], expert_ids: set[int], env: Any) -> None:
+    """Reference: average ``p.grad`` over the world, blocking (same groups as :class:`GradBuckets`)."""
+    if not env.distributed:
+        return
+    world_g, dp_g = [], []
+    for p in params:
+        if p.grad is None:  # same collective sizes on every rank
+            p.grad = torch.zeros_like(p)
+        if is_dtensor(p.grad):
+            continue
+        (dp_g if (id(p) in expert_ids and env.ep_size > 1) else world_g).append(p.grad)
+    for grads, group in ((world_g, None), (dp_g, env.dp_group)):
+        if not grads or (group is env.dp_group and env.dp_size <= 1):
+            continue
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        off = 0
+        for g in grads:
+            g.copy_(flat[off:off + g.numel()].view_as(g))
+            off += g.numel()
+    torch._foreach_div_(world_g + dp_g, float(env.world_size))
+
+
+def grad_norm_and_clip(params: list[torch.nn.Parameter], expert_ids: set[int], env: Any,
+                       max_norm: float | None) -> float:
+    """Reference: global L2 norm of ``p.grad`` (host float; a sync), clipped to ``max_norm``."""
+    dev = env.device
+    rep, ep_sh, dts = [], [], []
+    for p in params:
+        if p.grad is None:
+            continue
+        if is_dtensor(p.grad):
+            dts.append(p.grad)
+        elif id(p) in expert_ids and env.ep_size > 1:
+            ep_sh.append(p.grad)
+        else:
+            rep.append(p.grad)
+    total = _sq(rep, dev)
+    if ep_sh:
+        s = _sq(ep_sh, dev)
+        if env.distributed:
+            dist.all_reduce(s, group=env.ep_group)
+        total = total + s
+    by_group: dict[Any, list[torch.Tensor]] = {}
+    for g in dts:
+        by_group.setdefault(g.device_mesh.get_group(), []).append(g.to_local())
+    for group, shards in by_group.items():
+        s = _sq(shards, dev)
+        if env.distributed:
+            dist.all_reduce(s, group=group)
+        total = total + s
+    norm = total.sqrt()
+    clip_([p.grad for p in params if p.grad is not None], norm, max_norm)
+    return float(norm)

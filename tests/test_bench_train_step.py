@@ -1,0 +1,39 @@
+"""benchmarks/train_step.py on CPU: 3 timed steps of the tiny model give every JSON field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.train_step import CATEGORIES, category, main
+
+
+def test_train_step_benchmark_json_fields(capsys):
+    assert main(["--recipe", "cpu_default", "--variants", "eager", "--warmup", "1", "--steps", "3",
+                 "--profile-steps", "1", "--set", "model=tiny", "--set", "train.micro_batch_size=2",
+                 "--set", "train.seq_len=32", "--set", "num_threads=1"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    assert len(lines) == 1
+    r = lines[0]
+    assert r["variant"] == "eager" and r["recipe"] == "cpu_default" and r["device"] == "cpu"
+    assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 and r["tflops"] > 0 and r["step_ms"] > 0
+    assert r["peak_mem_gib"] > 0.05 and len(r["losses"]) == 4 and all(4 < x < 7 for x in r["losses"])
+    assert r["tokens_per_s"] == pytest.approx(2 * 32 / (r["step_ms"] / 1e3), rel=1e-6)
+    k = r["kernel_ms_per_step"]
+    assert set(k) == set(CATEGORIES) and all(v >= 0 for v in k.values())
+    assert k["dense_gemm"] > 0 and k["grouped_gemm"] > 0 and k["optimizer"] > 0 and k["softmax_ce"] > 0
+    assert r["kernel_ms_total_per_step"] == pytest.approx(sum(k.values()), abs=0.01) and r["kernels_per_step"] > 100
+
+
+def test_kernel_categories():
+    assert category("void cutlass::Kernel2<cutlass_sm90_grouped_gemm>") == "grouped_gemm"
+    assert category("aten::_grouped_mm") == "grouped_gemm"
+    assert category("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NNT") == "dense_gemm"
+    assert category("void at::native::bfloat16_copy_kernel_cuda") == "casts_copies"
+    assert category("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>") \
+        == "optimizer"
+    assert category("cudnn_generated_fort_native_sdpa_sm90_flash_fprop") == "attention"
+    assert category("void at::native::cunn_SoftMaxForward") == "softmax_ce"
+    assert category("void at::native::sbtopk::gatherTopK") == "sort_index_topk"
+    assert category("_swiglu_kernel") == "other"

@@ -1,0 +1,158 @@
+"""Mixed precision, AdamW and the schedule of the trainer (dropless.train.optim / grads), on CPU.
+
+bf16 (``train.dtype=bf16``): the compute parameters are bf16, the optimizer steps fp32 masters
+with fp32 moments, gradients accumulate over micro-batches in fp32 main-gradient buckets
+(exactly ``g1.float() + g2.float()`` of the micro-batches' bf16 gradients), the router's buffers
+stay fp32, the MoE layer's input is bf16 while the router logits are fp32, and after a step the
+compute copy is the masters rounded to bf16. Checkpoints hold the fp32 masters and a bf16 run
+resumes bitwise. The lr of every step is ``lr_at`` through ``LambdaLR``.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dropless.train.config import compose
+from dropless.train.optim import MasterWeights, lr_at
+from dropless.train.trainer import Trainer
+from tests.test_train import QUICK, records, run
+
+BF16 = ["train.dtype=bf16", "logging.mode=disabled", "train.val_every=0"]
+
+
+def _trainer(tmp_path, *extra) -> Trainer:
+    return Trainer(compose(QUICK + BF16 + [f"run_dir={tmp_path}", *extra]))
+
+
+def test_bf16_compute_params_fp32_masters_moments_and_buffers(tmp_path):
+    tr = _trainer(tmp_path, "train.steps=1")
+    try:
+        m = tr.masters
+        assert m.compute and all(p.dtype == torch.bfloat16 for p in m.compute)
+        assert all(q.dtype == torch.float32 for q in m.masters)
+        assert len(m.compute) == sum(1 for p in tr.model.parameters() if p.requires_grad)
+        for name, b in tr.model.named_buffers():   # expert bias and counts
+            assert b.dtype == torch.float32, name
+        seen = {}
+        moe = tr.moe_layers[0]
+        h1 = moe.register_forward_pre_hook(lambda mod, a: seen.update(moe_in=a[0].dtype))
+        h2 = moe.router.register_forward_hook(lambda mod, a, out: seen.update(scores=out.scores_TE.dtype))
+        tr.train_step()
+        h1.remove(), h2.remove()
+        assert seen == {"moe_in": torch.bfloat16, "scores": torch.float32}
+        for p, q in zip(m.compute, m.masters):     # refreshed once from the masters
+            assert torch.equal(p, q.to(torch.bfloat16))
+        for st in tr.optimizer.state.values():
+            assert st["exp_avg"].dtype == torch.float32 and st["exp_avg_sq"].dtype == torch.float32
+        assert all(p.grad is None for p in m.compute)          # bf16 grads freed by the hooks
+        assert all(g.dtype == torch.float32 for g in tr.grads.flats)
+        assert all(g["foreach"] and not g["fused"] for g in tr.optimizer.param_groups)   # CPU: foreach
+    finally:
+        tr.close()
+
+
+def test_micro_batches_accumulate_in_fp32(tmp_path):
+    """main grad = g1.float() + g2.float() exactly, for the bf16 gradients g1, g2 of two micro-batches."""
+    tr = _trainer(tmp_path, "train.steps=1", "train.grad_accum=2")
+    try:
+        ws = [tr.loader.next_window() for _ in range(2)]
+        per = []
+        for w in ws:  # each micro-batch's bf16 gradients on their own (no hooks: autograd.grad)
+            loss = tr._loss(w[:, :-1], w[:, 1:]) / 2
+            per.append(torch.autograd.grad(loss, tr.masters.compute, allow_unused=True))
+            tr.balancer.discard()
+        tr.grads.zero_()
+        for i, w in enumerate(ws):
+            tr.grads.start(sync=i == 1)
+            (tr._loss(w[:, :-1], w[:, 1:]) / 2).backward()
+        tr.grads.finish()
+        bad = 0
+        for main, g1, g2 in zip(tr.grads.main, *per):
+            want = (g1.float() if g1 is not None else 0) + (g2.float() if g2 is not None else 0)
+            bad += not torch.equal(main, torch.as_tensor(want).expand_as(main))
+        assert bad == 0
+        assert any(not torch.equal(main, (g1 + g2).float()) for main, g1, g2 in zip(tr.grads.main, *per)
+                   if g1 is not None)   # a bf16 sum would differ: the test can tell them apart
+    finally:
+        tr.close()
+
+
+def test_bf16_checkpoint_holds_fp32_masters_and_resumes_bitwise(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    common = BF16 + ["train.steps=4", "train.ckpt_every=2", "train.ckpt_keep=0", "train.grad_accum=2"]
+    _, tr = run([f"run_dir={a}"] + common)
+    meta = dcp.FileSystemReader(str(a / "checkpoints" / "step_00000002")).read_metadata().state_dict_metadata
+    w = [v for k, v in meta.items() if k.startswith("model.") and k.endswith(".weight")]
+    assert w and all(v.properties.dtype == torch.float32 for v in w)
+    assert "trainer.lr_step" in meta
+    (b / "checkpoints").mkdir(parents=True)
+    shutil.copytree(a / "checkpoints" / "step_00000002", b / "checkpoints" / "step_00000002")
+    _, tr2 = run([f"run_dir={b}", "resume=true"] + common)
+    ra = {r["step"]: r for r in records(a)}
+    rb = {r["step"]: r for r in records(b)}
+    assert sorted(rb) == [3, 4]
+    for s in (3, 4):
+        for k in ("loss", "grad_norm", "lr", "aux_loss"):
+            assert rb[s][k] == ra[s][k], (s, k)
+    assert tr2.scheduler.last_epoch == 4
+    for p, q in zip(tr.masters.masters, tr2.masters.masters):
+        assert torch.equal(p, q)
+
+
+def test_lambda_lr_follows_lr_at(tmp_path):
+    _, tr = run([f"run_dir={tmp_path}", "train.steps=7", "optim.warmup_steps=3", "logging.mode=disabled",
+                 "train.val_every=0"])
+    lrs = [r["lr"] for r in records(tmp_path)]
+    want = [lr_at(s, tr.cfg.optim, 7) for s in range(7)]
+    assert lrs == pytest.approx(want, rel=1e-12, abs=0)
+    assert lrs[0] < lrs[2] and lrs[-1] == pytest.approx(tr.cfg.optim.min_lr_ratio * tr.cfg.optim.lr, rel=1e-12)
+
+
+def test_master_weights_fp32_is_the_model_itself():
+    m = torch.nn.Linear(4, 3)
+    mw = MasterWeights(m, torch.float32)
+    assert mw.state_module is m and mw.masters is mw.compute and mw.grads_are_params
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        MasterWeights(torch.nn.Linear(2, 2), torch.float16)
+
+
+@pytest.mark.slow
+def test_compile_aot_eager_equals_eager(tmp_path):
+    """train.compile=true (aot_eager on CPU, 1 dense + 1 MoE block): 3 steps' losses and grad norms,
+    and the first step's gradients, equal eager's."""
+    out, grads = {}, {}
+    for name, flag in (("eager", "false"), ("compiled", "true")):
+        tr = Trainer(compose(QUICK + [f"run_dir={tmp_path / name}", "train.steps=3", "logging.mode=disabled",
+                                      "model.num_hidden_layers=2", "train.micro_batch_size=2", "train.seq_len=32",
+                                      "train.val_every=0", f"train.compile={flag}", "train.compile_backend=aot_eager"]))
+        try:
+            recs = []
+            for i in range(3):
+                recs.append(tr.train_step())
+                if i == 0:
+                    grads[name] = [g.clone() for g in tr.grads.main]
+            out[name] = [(r["loss"], r["grad_norm"]) for r in recs]
+            if flag == "true":
+                from dropless.train.compile import eager_regions
+                assert eager_regions(tr.model) == [f"layers.{i}.moe.{w}" for i in tr.args.moe_layer_ids()
+                                                   for w in ("router", "_routed")]
+                assert all(hasattr(b, "_compiled_call_impl") and b._compiled_call_impl is not None
+                           for b in tr.model.layers.values())
+        finally:
+            tr.close()
+    for (la, ga), (lb, gb) in zip(out["compiled"], out["eager"]):
+        assert la == pytest.approx(lb, rel=1e-5) and ga == pytest.approx(gb, rel=1e-4)
+    for a, b in zip(grads["compiled"], grads["eager"]):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6 * b.abs().max().item())
+
+
+def test_compile_where_it_cannot_run_is_a_config_error(tmp_path, monkeypatch):
+    from dropless.config import ConfigError
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    monkeypatch.delenv("CXX", raising=False)
+    with pytest.raises(ConfigError, match="train.compile=true .*C\\+\\+ compiler"):
+        Trainer(compose(QUICK + [f"run_dir={tmp_path}", "train.compile=true", "device=cpu"]))

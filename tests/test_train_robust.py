@@ -1,0 +1,141 @@
+"""Issue 11 items 7, 8, 14 on CPU: non-finite steps, determinism, resuming a finished run.
+
+* ``train.nonfinite``: a NaN injected into one micro-batch (the head's output, so the loss is
+  NaN; or one parameter's gradient, so only the grad norm is) is caught in the step. ``skip``
+  leaves the masters, the AdamW state and the router biases exactly as they were, counts
+  ``skipped_steps`` and trains on; ``error`` raises :class:`NonFiniteError` naming the step.
+* ``deterministic=true``: two 50-step runs give bitwise-equal losses (local; a2a, agrs, fsdp on
+  2 gloo ranks).
+* ``resume=true`` of a run that already finished says so.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dropless.train.config import compose
+from dropless.train.trainer import NonFiniteError, Trainer
+from tests.test_train import QUICK, _env, records, run
+
+BASE = QUICK + ["logging.mode=disabled", "train.val_every=0", "train.grad_accum=2"]
+
+
+def _poison_output(tr, on_call: int):
+    """NaN in the head's output on the ``on_call``-th forward from now (1-based)."""
+    calls = [0]
+
+    def hook(mod, args, out):
+        calls[0] += 1
+        return out * float("nan") if calls[0] == on_call else None
+    return tr.model.output.register_forward_hook(hook)
+
+
+def _poison_grad(tr, on_call: int):
+    """NaN in the head weight's gradient on the ``on_call``-th backward from now."""
+    calls = [0]
+
+    def hook(g):
+        calls[0] += 1
+        return g * float("nan") if calls[0] == on_call else None
+    return tr.model.output.weight.register_hook(hook)
+
+
+def _snapshot(tr):
+    opt = {k: {n: v.clone() for n, v in st.items()} for k, st in enumerate(tr.optimizer.state.values())}
+    bias = [r.e_score_correction_bias.clone() for r in tr.balancer.routers]
+    return [m.clone() for m in tr.masters.masters], opt, bias
+
+
+def _same(a, b) -> bool:
+    (ma, oa, ba), (mb, ob, bb) = a, b
+    return (all(torch.equal(x, y) for x, y in zip(ma, mb)) and all(torch.equal(x, y) for x, y in zip(ba, bb))
+            and all(torch.equal(oa[k][n], ob[k][n]) for k in oa for n in oa[k]))
+
+
+@pytest.mark.parametrize("poison", [_poison_output, _poison_grad])
+def test_nonfinite_skip_leaves_weights_and_moments(tmp_path, poison):
+    tr = Trainer(compose(BASE + [f"run_dir={tmp_path}", "train.steps=4", "train.nonfinite=skip"]))
+    try:
+        r1 = tr.train_step()
+        assert r1["skipped_steps"] == 0 and math.isfinite(r1["loss"])
+        before = _snapshot(tr)
+        h = poison(tr, on_call=2)                  # second micro-batch of step 2
+        r2 = tr.train_step()
+        h.remove()
+        assert r2["skipped_steps"] == 1 and not math.isfinite(r2["grad_norm"])
+        assert _same(before, _snapshot(tr))         # masters, moments, router biases untouched
+        assert all(torch.equal(p, m.to(p.dtype)) for p, m in zip(tr.masters.compute, tr.masters.masters))
+        assert all(r.tokens_per_expert.abs().sum() == 0 for r in tr.balancer.routers)   # counts discarded
+        r3 = tr.train_step()
+        assert r3["skipped_steps"] == 1 and math.isfinite(r3["loss"]) and math.isfinite(r3["grad_norm"])
+        assert not _same(before, _snapshot(tr))     # the next step trains again
+        assert all(torch.isfinite(m).all() for m in tr.masters.masters)
+    finally:
+        tr.close()
+
+
+def test_nonfinite_error_names_the_step(tmp_path):
+    tr = Trainer(compose(BASE + [f"run_dir={tmp_path}", "train.steps=4"]))   # default: error
+    try:
+        tr.train_step()
+        before = _snapshot(tr)
+        _poison_output(tr, on_call=1)
+        with pytest.raises(NonFiniteError, match=r"step 2: non-finite training loss \(nan\)"):
+            tr.train_step()
+        assert _same(before, _snapshot(tr))
+    finally:
+        tr.close()
+
+
+def test_bad_nonfinite_value_is_a_config_error():
+    from dropless.config import ConfigError
+    with pytest.raises(ConfigError, match="train.nonfinite"):
+        Trainer(compose(BASE + ["train.nonfinite=ignore"]))
+
+
+def _losses(rd) -> list[float]:
+    return [r["loss"] for r in sorted((x for x in records(rd) if "loss" in x), key=lambda x: x["step"])]
+
+
+def test_deterministic_runs_are_bitwise_equal_local(tmp_path):
+    small = ["deterministic=true", "train.steps=50", "train.micro_batch_size=2", "train.seq_len=32",
+             "train.grad_accum=1", "train.ckpt_every=0"]
+    try:
+        run([f"run_dir={tmp_path / 'a'}", "logging.mode=disabled", "train.val_every=0", *small])
+        run([f"run_dir={tmp_path / 'b'}", "logging.mode=disabled", "train.val_every=0", *small])
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    a, b = _losses(tmp_path / "a"), _losses(tmp_path / "b")
+    assert len(a) == 50 and a == b
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dispatcher", ["a2a", "agrs", "fsdp"])
+def test_deterministic_runs_are_bitwise_equal_two_ranks(tmp_path, dispatcher):
+    def train(rd):
+        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                            "-m", "dropless.train", *QUICK, "num_threads=1", f"dispatcher={dispatcher}",
+                            "deterministic=true", "train.steps=50", "train.micro_batch_size=2", "train.seq_len=32",
+                            "train.val_every=0", "train.ckpt_every=0", "logging.mode=disabled", f"run_dir={rd}"],
+                           capture_output=True, text=True, env=_env(), timeout=600)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        return _losses(rd)
+    a, b = train(tmp_path / "a"), train(tmp_path / "b")
+    assert len(a) == 50 and a == b
+
+
+def test_resuming_a_finished_run_says_so(tmp_path, capsys):
+    common = [f"run_dir={tmp_path}", "train.steps=2", "train.val_every=1", "logging.mode=disabled"]
+    run(common)
+    capsys.readouterr()
+    summary, tr = run(common + ["resume=true"])
+    out = capsys.readouterr().out
+    assert summary["steps"] == 2 and tr.resumed_from == 2
+    assert "already finished: its newest checkpoint is at step 2 and train.steps=2" in out
+    assert "nothing to train" in out and "val_every=0" not in out
