@@ -94,7 +94,7 @@ def adamw_impl(params: Iterable[torch.Tensor]) -> tuple[dict[str, bool], str]:
     """
     ps = list(params)
     if any(is_dtensor(p) for p in ps):
-        why = "FSDP2 DTensor parameters use the per-tensor AdamW (foreach/fused kernels take one tensor kind and one mesh)"
+        why = "FSDP2 DTensor parameters use the per-tensor AdamW (foreach/fused take one tensor kind and mesh)"
         return {"foreach": False, "fused": False}, why
     if ps and all(p.device.type == "cuda" for p in ps):
         return {"foreach": False, "fused": True}, "fused (CUDA)"
