@@ -35,8 +35,8 @@ def test_bf16_compute_params_fp32_masters_moments_and_buffers(tmp_path):
         assert m.compute and all(p.dtype == torch.bfloat16 for p in m.compute)
         assert all(q.dtype == torch.float32 for q in m.masters)
         assert len(m.compute) == sum(1 for p in tr.model.parameters() if p.requires_grad)
-        for name, b in tr.model.named_buffers():   # expert bias and counts
-            assert b.dtype == torch.float32, name
+        for name, b in tr.model.named_buffers():   # expert bias fp32, counts exact int64
+            assert b.dtype == (torch.int64 if name.endswith("tokens_per_expert") else torch.float32), name
         seen = {}
         moe = tr.moe_layers[0]
         h1 = moe.register_forward_pre_hook(lambda mod, a: seen.update(moe_in=a[0].dtype))
@@ -62,13 +62,13 @@ def test_micro_batches_accumulate_in_fp32(tmp_path):
         ws = [tr.loader.next_window() for _ in range(2)]
         per = []
         for w in ws:  # each micro-batch's bf16 gradients on their own (no hooks: autograd.grad)
-            loss = tr._loss(w[:, :-1], w[:, 1:]) / 2
+            loss = tr._loss(w[:, :-1], w[:, 1:]).loss / 2
             per.append(torch.autograd.grad(loss, tr.masters.compute, allow_unused=True))
             tr.balancer.discard()
         tr.grads.zero_()
         for i, w in enumerate(ws):
             tr.grads.start(sync=i == 1)
-            (tr._loss(w[:, :-1], w[:, 1:]) / 2).backward()
+            (tr._loss(w[:, :-1], w[:, 1:]).loss / 2).backward()
         tr.grads.finish()
         bad = 0
         for main, g1, g2 in zip(tr.grads.main, *per):

@@ -1,6 +1,6 @@
 """Issue 11 items 7, 8, 14 on CPU: non-finite steps, determinism, resuming a finished run.
 
-* ``train.nonfinite``: a NaN injected into one micro-batch (the head's output, so the loss is
+* ``train.nonfinite``: a NaN injected into one micro-batch (the head's input, so the loss is
   NaN; or one parameter's gradient, so only the grad norm is) is caught in the step. ``skip``
   leaves the masters, the AdamW state and the router biases exactly as they were, counts
   ``skipped_steps`` and trains on; ``error`` raises :class:`NonFiniteError` naming the step.
@@ -26,13 +26,13 @@ BASE = QUICK + ["logging.mode=disabled", "train.val_every=0", "train.grad_accum=
 
 
 def _poison_output(tr, on_call: int):
-    """NaN in the head's output on the ``on_call``-th forward from now (1-based)."""
+    """NaN in the head's input (the final norm's output) on the ``on_call``-th forward from now (1-based)."""
     calls = [0]
 
     def hook(mod, args, out):
         calls[0] += 1
         return out * float("nan") if calls[0] == on_call else None
-    return tr.model.output.register_forward_hook(hook)
+    return tr.model.norm.register_forward_hook(hook)
 
 
 def _poison_grad(tr, on_call: int):
