@@ -198,15 +198,20 @@ def grad_norm(buckets: GradBuckets | None, dtensor_grads: list[torch.Tensor], en
     Replicated buckets count once; EP-sharded buckets are summed over ``env.ep_group``;
     FSDP2 shards over their own mesh's group. No host sync.
     """
-    dev = env.device
     # per-parameter norms (in parameter order), as a per-tensor reduction: fp32 norms of whole
     # flat buckets lose precision on CPU (2e-5 relative at 1.5 M elements)
     pairs = list(zip(buckets.main, buckets.sharded)) if buckets else []
-    rep = [g for g, sh in pairs if not sh]
-    ep_sh = [g for g, sh in pairs if sh]
-    total = _sq(rep, dev)
-    if ep_sh:
-        s = _sq(ep_sh, dev)
+    return _global_norm([g for g, sh in pairs if not sh], [g for g, sh in pairs if sh], dtensor_grads, env)
+
+
+def _global_norm(replicated: list[torch.Tensor], ep_sharded: list[torch.Tensor],
+                 dtensor_grads: list[torch.Tensor], env: Any) -> torch.Tensor:
+    """L2 norm over replicated tensors (counted once), EP shards (squares summed over
+    ``env.ep_group``) and FSDP2 DTensor shards (over their mesh's group): fp32 0-dim, no host sync."""
+    dev = env.device
+    total = _sq(replicated, dev)
+    if ep_sharded:
+        s = _sq(ep_sharded, dev)
         if env.distributed and env.ep_size > 1:
             dist.all_reduce(s, group=env.ep_group)
         total = total + s
@@ -265,7 +270,6 @@ def sync_gradients(params: list[torch.nn.Parameter], expert_ids: set[int], env: 
 def grad_norm_and_clip(params: list[torch.nn.Parameter], expert_ids: set[int], env: Any,
                        max_norm: float | None) -> float:
     """Reference: global L2 norm of ``p.grad`` (host float; a sync), clipped to ``max_norm``."""
-    dev = env.device
     rep, ep_sh, dts = [], [], []
     for p in params:
         if p.grad is None:
@@ -276,20 +280,6 @@ def grad_norm_and_clip(params: list[torch.nn.Parameter], expert_ids: set[int], e
             ep_sh.append(p.grad)
         else:
             rep.append(p.grad)
-    total = _sq(rep, dev)
-    if ep_sh:
-        s = _sq(ep_sh, dev)
-        if env.distributed:
-            dist.all_reduce(s, group=env.ep_group)
-        total = total + s
-    by_group: dict[Any, list[torch.Tensor]] = {}
-    for g in dts:
-        by_group.setdefault(g.device_mesh.get_group(), []).append(g.to_local())
-    for group, shards in by_group.items():
-        s = _sq(shards, dev)
-        if env.distributed:
-            dist.all_reduce(s, group=group)
-        total = total + s
-    norm = total.sqrt()
+    norm = _global_norm(rep, ep_sh, dts, env)
     clip_([p.grad for p in params if p.grad is not None], norm, max_norm)
     return float(norm)
