@@ -149,6 +149,10 @@ class ExpertLayout:
         buf_M.masked_fill_(mask.view(-1, *([1] * (buf_M.dim() - 1))), value)
         return buf_M
 
+    def fill_padding(self, buf_M: torch.Tensor, value: float = float("nan")) -> torch.Tensor:
+        """A copy of ``buf_M`` (``[M, ...]``) with ``value`` in every padding row (out of place; debug aid)."""
+        return buf_M.masked_fill(~self.live_mask().view(-1, *([1] * (buf_M.dim() - 1))), value)
+
     def tiles(self, block_m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Tile schedule for a kernel that tiles rows by ``block_m`` (case-04).
 
@@ -179,11 +183,11 @@ class _PoisonPadding(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t_M, layout):
         ctx.layout = layout
-        return layout.fill_padding_(t_M.clone())
+        return layout.fill_padding(t_M)  # out of place: rule in dropless.ops.backward
 
     @staticmethod
     def backward(ctx, g_M):
-        return ctx.layout.fill_padding_(g_M.clone()), None
+        return ctx.layout.fill_padding(g_M), None
 
 
 def poison_padding(t_M: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:

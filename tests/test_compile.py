@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
+from torch.overrides import TorchFunctionMode
 
 from dropless import ModelArgs
 from dropless.moe import MoE
@@ -47,6 +49,76 @@ def test_moe_layer_compiles_as_one_graph_and_equals_eager(kw):
     eager, compiled = _check_equal(m, x, g)
     for a, b in zip(eager, compiled):
         assert torch.equal(a, b)
+
+
+def _dropless_functions() -> list[type]:
+    """Every ``torch.autograd.Function`` subclass defined in the ``dropless`` modules imported (the MoE path's)."""
+    found, todo = [], list(torch.autograd.Function.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        todo += cls.__subclasses__()
+        if cls.__module__.startswith("dropless."):
+            found.append(cls)
+    return found
+
+
+class _ReturnedItself(TorchFunctionMode):
+    """Remembers every tensor that a torch call returned as the very object it was passed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[torch.Tensor] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        self.seen += [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
+                      and any(t is a for a in given)]
+        return out
+
+
+@pytest.mark.parametrize("kw", [{}, dict(fold_routing_weights=True),
+                                dict(recompute_swiglu=True, fold_routing_weights=True),
+                                dict(recompute_fc1=True, fold_routing_weights=True), dict(recompute_gather=True),
+                                dict(poison_padding=True), dict(num_token_chunks=2)])
+def test_no_custom_function_returns_an_aliased_intermediate(kw, monkeypatch):
+    """No custom autograd.Function of the MoE path returns a tensor that an op inside its forward returned as itself.
+
+    That is the result of an in-place method (``acc += r``) or of a no-op conversion
+    (``acc.to(acc.dtype)``). torch 2.11's dynamo (not 2.13's) traces a forward with its
+    intermediates as extra outputs; one that is the returned tensor takes its gradient, and the
+    Function's backward gets zeros: under torch.compile every routed gradient (router, experts,
+    the routed part of dx) came out exactly 0 while eager was right. Checked on any torch by
+    running, eagerly, the branches a trace takes (``is_compiling()`` True) under a
+    TorchFunctionMode that sees every call in each forward.
+    """
+    bad = []
+
+    def watch(cls):
+        fwd = cls.forward
+
+        def forward(ctx, *args, **kwargs):
+            with _ReturnedItself() as mode:
+                out = fwd(ctx, *args, **kwargs)
+            for i, t in enumerate(out if isinstance(out, tuple) else (out,)):
+                if isinstance(t, torch.Tensor) and any(t is s for s in mode.seen):
+                    bad.append(f"{cls.__qualname__} output {i}")
+            return out
+
+        monkeypatch.setattr(cls, "forward", staticmethod(forward))
+
+    fns = _dropless_functions()
+    assert {"_CombineRows", "_PermuteRows", "_FC1SwiGLU", "_PoisonPadding"} <= {c.__name__ for c in fns}
+    for cls in fns:
+        watch(cls)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # the branches a trace takes
+    torch.manual_seed(0)
+    m = _layer(n_shared_experts=1, **kw)
+    x = torch.randn(2, 12, 32, requires_grad=True)
+    y = m(x)
+    torch.autograd.grad(y, [x] + [p for p in m.parameters() if p.requires_grad], torch.randn_like(y),
+                        allow_unused=True)
+    assert not bad, bad
 
 
 @pytest.mark.gpu

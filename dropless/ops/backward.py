@@ -6,6 +6,18 @@
   constants. The decorator raises instead.
 * :func:`grad_wanted` — which input gradients the running backward pass will use, so that
   ``torch.autograd.grad`` w.r.t. some inputs computes (and accumulates) nothing else.
+
+A rule for the ``forward`` of every custom Function in the package (on the path that
+``torch.compile`` traces): return no tensor that an op inside the forward handed back as
+the very object it was given: the result of an in-place tensor method (``acc += r``,
+``out.mul_(w)``, ``buf.masked_fill_(...)``) or of a no-op conversion (``.to()`` /
+``.float()`` to the dtype it has, ``.contiguous()`` of a contiguous tensor). Build the
+returned value out of place; an opaque ``torch.library`` op that writes into a buffer, and
+a view of a buffer, are fine. torch 2.11's dynamo lists a forward's intermediate tensors
+as extra outputs of the traced forward; such an intermediate is the same tensor as the
+returned one, autograd hands that tensor's gradient to the extra output, and the
+Function's backward gets zeros: every gradient through it is silently 0 under
+``torch.compile``. tests/test_compile.py checks the rule in eager on any torch.
 """
 
 from __future__ import annotations

@@ -67,9 +67,16 @@ class RecomputeAhead:
         return y_TH
 
 
-def _weighted_(a_MI: torch.Tensor, row_w: torch.Tensor | None) -> torch.Tensor:
-    """``a_MI × row_w`` per row, in place (``a_MI`` is a fresh SwiGLU output nobody else holds)."""
-    return a_MI if row_w is None else a_MI.mul_(row_w.to(a_MI.dtype).unsqueeze(1))
+def _weighted_(a_MI: torch.Tensor, row_w: torch.Tensor | None, in_place: bool = True) -> torch.Tensor:
+    """``a_MI × row_w`` per row, in place (``a_MI`` is a fresh SwiGLU output nobody else holds).
+
+    ``in_place=False``: a new tensor, for a result that a Function's forward returns under
+    ``torch.compile`` (the rule in :mod:`dropless.ops.backward`); inductor fuses the product anyway.
+    """
+    if row_w is None:
+        return a_MI
+    w = row_w.to(a_MI.dtype).unsqueeze(1)
+    return a_MI.mul_(w) if in_place else a_MI * w
 
 
 def _landed(x_in: torch.Tensor, src_M: torch.Tensor | None) -> torch.Tensor:
@@ -93,7 +100,7 @@ class _FC1SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_in, w13, row_w, src_M, dest_Nk, layout, backend, recompute_fc1, box, wgrad):
         h13 = backend.gmm(_landed(x_in, src_M), w13, layout)
-        h = _weighted_(swiglu_fwd(h13, layout), row_w)
+        h = _weighted_(swiglu_fwd(h13, layout), row_w, in_place=not torch.compiler.is_compiling())
         ctx.layout, ctx.backend, ctx.recompute_fc1, ctx.box, ctx.wgrad = layout, backend, recompute_fc1, box, wgrad
         ctx.has_w, ctx.gather = row_w is not None, src_M is not None
         # h13 is a non-differentiable output: without this, backward would get a materialised

@@ -202,8 +202,9 @@ def gather_sum_torch(rows_MH: torch.Tensor, dest_Nk: torch.Tensor, weight_Nk: to
         r = rows_MH.index_select(0, idx.clamp(min=0)).to(acc_dt)
         if weight_Nk is not None:
             r = r * weight_Nk[:, j : j + 1].to(acc_dt)
-        acc += torch.where(live, r, torch.zeros((), device=r.device))
-    return acc.to(rows_MH.dtype)
+        # out of place, and no no-op .to(): it is a custom Function's output (rule in dropless.ops.backward)
+        acc = acc + torch.where(live, r, torch.zeros((), device=r.device))
+    return acc if acc.dtype == rows_MH.dtype else acc.to(rows_MH.dtype)
 
 
 def combine_bwd_torch(grad_NH: torch.Tensor, y_MH: torch.Tensor | None, dest_Nk: torch.Tensor,
@@ -305,7 +306,7 @@ def gather_sum(rows_MH: torch.Tensor, dest_Nk: torch.Tensor, weight_Nk: torch.Te
     if n == 0:
         return out
     if k == 0:
-        return out.zero_()
+        return rows_MH.new_zeros(n, h)
     launch = _gather_sum_op if torch.compiler.is_compiling() else _gather_sum_launch
     launch(rows_MH, dest_Nk.contiguous(), weight_Nk.contiguous() if weight_Nk is not None else None, out, BLOCK_H,
            NUM_WARPS)
