@@ -36,6 +36,7 @@ as if never stopped (bitwise on CPU, same thread count).
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
 import signal
@@ -270,7 +271,12 @@ class Trainer:
         if t.compile:
             compile_blocks(self.model, str(t.compile_backend))
         sharded = self.expert_ids if env.ep_size > 1 else set()
-        self._grad_group = dist.new_group(list(range(env.world_size))) if env.distributed else None
+        # the buckets' own group (its async all-reduces run beside backward); new groups do not
+        # inherit the world group's timeout, so it is given again: a stalled peer fails the step
+        # within train.dist_timeout_s instead of torch's 30-minute default
+        self._grad_group = (dist.new_group(list(range(env.world_size)),
+                                           timeout=datetime.timedelta(seconds=float(t.dist_timeout_s)))
+                            if env.distributed else None)
         self.grads = GradBuckets(self.masters.compute, sharded, self.masters.grads_are_params, env.world_size,
                                  self._grad_group, env.dp_group, env.dp_size, owners=self.masters.masters)
         self.optimizer = build_optimizer(self.masters.named_masters, cfg.optim)
