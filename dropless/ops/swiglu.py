@@ -46,12 +46,12 @@ if select.HAS_TRITON:
 
     @triton.jit
     def _ld(p, mask, STREAM: tl.constexpr):
-        """A load in fp32; ``STREAM``: evict-first (each element is read once)."""
+        """A load; ``STREAM``: evict-first (each element is read once)."""
         if STREAM:
             v = tl.load(p, mask=mask, other=0.0, eviction_policy="evict_first")
         else:
             v = tl.load(p, mask=mask, other=0.0)
-        return v.to(tl.float32)
+        return v
 
     @triton.jit
     def _st(p, v, mask, STREAM: tl.constexpr):
@@ -62,10 +62,31 @@ if select.HAS_TRITON:
             tl.store(p, v, mask=mask)
 
     @triton.jit
-    def _tile(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, r0, hi, c0, I, stride_h, stride_do, stride_o, stride_s,
-              OP: tl.constexpr, HAS_W: tl.constexpr, UE8M0: tl.constexpr, EVEN_N: tl.constexpr, STREAM: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
-        """The tile of rows ``[r0, min(r0 + BLOCK_M, hi))`` and columns ``[c0, c0 + BLOCK_N)`` (below ``I``)."""
+    def _tile_load(h_ptr, do_ptr, r0, hi, c0, I, stride_h, stride_do, OP: tl.constexpr, EVEN_N: tl.constexpr,
+                   STREAM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The inputs of the tile of rows ``[r0, min(r0 + BLOCK_M, hi))`` and columns ``[c0, c0 + BLOCK_N)``
+        (below ``I``): ``(gate, up, dout)`` as stored (``dout`` is ``gate`` unless ``OP`` is the backward)."""
+        rows = r0 + tl.arange(0, BLOCK_M)
+        r64 = rows.to(tl.int64)[:, None]
+        cols = c0 + tl.arange(0, BLOCK_N)
+        if EVEN_N:
+            mask = (rows < hi)[:, None]
+        else:
+            mask = (rows < hi)[:, None] & (cols[None, :] < I)
+        hp = h_ptr + r64 * stride_h + cols[None, :]
+        g = _ld(hp, mask, STREAM)
+        u = _ld(hp + I, mask, STREAM)
+        if OP == 1:
+            do = _ld(do_ptr + r64 * stride_do + cols[None, :], mask, STREAM)
+        else:
+            do = g
+        return g, u, do
+
+    @triton.jit
+    def _tile_store(g, u, do, w_ptr, out_ptr, s_ptr, r0, hi, c0, I, stride_o, stride_s, OP: tl.constexpr,
+                    HAS_W: tl.constexpr, UE8M0: tl.constexpr, EVEN_N: tl.constexpr, STREAM: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+        """The op's results for the tile :func:`_tile_load` read, written to ``out`` (and ``s``)."""
         rows = r0 + tl.arange(0, BLOCK_M)
         rmask = rows < hi
         r64 = rows.to(tl.int64)[:, None]
@@ -74,16 +95,15 @@ if select.HAS_TRITON:
             mask = rmask[:, None]
         else:
             mask = rmask[:, None] & (cols[None, :] < I)
-        hp = h_ptr + r64 * stride_h + cols[None, :]
-        g = _ld(hp, mask, STREAM)
-        u = _ld(hp + I, mask, STREAM)
+        g = g.to(tl.float32)
+        u = u.to(tl.float32)
         s = tl.sigmoid(g)
         if OP == 0:
             _st(out_ptr + r64 * stride_o + cols[None, :], (g * s * u).to(out_ptr.dtype.element_ty), mask, STREAM)
         elif OP == 1:
-            do = _ld(do_ptr + r64 * stride_do + cols[None, :], mask, STREAM)
+            do = do.to(tl.float32)
             if HAS_W:  # folded routing weight: d(out) = d(out · w) · w, w as the forward rounded it
-                w = tl.load(w_ptr + rows, mask=rmask, other=0.0).to(h_ptr.dtype.element_ty).to(tl.float32)
+                w = tl.load(w_ptr + rows, mask=rmask, other=0.0).to(out_ptr.dtype.element_ty).to(tl.float32)
                 do = do * w[:, None]
             op = out_ptr + r64 * stride_o + cols[None, :]
             _st(op, (do * u * s * (1.0 + g * (1.0 - s))).to(out_ptr.dtype.element_ty), mask, STREAM)
@@ -102,21 +122,33 @@ if select.HAS_TRITON:
                      mask=rmask[:, None] & (grp[None, :] * GROUP < I))
 
     @triton.jit
-    def _flat_unit(b, ar, nb_v, cum_v, start_v, end_v):
-        """Tile ``b`` of the flat numbering: ``(first row of its expert, its number within the expert, end)``."""
+    def _tile(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, r0, hi, c0, I, stride_h, stride_do, stride_o, stride_s,
+              OP: tl.constexpr, HAS_W: tl.constexpr, UE8M0: tl.constexpr, EVEN_N: tl.constexpr, STREAM: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+        """One tile, read and written."""
+        g, u, do = _tile_load(h_ptr, do_ptr, r0, hi, c0, I, stride_h, stride_do, OP, EVEN_N, STREAM, BLOCK_M,
+                              BLOCK_N)
+        _tile_store(g, u, do, w_ptr, out_ptr, s_ptr, r0, hi, c0, I, stride_o, stride_s, OP, HAS_W, UE8M0, EVEN_N,
+                    STREAM, BLOCK_M, BLOCK_N, GROUP)
+
+    @triton.jit
+    def _flat_unit(b, ar, nb_v, cum_v, start_v, end_v, NUM_NB: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+        """Tile ``b`` of the flat numbering: ``(first row, end of its expert, first column)``; past the last
+        tile, ``end`` is 0 (nothing to read or write)."""
         ex = tl.sum((cum_v <= b).to(tl.int32), 0)  # the expert whose tiles include b
         sel = ar == ex
-        first = tl.sum(tl.where(sel, cum_v - nb_v, 0), 0)
+        t = b - tl.sum(tl.where(sel, cum_v - nb_v, 0), 0)  # its number within the expert
         lo = tl.sum(tl.where(sel, start_v, 0), 0)
         hi = tl.sum(tl.where(sel, end_v, 0), 0)
-        return lo, b - first, hi
+        return lo + (t // NUM_NB) * BLOCK_M, hi, (t % NUM_NB) * BLOCK_N
 
     @triton.jit
     def _swiglu_kernel(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, start_ptr, end_ptr, M, E, I, stride_h, stride_do,
                        stride_o, stride_s, OP: tl.constexpr, SCHED: tl.constexpr, HAS_W: tl.constexpr,
                        UE8M0: tl.constexpr, EVEN_N: tl.constexpr, NUM_NB: tl.constexpr, STREAM: tl.constexpr,
-                       EP: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       GROUP: tl.constexpr):
+                       PREFETCH: tl.constexpr, EP: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
         # tiles: BLOCK_M rows x BLOCK_N columns; an expert's tile t covers rows start + (t // NUM_NB)·BLOCK_M
         # and columns (t % NUM_NB)·BLOCK_N
         pid = tl.program_id(0)
@@ -134,49 +166,32 @@ if select.HAS_TRITON:
             nb_v = tl.where(em, (tl.maximum(end_v - start_v, 0) + BLOCK_M - 1) // BLOCK_M, 0) * NUM_NB
             cum_v = tl.cumsum(nb_v, 0)
             total = tl.sum(nb_v, 0)
-            if INTERPRET:  # the interpreter's scalars are 1-element arrays, which range() rejects
+            if PREFETCH:
+                # the next tile's inputs are read before this tile's results are written
+                r0, hi, c0 = _flat_unit(pid, ar, nb_v, cum_v, start_v, end_v, NUM_NB, BLOCK_M, BLOCK_N)
+                g, u, do = _tile_load(h_ptr, do_ptr, r0, hi, c0, I, stride_h, stride_do, OP, EVEN_N, STREAM,
+                                      BLOCK_M, BLOCK_N)
                 b = pid
                 while b < total:
-                    lo, t, hi = _flat_unit(b, ar, nb_v, cum_v, start_v, end_v)
-                    _tile(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, lo + (t // NUM_NB) * BLOCK_M, hi,
-                          (t % NUM_NB) * BLOCK_N, I, stride_h, stride_do, stride_o, stride_s, OP, HAS_W, UE8M0, EVEN_N,
-                          STREAM, BLOCK_M, BLOCK_N, GROUP)
+                    r1, hi1, c1 = _flat_unit(b + nprog, ar, nb_v, cum_v, start_v, end_v, NUM_NB, BLOCK_M, BLOCK_N)
+                    g1, u1, do1 = _tile_load(h_ptr, do_ptr, r1, hi1, c1, I, stride_h, stride_do, OP, EVEN_N, STREAM,
+                                             BLOCK_M, BLOCK_N)
+                    _tile_store(g, u, do, w_ptr, out_ptr, s_ptr, r0, hi, c0, I, stride_o, stride_s, OP, HAS_W, UE8M0,
+                                EVEN_N, STREAM, BLOCK_M, BLOCK_N, GROUP)
+                    g, u, do, r0, hi, c0 = g1, u1, do1, r1, hi1, c1
+                    b += nprog
+            elif INTERPRET:  # the interpreter's scalars are 1-element arrays, which range() rejects
+                b = pid
+                while b < total:
+                    r0, hi, c0 = _flat_unit(b, ar, nb_v, cum_v, start_v, end_v, NUM_NB, BLOCK_M, BLOCK_N)
+                    _tile(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, r0, hi, c0, I, stride_h, stride_do, stride_o, stride_s,
+                          OP, HAS_W, UE8M0, EVEN_N, STREAM, BLOCK_M, BLOCK_N, GROUP)
                     b += nprog
             else:
                 for b in range(pid, total, nprog):
-                    lo, t, hi = _flat_unit(b, ar, nb_v, cum_v, start_v, end_v)
-                    _tile(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, lo + (t // NUM_NB) * BLOCK_M, hi,
-                          (t % NUM_NB) * BLOCK_N, I, stride_h, stride_do, stride_o, stride_s, OP, HAS_W, UE8M0, EVEN_N,
-                          STREAM, BLOCK_M, BLOCK_N, GROUP)
-        elif SCHED == 2:
-            # scan: the same flat numbering, walked expert by expert with scalar loads of start/end:
-            # program p takes the tiles b ≡ p (mod G) of each expert in turn
-            base = pid * 0  # flat number of the current expert's first tile
-            if INTERPRET:
-                ex = pid * 0
-                while ex < E:
-                    lo = tl.load(start_ptr + ex)
-                    hi = tl.minimum(tl.load(end_ptr + ex), M)
-                    n = (tl.maximum(hi - lo, 0) + BLOCK_M - 1) // BLOCK_M * NUM_NB
-                    t = ((pid - base) % nprog + nprog) % nprog
-                    while t < n:
-                        _tile(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, lo + (t // NUM_NB) * BLOCK_M, hi,
-                              (t % NUM_NB) * BLOCK_N, I, stride_h, stride_do, stride_o, stride_s, OP, HAS_W, UE8M0,
-                              EVEN_N, STREAM, BLOCK_M, BLOCK_N, GROUP)
-                        t += nprog
-                    base += n
-                    ex += 1
-            else:
-                for ex in range(0, E):
-                    lo = tl.load(start_ptr + ex)
-                    hi = tl.minimum(tl.load(end_ptr + ex), M)
-                    n = (tl.maximum(hi - lo, 0) + BLOCK_M - 1) // BLOCK_M * NUM_NB
-                    t0 = ((pid - base) % nprog + nprog) % nprog
-                    for t in range(t0, n, nprog):
-                        _tile(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, lo + (t // NUM_NB) * BLOCK_M, hi,
-                              (t % NUM_NB) * BLOCK_N, I, stride_h, stride_do, stride_o, stride_s, OP, HAS_W, UE8M0,
-                              EVEN_N, STREAM, BLOCK_M, BLOCK_N, GROUP)
-                    base += n
+                    r0, hi, c0 = _flat_unit(b, ar, nb_v, cum_v, start_v, end_v, NUM_NB, BLOCK_M, BLOCK_N)
+                    _tile(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, r0, hi, c0, I, stride_h, stride_do, stride_o, stride_s,
+                          OP, HAS_W, UE8M0, EVEN_N, STREAM, BLOCK_M, BLOCK_N, GROUP)
         else:
             # expert: program (p, i) takes expert i's tiles p, p + P, … (program_id(1) picks the expert)
             ex = tl.program_id(1)
@@ -197,7 +212,7 @@ if select.HAS_TRITON:
                           EVEN_N, STREAM, BLOCK_M, BLOCK_N, GROUP)
 
 
-SCHEDULES = {"dense": 0, "flat": 1, "scan": 2, "expert": 3}
+SCHEDULES = {"dense": 0, "flat": 1, "expert": 3}
 
 
 @dataclass(frozen=True)
@@ -212,14 +227,14 @@ class LaunchConfig:
             ``G`` programs; each reads the ``e`` end points, numbers the live tiles of all
             experts itself (``cumsum`` in registers) and takes tiles ``p, p + G, …``, so any
             split of the rows over the experts (one expert holding every row included) spreads
-            over the whole GPU. ``"scan"``: the same numbering and the same tiles per program,
-            found by walking the experts in turn with scalar loads of ``start``/``end``.
-            ``"expert"``: a ``(P, e)`` grid; program ``(p, i)`` takes expert ``i``'s tiles
-            ``p, p + P, …`` (``program_id(1)`` picks the expert, as in seed 000).
+            over the whole GPU. ``"expert"``: a ``(P, e)`` grid; program ``(p, i)`` takes expert
+            ``i``'s tiles ``p, p + P, …`` (``program_id(1)`` picks the expert, as in seed 000).
         block_m: rows per tile. block_n: columns per tile (a power of two; a multiple of 128
             for the quantisation). num_warps: warps per program.
-        programs_per_sm: ``G`` (flat, scan) or ``P·e`` (expert) is about this many programs per SM.
+        programs_per_sm: ``G`` (flat) or ``P·e`` (expert) is about this many programs per SM.
         stream: evict-first loads and streaming stores (every element is touched once).
+        prefetch: (flat) each program reads its next tile's inputs before it writes the
+            current tile's results, so two tiles' reads are in flight per program.
     """
 
     schedule: str = "flat"
@@ -228,11 +243,12 @@ class LaunchConfig:
     num_warps: int = 4
     programs_per_sm: int = 32
     stream: bool = False
+    prefetch: bool = False
 
 
 #: Per op, the configs measured best on an H200 (benchmarks/live_rows.py --sweep): the full
 #: buffer's time first, then 3,072 live of 28,672 rows (benchmarks/results/h200_live_rows_*).
-DEFAULT_CONFIGS = {OP_FWD: LaunchConfig(block_m=1, block_n=2048, num_warps=8, programs_per_sm=16),
+DEFAULT_CONFIGS = {OP_FWD: LaunchConfig(block_m=1, block_n=2048, num_warps=8, programs_per_sm=16, prefetch=True),
                    OP_BWD: LaunchConfig(), OP_QUANT: LaunchConfig()}
 
 
@@ -249,7 +265,7 @@ def _grid(num_experts: int | None, m: int, nnb: int, cfg: LaunchConfig, device: 
     tiles = max(1, -(-m // cfg.block_m)) * nnb
     if num_experts is None:  # dense: one program per tile
         return tiles, 1
-    if cfg.schedule in ("flat", "scan"):
+    if cfg.schedule == "flat":
         return max(1, min(tiles + num_experts * nnb, sms * cfg.programs_per_sm)), 1
     e = max(1, num_experts)
     # P: about programs_per_sm per SM in all, but at least an eighth of the GPU for one expert
@@ -260,22 +276,22 @@ def _grid(num_experts: int | None, m: int, nnb: int, cfg: LaunchConfig, device: 
 def _launch(op: int, h13: torch.Tensor, layout: ExpertLayout | None, out: torch.Tensor, *, dout=None, row_w=None,
             scale=None, ue8m0: bool = False, config: LaunchConfig | None = None) -> None:
     cfg = config or DEFAULT_CONFIGS[op]
-    if cfg.schedule not in ("flat", "scan", "expert"):
-        raise ValueError(f"LaunchConfig.schedule must be 'flat', 'scan' or 'expert', got {cfg.schedule!r}")
+    if cfg.schedule not in ("flat", "expert"):
+        raise ValueError(f"LaunchConfig.schedule must be 'flat' or 'expert', got {cfg.schedule!r}")
     start, end = (layout.start, layout.end) if layout is not None else (None, None)
     # the opaque op only while torch.compile traces; eager calls skip its dispatch (tens of µs a call)
     launch = _swiglu_op if torch.compiler.is_compiling() else _swiglu_launch
     launch(op, h13, start, end, out, dout, row_w, scale, ue8m0, cfg.schedule, cfg.block_m, cfg.block_n,
-           cfg.num_warps, cfg.programs_per_sm, cfg.stream)
+           cfg.num_warps, cfg.programs_per_sm, cfg.stream, cfg.prefetch)
 
 
 def _swiglu_launch(op: int, h13: torch.Tensor, start: torch.Tensor | None, end: torch.Tensor | None, out: torch.Tensor,
                    dout: torch.Tensor | None, row_w: torch.Tensor | None, scale: torch.Tensor | None, ue8m0: bool,
                    schedule: str, block_m: int, block_n: int, num_warps: int, programs_per_sm: int,
-                   stream: bool) -> None:
+                   stream: bool, prefetch: bool) -> None:
     """The Triton launch; as ``dropless::swiglu`` an opaque op with a fake (no-op) implementation, so
     that ``torch.compile`` traces the layer around it (``fullgraph=True``) and calls the kernel as it is."""
-    cfg = LaunchConfig(schedule, block_m, block_n, num_warps, programs_per_sm, stream)
+    cfg = LaunchConfig(schedule, block_m, block_n, num_warps, programs_per_sm, stream, prefetch)
     m, i = h13.shape[0], h13.shape[1] // 2
     bn = min(block_n, max(triton.next_power_of_2(i), QUANT_GROUP if op == OP_QUANT else 1))
     nnb = -(-i // bn)
@@ -288,7 +304,7 @@ def _swiglu_launch(op: int, h13: torch.Tensor, start: torch.Tensor | None, end: 
     _swiglu_kernel[_grid(e if has_layout else None, m, nnb, cfg, h13.device)](
         h13, do, w, out, s, sv, ev, m, e, i, h13.stride(0), do.stride(0), out.stride(0),
         scale.stride(1) if scale is not None else 0, OP=op, SCHED=SCHEDULES[schedule] if has_layout else 0,
-        HAS_W=row_w is not None, UE8M0=ue8m0, EVEN_N=i % bn == 0, NUM_NB=nnb, STREAM=stream,
+        HAS_W=row_w is not None, UE8M0=ue8m0, EVEN_N=i % bn == 0, NUM_NB=nnb, STREAM=stream, PREFETCH=prefetch,
         EP=triton.next_power_of_2(max(e, 2)), INTERPRET=select.interpreting(), BLOCK_M=block_m, BLOCK_N=bn,
         GROUP=QUANT_GROUP, num_warps=num_warps)
 
@@ -298,7 +314,7 @@ _swiglu_op = torch.library.custom_op("dropless::swiglu", _swiglu_launch, mutates
 
 @_swiglu_op.register_fake
 def _(op, h13, start, end, out, dout, row_w, scale, ue8m0, schedule, block_m, block_n, num_warps, programs_per_sm,
-      stream):
+      stream, prefetch):
     return None
 
 
