@@ -16,7 +16,11 @@ measured in the same run). Shapes:
 kernels' block sizes). ``--old DIR``: also time a checkout's ``dropless/ops/triton_kernels.py`` (the kernels before
 this file existed) at the same shapes. Needs CUDA and triton; no hydra/wandb.
 
-Usage: ``python benchmarks/live_rows.py [--old DIR] [--no-compile] [--sweep]``.
+``--probe [--dump DIR]``: also time the floors at 3,072 live rows (an empty launch, every expert empty, a
+copy of the same bytes, torch.compile over a 3,072-row buffer) and write torch.compile's full-buffer kernel under DIR.
+Times: :func:`timeit` (median of 200 CUDA-event timings, L2 flushed before each).
+
+Usage: ``python benchmarks/live_rows.py [--old DIR] [--no-compile] [--sweep] [--probe [--dump DIR]]``.
 """
 
 from __future__ import annotations
@@ -78,15 +82,10 @@ def layout_for(counts, A, M):
     return ExpertLayout.from_counts(torch.tensor(counts, device="cuda"), A, capacity=M)
 
 
-# (schedule, block_m, block_n, num_warps, programs_per_sm, stream, prefetch) variants timed with --sweep
-_P = True
-_FWD = [("flat", 1, 2048, 8, 16, False, False), ("flat", 4, 1024, 4, 32, False, False),
-        ("flat", 1, 1024, 4, 16, False, False), ("flat", 1, 2048, 8, 16, False, _P), ("flat", 1, 2048, 8, 8, False, _P),
-        ("flat", 2, 2048, 8, 8, False, _P), ("flat", 1, 1024, 4, 16, False, _P), ("flat", 1, 1024, 4, 32, False, _P),
-        ("flat", 2, 1024, 4, 16, False, _P), ("flat", 1, 2048, 4, 16, False, _P), ("flat", 1, 2048, 8, 16, True, _P)]
-_BWD = [("flat", 4, 1024, 4, 32, False, False), ("flat", 1, 2048, 8, 16, False, _P), ("flat", 1, 2048, 8, 8, False, _P),
-        ("flat", 1, 1024, 4, 32, False, _P), ("flat", 1, 1024, 4, 16, False, _P), ("flat", 2, 1024, 4, 16, False, _P)]
-SWEEP = {"swiglu_fwd": _FWD, "swiglu_bwd": _BWD, "swiglu_quant": _BWD}
+# (schedule, block_m, block_n, num_warps, programs_per_sm) variants timed with --sweep
+_FWD = [("flat", 4, 1024, 4, 32), ("flat", 1, 2048, 8, 16), ("flat", 1, 1024, 4, 16), ("flat", 2, 2048, 8, 8),
+        ("flat", 1, 1024, 4, 32), ("expert", 4, 1024, 4, 16)]
+SWEEP = {"swiglu_fwd": _FWD, "swiglu_bwd": _FWD[:3], "swiglu_quant": _FWD[:3]}
 
 
 def swiglu_suite(tag, M, I, layouts, copy, old, compile_, sweep):
@@ -204,7 +203,7 @@ def probe(M, I, e, A, copy, dump):
     kernel over a layout with every expert empty, a copy of the same bytes, torch.compile's kernel on a
     dense 3,072-row buffer), and torch.compile's full-buffer kernel source (written under ``dump``)."""
     import triton
-    import triton.language as tl
+
     from dropless.ops import swiglu as sw
 
     @triton.jit

@@ -45,48 +45,10 @@ if select.HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _ld(p, mask, STREAM: tl.constexpr):
-        """A load; ``STREAM``: evict-first (each element is read once)."""
-        if STREAM:
-            v = tl.load(p, mask=mask, other=0.0, eviction_policy="evict_first")
-        else:
-            v = tl.load(p, mask=mask, other=0.0)
-        return v
-
-    @triton.jit
-    def _st(p, v, mask, STREAM: tl.constexpr):
-        """A store; ``STREAM``: streaming (``.cs``, not kept in L2 for reuse)."""
-        if STREAM:
-            tl.store(p, v, mask=mask, cache_modifier=".cs")
-        else:
-            tl.store(p, v, mask=mask)
-
-    @triton.jit
-    def _tile_load(h_ptr, do_ptr, r0, hi, c0, I, stride_h, stride_do, OP: tl.constexpr, EVEN_N: tl.constexpr,
-                   STREAM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """The inputs of the tile of rows ``[r0, min(r0 + BLOCK_M, hi))`` and columns ``[c0, c0 + BLOCK_N)``
-        (below ``I``): ``(gate, up, dout)`` as stored (``dout`` is ``gate`` unless ``OP`` is the backward)."""
-        rows = r0 + tl.arange(0, BLOCK_M)
-        r64 = rows.to(tl.int64)[:, None]
-        cols = c0 + tl.arange(0, BLOCK_N)
-        if EVEN_N:
-            mask = (rows < hi)[:, None]
-        else:
-            mask = (rows < hi)[:, None] & (cols[None, :] < I)
-        hp = h_ptr + r64 * stride_h + cols[None, :]
-        g = _ld(hp, mask, STREAM)
-        u = _ld(hp + I, mask, STREAM)
-        if OP == 1:
-            do = _ld(do_ptr + r64 * stride_do + cols[None, :], mask, STREAM)
-        else:
-            do = g
-        return g, u, do
-
-    @triton.jit
-    def _tile_store(g, u, do, w_ptr, out_ptr, s_ptr, r0, hi, c0, I, stride_o, stride_s, OP: tl.constexpr,
-                    HAS_W: tl.constexpr, UE8M0: tl.constexpr, EVEN_N: tl.constexpr, STREAM: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
-        """The op's results for the tile :func:`_tile_load` read, written to ``out`` (and ``s``)."""
+    def _tile(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, r0, hi, c0, I, stride_h, stride_do, stride_o, stride_s,
+              OP: tl.constexpr, HAS_W: tl.constexpr, UE8M0: tl.constexpr, EVEN_N: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+        """The tile of rows ``[r0, min(r0 + BLOCK_M, hi))`` and columns ``[c0, c0 + BLOCK_N)`` (below ``I``)."""
         rows = r0 + tl.arange(0, BLOCK_M)
         rmask = rows < hi
         r64 = rows.to(tl.int64)[:, None]
@@ -95,19 +57,20 @@ if select.HAS_TRITON:
             mask = rmask[:, None]
         else:
             mask = rmask[:, None] & (cols[None, :] < I)
-        g = g.to(tl.float32)
-        u = u.to(tl.float32)
+        hp = h_ptr + r64 * stride_h + cols[None, :]
+        g = tl.load(hp, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(hp + I, mask=mask, other=0.0).to(tl.float32)
         s = tl.sigmoid(g)
         if OP == 0:
-            _st(out_ptr + r64 * stride_o + cols[None, :], (g * s * u).to(out_ptr.dtype.element_ty), mask, STREAM)
+            tl.store(out_ptr + r64 * stride_o + cols[None, :], (g * s * u).to(out_ptr.dtype.element_ty), mask=mask)
         elif OP == 1:
-            do = do.to(tl.float32)
+            do = tl.load(do_ptr + r64 * stride_do + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             if HAS_W:  # folded routing weight: d(out) = d(out · w) · w, w as the forward rounded it
-                w = tl.load(w_ptr + rows, mask=rmask, other=0.0).to(out_ptr.dtype.element_ty).to(tl.float32)
+                w = tl.load(w_ptr + rows, mask=rmask, other=0.0).to(h_ptr.dtype.element_ty).to(tl.float32)
                 do = do * w[:, None]
             op = out_ptr + r64 * stride_o + cols[None, :]
-            _st(op, (do * u * s * (1.0 + g * (1.0 - s))).to(out_ptr.dtype.element_ty), mask, STREAM)
-            _st(op + I, (do * g * s).to(out_ptr.dtype.element_ty), mask, STREAM)
+            tl.store(op, (do * u * s * (1.0 + g * (1.0 - s))).to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(op + I, (do * g * s).to(out_ptr.dtype.element_ty), mask=mask)
         else:  # 1x128 e4m3: one scale per row per GROUP columns
             a = tl.reshape(g * s * u, (BLOCK_M, BLOCK_N // GROUP, GROUP))
             amax = tl.maximum(tl.max(tl.abs(a), axis=2), 1e-10)
@@ -115,27 +78,16 @@ if select.HAS_TRITON:
             if UE8M0:
                 scale = tl.exp2(tl.ceil(tl.log2(scale)))
             q = tl.reshape(tl.clamp(a / scale[:, :, None], -448.0, 448.0), (BLOCK_M, BLOCK_N))
-            _st(out_ptr + r64 * stride_o + cols[None, :], q.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
-                mask, STREAM)
+            tl.store(out_ptr + r64 * stride_o + cols[None, :],
+                     q.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
             grp = c0 // GROUP + tl.arange(0, BLOCK_N // GROUP)
             tl.store(s_ptr + grp[None, :] * stride_s + rows[:, None], scale,
                      mask=rmask[:, None] & (grp[None, :] * GROUP < I))
 
     @triton.jit
-    def _tile(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, r0, hi, c0, I, stride_h, stride_do, stride_o, stride_s,
-              OP: tl.constexpr, HAS_W: tl.constexpr, UE8M0: tl.constexpr, EVEN_N: tl.constexpr, STREAM: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
-        """One tile, read and written."""
-        g, u, do = _tile_load(h_ptr, do_ptr, r0, hi, c0, I, stride_h, stride_do, OP, EVEN_N, STREAM, BLOCK_M,
-                              BLOCK_N)
-        _tile_store(g, u, do, w_ptr, out_ptr, s_ptr, r0, hi, c0, I, stride_o, stride_s, OP, HAS_W, UE8M0, EVEN_N,
-                    STREAM, BLOCK_M, BLOCK_N, GROUP)
-
-    @triton.jit
     def _flat_unit(b, ar, nb_v, cum_v, start_v, end_v, NUM_NB: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr):
-        """Tile ``b`` of the flat numbering: ``(first row, end of its expert, first column)``; past the last
-        tile, ``end`` is 0 (nothing to read or write)."""
+        """Tile ``b`` of the flat numbering: ``(first row, end of its expert, first column)``."""
         ex = tl.sum((cum_v <= b).to(tl.int32), 0)  # the expert whose tiles include b
         sel = ar == ex
         t = b - tl.sum(tl.where(sel, cum_v - nb_v, 0), 0)  # its number within the expert
@@ -146,16 +98,15 @@ if select.HAS_TRITON:
     @triton.jit
     def _swiglu_kernel(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, start_ptr, end_ptr, M, E, I, stride_h, stride_do,
                        stride_o, stride_s, OP: tl.constexpr, SCHED: tl.constexpr, HAS_W: tl.constexpr,
-                       UE8M0: tl.constexpr, EVEN_N: tl.constexpr, NUM_NB: tl.constexpr, STREAM: tl.constexpr,
-                       PREFETCH: tl.constexpr, EP: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+                       UE8M0: tl.constexpr, EVEN_N: tl.constexpr, NUM_NB: tl.constexpr, EP: tl.constexpr,
+                       INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
         # tiles: BLOCK_M rows x BLOCK_N columns; an expert's tile t covers rows start + (t // NUM_NB)·BLOCK_M
         # and columns (t % NUM_NB)·BLOCK_N
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         if SCHED == 0:  # dense: one program per tile of the whole buffer, no loop
             _tile(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, (pid // NUM_NB) * BLOCK_M, M, (pid % NUM_NB) * BLOCK_N, I,
-                  stride_h, stride_do, stride_o, stride_s, OP, HAS_W, UE8M0, EVEN_N, STREAM, BLOCK_M, BLOCK_N, GROUP)
+                  stride_h, stride_do, stride_o, stride_s, OP, HAS_W, UE8M0, EVEN_N, BLOCK_M, BLOCK_N, GROUP)
         elif SCHED == 1:
             # flat: every program reads the e end points and numbers the live tiles itself (cumsum in
             # registers): tiles of expert i are cum[i] - nt[i] … cum[i] - 1; program p takes p, p + G, …
@@ -166,32 +117,18 @@ if select.HAS_TRITON:
             nb_v = tl.where(em, (tl.maximum(end_v - start_v, 0) + BLOCK_M - 1) // BLOCK_M, 0) * NUM_NB
             cum_v = tl.cumsum(nb_v, 0)
             total = tl.sum(nb_v, 0)
-            if PREFETCH:
-                # the next tile's inputs are read before this tile's results are written
-                r0, hi, c0 = _flat_unit(pid, ar, nb_v, cum_v, start_v, end_v, NUM_NB, BLOCK_M, BLOCK_N)
-                g, u, do = _tile_load(h_ptr, do_ptr, r0, hi, c0, I, stride_h, stride_do, OP, EVEN_N, STREAM,
-                                      BLOCK_M, BLOCK_N)
-                b = pid
-                while b < total:
-                    r1, hi1, c1 = _flat_unit(b + nprog, ar, nb_v, cum_v, start_v, end_v, NUM_NB, BLOCK_M, BLOCK_N)
-                    g1, u1, do1 = _tile_load(h_ptr, do_ptr, r1, hi1, c1, I, stride_h, stride_do, OP, EVEN_N, STREAM,
-                                             BLOCK_M, BLOCK_N)
-                    _tile_store(g, u, do, w_ptr, out_ptr, s_ptr, r0, hi, c0, I, stride_o, stride_s, OP, HAS_W, UE8M0,
-                                EVEN_N, STREAM, BLOCK_M, BLOCK_N, GROUP)
-                    g, u, do, r0, hi, c0 = g1, u1, do1, r1, hi1, c1
-                    b += nprog
-            elif INTERPRET:  # the interpreter's scalars are 1-element arrays, which range() rejects
+            if INTERPRET:  # the interpreter's scalars are 1-element arrays, which range() rejects
                 b = pid
                 while b < total:
                     r0, hi, c0 = _flat_unit(b, ar, nb_v, cum_v, start_v, end_v, NUM_NB, BLOCK_M, BLOCK_N)
                     _tile(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, r0, hi, c0, I, stride_h, stride_do, stride_o, stride_s,
-                          OP, HAS_W, UE8M0, EVEN_N, STREAM, BLOCK_M, BLOCK_N, GROUP)
+                          OP, HAS_W, UE8M0, EVEN_N, BLOCK_M, BLOCK_N, GROUP)
                     b += nprog
             else:
                 for b in range(pid, total, nprog):
                     r0, hi, c0 = _flat_unit(b, ar, nb_v, cum_v, start_v, end_v, NUM_NB, BLOCK_M, BLOCK_N)
                     _tile(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, r0, hi, c0, I, stride_h, stride_do, stride_o, stride_s,
-                          OP, HAS_W, UE8M0, EVEN_N, STREAM, BLOCK_M, BLOCK_N, GROUP)
+                          OP, HAS_W, UE8M0, EVEN_N, BLOCK_M, BLOCK_N, GROUP)
         else:
             # expert: program (p, i) takes expert i's tiles p, p + P, … (program_id(1) picks the expert)
             ex = tl.program_id(1)
@@ -203,16 +140,16 @@ if select.HAS_TRITON:
                 while t < n:
                     _tile(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, lo + (t // NUM_NB) * BLOCK_M, hi,
                           (t % NUM_NB) * BLOCK_N, I, stride_h, stride_do, stride_o, stride_s, OP, HAS_W, UE8M0,
-                          EVEN_N, STREAM, BLOCK_M, BLOCK_N, GROUP)
+                          EVEN_N, BLOCK_M, BLOCK_N, GROUP)
                     t += nprog
             else:
                 for t in range(pid, n, nprog):
                     _tile(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, lo + (t // NUM_NB) * BLOCK_M, hi,
                           (t % NUM_NB) * BLOCK_N, I, stride_h, stride_do, stride_o, stride_s, OP, HAS_W, UE8M0,
-                          EVEN_N, STREAM, BLOCK_M, BLOCK_N, GROUP)
+                          EVEN_N, BLOCK_M, BLOCK_N, GROUP)
 
 
-SCHEDULES = {"dense": 0, "flat": 1, "expert": 3}
+SCHEDULES = {"dense": 0, "flat": 1, "expert": 2}
 
 
 @dataclass(frozen=True)
@@ -232,9 +169,6 @@ class LaunchConfig:
         block_m: rows per tile. block_n: columns per tile (a power of two; a multiple of 128
             for the quantisation). num_warps: warps per program.
         programs_per_sm: ``G`` (flat) or ``P·e`` (expert) is about this many programs per SM.
-        stream: evict-first loads and streaming stores (every element is touched once).
-        prefetch: (flat) each program reads its next tile's inputs before it writes the
-            current tile's results, so two tiles' reads are in flight per program.
     """
 
     schedule: str = "flat"
@@ -242,14 +176,12 @@ class LaunchConfig:
     block_n: int = 1024
     num_warps: int = 4
     programs_per_sm: int = 32
-    stream: bool = False
-    prefetch: bool = False
 
 
 #: Per op, the configs measured best on an H200 (benchmarks/live_rows.py --sweep): the full
-#: buffer's time first, then 3,072 live of 28,672 rows (benchmarks/results/h200_live_rows_*).
-DEFAULT_CONFIGS = {OP_FWD: LaunchConfig(block_m=1, block_n=2048, num_warps=8, programs_per_sm=16, prefetch=True),
-                   OP_BWD: LaunchConfig(), OP_QUANT: LaunchConfig()}
+#: buffer's time first, then 3,072 live of 28,672 rows, one expert holding every row not slower
+#: (benchmarks/results/h200_live_rows_*).
+DEFAULT_CONFIGS = {OP_FWD: LaunchConfig(), OP_BWD: LaunchConfig(), OP_QUANT: LaunchConfig()}
 
 
 def _num_sms(device: torch.device) -> int:
@@ -282,16 +214,15 @@ def _launch(op: int, h13: torch.Tensor, layout: ExpertLayout | None, out: torch.
     # the opaque op only while torch.compile traces; eager calls skip its dispatch (tens of µs a call)
     launch = _swiglu_op if torch.compiler.is_compiling() else _swiglu_launch
     launch(op, h13, start, end, out, dout, row_w, scale, ue8m0, cfg.schedule, cfg.block_m, cfg.block_n,
-           cfg.num_warps, cfg.programs_per_sm, cfg.stream, cfg.prefetch)
+           cfg.num_warps, cfg.programs_per_sm)
 
 
 def _swiglu_launch(op: int, h13: torch.Tensor, start: torch.Tensor | None, end: torch.Tensor | None, out: torch.Tensor,
                    dout: torch.Tensor | None, row_w: torch.Tensor | None, scale: torch.Tensor | None, ue8m0: bool,
-                   schedule: str, block_m: int, block_n: int, num_warps: int, programs_per_sm: int,
-                   stream: bool, prefetch: bool) -> None:
+                   schedule: str, block_m: int, block_n: int, num_warps: int, programs_per_sm: int) -> None:
     """The Triton launch; as ``dropless::swiglu`` an opaque op with a fake (no-op) implementation, so
     that ``torch.compile`` traces the layer around it (``fullgraph=True``) and calls the kernel as it is."""
-    cfg = LaunchConfig(schedule, block_m, block_n, num_warps, programs_per_sm, stream, prefetch)
+    cfg = LaunchConfig(schedule, block_m, block_n, num_warps, programs_per_sm)
     m, i = h13.shape[0], h13.shape[1] // 2
     bn = min(block_n, max(triton.next_power_of_2(i), QUANT_GROUP if op == OP_QUANT else 1))
     nnb = -(-i // bn)
@@ -304,17 +235,15 @@ def _swiglu_launch(op: int, h13: torch.Tensor, start: torch.Tensor | None, end: 
     _swiglu_kernel[_grid(e if has_layout else None, m, nnb, cfg, h13.device)](
         h13, do, w, out, s, sv, ev, m, e, i, h13.stride(0), do.stride(0), out.stride(0),
         scale.stride(1) if scale is not None else 0, OP=op, SCHED=SCHEDULES[schedule] if has_layout else 0,
-        HAS_W=row_w is not None, UE8M0=ue8m0, EVEN_N=i % bn == 0, NUM_NB=nnb, STREAM=stream, PREFETCH=prefetch,
-        EP=triton.next_power_of_2(max(e, 2)), INTERPRET=select.interpreting(), BLOCK_M=block_m, BLOCK_N=bn,
-        GROUP=QUANT_GROUP, num_warps=num_warps)
+        HAS_W=row_w is not None, UE8M0=ue8m0, EVEN_N=i % bn == 0, NUM_NB=nnb, EP=triton.next_power_of_2(max(e, 2)),
+        INTERPRET=select.interpreting(), BLOCK_M=block_m, BLOCK_N=bn, GROUP=QUANT_GROUP, num_warps=num_warps)
 
 
 _swiglu_op = torch.library.custom_op("dropless::swiglu", _swiglu_launch, mutates_args=("out", "scale"))
 
 
 @_swiglu_op.register_fake
-def _(op, h13, start, end, out, dout, row_w, scale, ue8m0, schedule, block_m, block_n, num_warps, programs_per_sm,
-      stream, prefetch):
+def _(op, h13, start, end, out, dout, row_w, scale, ue8m0, schedule, block_m, block_n, num_warps, programs_per_sm):
     return None
 
 
