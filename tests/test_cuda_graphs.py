@@ -11,7 +11,8 @@ Captured once at a fixed capacity ``M``, replayed with other device-side counts:
   "padding untouched");
 * the whole MoE layer's forward and backward (local dispatcher; default, memory options,
   chunks), replayed with new inputs and router biases that move every row: output and every
-  gradient bitwise equal to eager.
+  gradient bitwise equal to eager;
+* one whole decoder block (MLA + MoE) forward and backward, the same way.
 
 Counts replayed: the captured ones reversed, every expert empty, one expert holding every row,
 random.
@@ -188,8 +189,9 @@ def test_whole_decoder_block_forward_and_backward_replay():
     """One decoder layer (RMSNorm + MLA + RMSNorm + MoE, local dispatcher, bf16) forward and backward
     captured once, replayed with new inputs and router biases that move every row (reversed,
     all tokens on four experts, random): the block's output, its aux loss and every gradient
-    bitwise equal to eager. S = 64 is one key block of the attention kernels, so their backward
-    accumulates each query's gradient in one program (no atomics whose order could vary)."""
+    bitwise equal to eager. Capture itself checks that nothing in the block syncs with the host.
+    S = 64 keeps the attention to a single key block, where SDPA's backward gave the same bits
+    run after run on the H200."""
     from dropless import ModelArgs
     from dropless.model.rope import rope_cos_sin
     from dropless.model.transformer import Block
