@@ -16,7 +16,11 @@ measured in the same run). Shapes:
 kernels' block sizes). ``--old DIR``: also time a checkout's ``dropless/ops/triton_kernels.py`` (the kernels before
 this file existed) at the same shapes. Needs CUDA and triton; no hydra/wandb.
 
-Usage: ``python benchmarks/live_rows.py [--old DIR] [--no-compile] [--sweep]``.
+``--probe [--dump DIR]``: also time the floors at 3,072 live rows (an empty launch, every expert empty, a
+copy of the same bytes, torch.compile over a 3,072-row buffer) and write torch.compile's full-buffer kernel under DIR.
+Times: :func:`timeit` (median of 200 CUDA-event timings, L2 flushed before each).
+
+Usage: ``python benchmarks/live_rows.py [--old DIR] [--no-compile] [--sweep] [--probe [--dump DIR]]``.
 """
 
 from __future__ import annotations
@@ -34,11 +38,27 @@ def emit(**kw) -> None:
     print(json.dumps(kw), flush=True)
 
 
-def timeit(fn) -> float:
-    """Median microseconds (triton.testing.do_bench: CUDA events, L2 flushed between runs)."""
-    from triton.testing import do_bench
+_FLUSH = []
 
-    return 1e3 * do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+def timeit(fn, reps: int = 200) -> float:
+    """Median microseconds of ``reps`` timed calls (CUDA events around each call, L2 flushed before
+    each by writing 256 MiB; a 50 µs device sleep after the flush lets the host queue the call
+    first, so the host's launch time is not what is timed)."""
+    if not _FLUSH:
+        _FLUSH.append(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
+    flush = _FLUSH[0]
+    for _ in range(5):
+        fn()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for a, b in ev:
+        flush.zero_()
+        torch.cuda._sleep(100_000)
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return 1e3 * sorted(a.elapsed_time(b) for a, b in ev)[reps // 2]
 
 
 def load_file(name: str, path: str):
@@ -63,10 +83,9 @@ def layout_for(counts, A, M):
 
 
 # (schedule, block_m, block_n, num_warps, programs_per_sm) variants timed with --sweep
-_FWD = [("flat", 4, 1024, 4, 4), ("flat", 4, 1024, 4, 16), ("flat", 4, 1024, 4, 32), ("flat", 2, 1024, 4, 16),
-        ("flat", 1, 2048, 8, 16), ("flat", 8, 1024, 8, 8), ("flat", 4, 2048, 8, 8), ("flat", 2, 2048, 4, 16),
-        ("flat", 8, 512, 4, 8), ("expert", 4, 1024, 4, 4), ("expert", 4, 1024, 4, 16)]
-SWEEP = {"swiglu_fwd": _FWD, "swiglu_bwd": _FWD[:6], "swiglu_quant": _FWD[:6]}
+_FWD = [("flat", 4, 1024, 4, 32), ("flat", 1, 2048, 8, 16), ("flat", 1, 1024, 4, 16), ("flat", 2, 2048, 8, 8),
+        ("flat", 1, 1024, 4, 32), ("expert", 4, 1024, 4, 16)]
+SWEEP = {"swiglu_fwd": _FWD, "swiglu_bwd": _FWD[:3], "swiglu_quant": _FWD[:3]}
 
 
 def swiglu_suite(tag, M, I, layouts, copy, old, compile_, sweep):
@@ -79,10 +98,10 @@ def swiglu_suite(tag, M, I, layouts, copy, old, compile_, sweep):
     rw = torch.rand(M, device="cuda")
     esz = 2
 
-    def line(op, variant, live, us, bytes_):
+    def line(op, variant, live, us, bytes_, **kw):
         gbps = bytes_ / us / 1e3
         emit(bench=tag, op=op, variant=variant, rows_live=live, rows_alloc=M, I=I, us=round(us, 2),
-             gbps=round(gbps, 1), pct_copy=round(100 * gbps / copy, 1))
+             gbps=round(gbps, 1), pct_copy=round(100 * gbps / copy, 1), **kw)
 
     per_row = {"swiglu_fwd": 3 * I * esz, "swiglu_bwd": 5 * I * esz, "swiglu_quant": 2 * I * esz + I + 4 * I // 128}
     for name, lay in layouts.items():
@@ -101,13 +120,18 @@ def swiglu_suite(tag, M, I, layouts, copy, old, compile_, sweep):
                  live * per_row["swiglu_bwd"])
             line("schedule", f"old:tiles:{name}", live, timeit(lambda: olay.tiles(64)), 1)
         if sweep:
+            mask = lay.live_mask()
             for op, cfgs in SWEEP.items():
+                ref = None
                 for c in cfgs:
                     cfg = sw.LaunchConfig(*c)
                     fn = {"swiglu_fwd": lambda: sw.swiglu_fwd(h13, lay, config=cfg),
                           "swiglu_bwd": lambda: sw.swiglu_bwd(h13, dout, lay, config=cfg),
-                          "swiglu_quant": lambda: sw.swiglu_quant(h13, lay, config=cfg)}[op]
-                    line(op, f"new:{name}:" + ",".join(map(str, c)), live, timeit(fn), live * per_row[op])
+                          "swiglu_quant": lambda: sw.swiglu_quant(h13, lay, config=cfg)[0].view(torch.uint8)}[op]
+                    got = fn()[mask]
+                    ref = got if ref is None else ref  # every variant does the same arithmetic per element
+                    line(op, f"new:{name}:" + ",".join(map(str, c)), live, timeit(fn), live * per_row[op],
+                         equal_to_first=bool(torch.equal(got, ref)))
     line("swiglu_fwd", "new:dense", M, timeit(lambda: sw.swiglu_fwd(h13)), M * per_row["swiglu_fwd"])
     line("swiglu_bwd", "new:dense", M, timeit(lambda: sw.swiglu_bwd(h13, dout)), M * per_row["swiglu_bwd"])
     line("swiglu_bwd", "new:dense+row_w", M, timeit(lambda: sw.swiglu_bwd(h13, dout, None, rw)),
@@ -174,12 +198,67 @@ def rows_suite(tag, counts, A, T, k, H, copy, old, compile_, sweep):
         line("combine", "torch.compile", timeit(lambda: c(y, dest, w)), (T + R) * H * e)
 
 
+def probe(M, I, e, A, copy, dump):
+    """Where the time of the live-row SwiGLU goes at 3,072 live rows: the floors (an empty launch, the
+    kernel over a layout with every expert empty, a copy of the same bytes, torch.compile's kernel on a
+    dense 3,072-row buffer), and torch.compile's full-buffer kernel source (written under ``dump``)."""
+    import triton
+
+    from dropless.ops import swiglu as sw
+
+    @triton.jit
+    def _empty(p):
+        pass
+
+    dt = torch.bfloat16
+    live = 3072
+    h13 = torch.randn(M, 2 * I, device="cuda", dtype=dt)
+    small = torch.randn(live, 2 * I, device="cuda", dtype=dt)
+    nbytes = live * 3 * I * 2
+
+    def line(what, us, bytes_=0):
+        gbps = bytes_ / us / 1e3
+        emit(bench="probe", what=what, us=round(us, 2), gbps=round(gbps, 1), pct_copy=round(100 * gbps / copy, 1))
+
+    dummy = torch.empty(1, device="cuda")
+    for g in (1056, 2112):
+        line(f"empty_triton_launch:grid={g}", timeit(lambda: _empty[(g,)](dummy)))
+    empty = layout_for([0] * e, A, M)
+    for c in SWEEP["swiglu_fwd"][:3]:
+        cfg = sw.LaunchConfig(*c)
+        line("swiglu_fwd:every_expert_empty:" + ",".join(map(str, c)), timeit(lambda: sw.swiglu_fwd(h13, empty,
+                                                                                                 config=cfg)))
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    line("copy_same_bytes", timeit(lambda: dst.copy_(src)), nbytes)
+    line("swiglu_fwd:dense_3072_rows", timeit(lambda: sw.swiglu_fwd(small)), nbytes)
+    f = torch.compile(lambda h: torch.nn.functional.silu(h[:, :I]) * h[:, I:])
+    line("torch.compile:dense_3072_rows", timeit(lambda: f(small)), nbytes)
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    g = torch.compile(lambda h: torch.nn.functional.silu(h[:, :I]) * h[:, I:])
+    _, codes = run_and_get_code(g, h13)
+    line("torch.compile:full_buffer", timeit(lambda: g(h13)), M * 3 * I * 2)
+    if dump:
+        os.makedirs(dump, exist_ok=True)
+        with open(os.path.join(dump, "inductor_swiglu_fwd.py"), "w") as fh:
+            fh.write("\n\n# ----\n\n".join(codes))
+    for code in codes:
+        for ln in code.splitlines():
+            if any(k in ln for k in ("@triton", "def triton_", "XBLOCK", "num_warps", "eviction", "tl.load",
+                                     "tl.store", "grid", "xnumel =")):
+                print("INDUCTOR|", ln.strip()[:200], flush=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--old", default=None, help="a checkout whose dropless/ops/triton_kernels.py to time too")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--sweep", action="store_true", help="also time launch variants")
     p.add_argument("--only", choices=["seed", "rank", "rows"], default=None)
+    p.add_argument("--probe", action="store_true", help="also time the floors at 3,072 rows, dump torch.compile's code")
+    p.add_argument("--dump", default=None, help="where --probe writes torch.compile's kernel source")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/live_rows.py needs a CUDA device", file=sys.stderr)
@@ -192,6 +271,8 @@ def main(argv=None) -> int:
     copy = copy_gbps()
     emit(bench="copy_ceiling", gbps=round(copy, 1), device=torch.cuda.get_device_name())
     compile_ = not a.no_compile
+    if a.probe:
+        probe(28672, 2048, 32, 128, copy, a.dump)
     if a.only in (None, "seed"):
         M, e, A, I = 28672, 32, 128, 2048
         layouts = {"live3072": layout_for([96] * e, A, M), "full": layout_for([M // e] * e, A, M),
@@ -201,7 +282,7 @@ def main(argv=None) -> int:
     if a.only in (None, "rank"):
         lay = layout_for(counts, 128, sum(counts) + 3 * 127)
         swiglu_suite("rank_activation", lay.capacity, 2048, {"rank": lay}, copy, old, compile_, False)
-    if a.only in (None, "rows", "rank"):
+    if a.only in (None, "rows"):
         rows_suite("rank_rows", counts, 128, 8192, 8, 7168, copy, old, compile_, a.sweep)
     return 0
 

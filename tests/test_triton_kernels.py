@@ -172,7 +172,9 @@ SENTINEL = -12345.0  # exactly representable in bf16 and fp32: a padding row tha
                                         ([33] * 9, 16, 9 * 48)])
 @pytest.mark.parametrize("config", [None, sw.LaunchConfig(programs_per_sm=1, block_m=2),
                                     sw.LaunchConfig(schedule="expert"),
-                                    sw.LaunchConfig(schedule="expert", programs_per_sm=1, block_n=64)])
+                                    sw.LaunchConfig(schedule="expert", programs_per_sm=1, block_n=64),
+                                    sw.LaunchConfig(programs_per_sm=1, block_m=2, block_n=64),
+                                    sw.LaunchConfig(block_m=1, block_n=2048, num_warps=8, programs_per_sm=16)])
 def test_swiglu_grid_stride_covers_live_rows_and_never_writes_padding(counts, A, M, config):
     """Every live row is computed whatever the grid is (a grid-stride loop; both schedules), and no padding
     row of any output is written."""
@@ -230,6 +232,8 @@ def test_swiglu_quant_kernel(ue8m0):
     sw.swiglu_quant(h13, lay, ue8m0, out=(q, scale))
     q2, s2 = sw.swiglu_quant(h13, lay, ue8m0, config=sw.LaunchConfig(schedule="expert", block_n=128, block_m=8))
     assert torch.equal(q2.view(torch.uint8)[live], q.view(torch.uint8)[live]) and torch.equal(s2[live], scale[live])
+    q3, s3 = sw.swiglu_quant(h13, lay, ue8m0, config=sw.LaunchConfig(block_n=128, block_m=2, programs_per_sm=1))
+    assert torch.equal(q3.view(torch.uint8)[live], q.view(torch.uint8)[live]) and torch.equal(s3[live], scale[live])
     assert (q.view(torch.uint8)[~live] == 0x7E).all() and (scale[~live] == SENTINEL).all()
     a = sw.swiglu_fwd_torch(h13.float())  # fp32 SwiGLU
     _, sref = sw.quant_fp8_torch(a, ue8m0)

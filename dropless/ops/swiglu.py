@@ -45,126 +45,128 @@ if select.HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _rows(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, r0, hi, I, stride_h, stride_do, stride_o, stride_s,
+    def _tile(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, r0, hi, c0, I, stride_h, stride_do, stride_o, stride_s,
               OP: tl.constexpr, HAS_W: tl.constexpr, UE8M0: tl.constexpr, EVEN_N: tl.constexpr,
-              NUM_NB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
-        """Rows ``[r0, min(r0 + BLOCK_M, hi))``, all ``I`` columns, ``BLOCK_N`` at a time."""
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+        """The tile of rows ``[r0, min(r0 + BLOCK_M, hi))`` and columns ``[c0, c0 + BLOCK_N)`` (below ``I``)."""
         rows = r0 + tl.arange(0, BLOCK_M)
         rmask = rows < hi
         r64 = rows.to(tl.int64)[:, None]
-        if OP == 1:
+        cols = c0 + tl.arange(0, BLOCK_N)
+        if EVEN_N:
+            mask = rmask[:, None]
+        else:
+            mask = rmask[:, None] & (cols[None, :] < I)
+        hp = h_ptr + r64 * stride_h + cols[None, :]
+        g = tl.load(hp, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(hp + I, mask=mask, other=0.0).to(tl.float32)
+        s = tl.sigmoid(g)
+        if OP == 0:
+            tl.store(out_ptr + r64 * stride_o + cols[None, :], (g * s * u).to(out_ptr.dtype.element_ty), mask=mask)
+        elif OP == 1:
+            do = tl.load(do_ptr + r64 * stride_do + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             if HAS_W:  # folded routing weight: d(out) = d(out · w) · w, w as the forward rounded it
                 w = tl.load(w_ptr + rows, mask=rmask, other=0.0).to(h_ptr.dtype.element_ty).to(tl.float32)
-        for nb in tl.static_range(NUM_NB):
-            cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-            if EVEN_N:
-                mask = rmask[:, None]
-            else:
-                mask = rmask[:, None] & (cols[None, :] < I)
-            hp = h_ptr + r64 * stride_h + cols[None, :]
-            g = tl.load(hp, mask=mask, other=0.0).to(tl.float32)
-            u = tl.load(hp + I, mask=mask, other=0.0).to(tl.float32)
-            s = tl.sigmoid(g)
-            if OP == 0:
-                tl.store(out_ptr + r64 * stride_o + cols[None, :], (g * s * u).to(out_ptr.dtype.element_ty),
-                         mask=mask)
-            elif OP == 1:
-                do = tl.load(do_ptr + r64 * stride_do + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                if HAS_W:
-                    do = do * w[:, None]
-                op = out_ptr + r64 * stride_o + cols[None, :]
-                tl.store(op, (do * u * s * (1.0 + g * (1.0 - s))).to(out_ptr.dtype.element_ty), mask=mask)
-                tl.store(op + I, (do * g * s).to(out_ptr.dtype.element_ty), mask=mask)
-            else:  # 1x128 e4m3: one scale per row per GROUP columns
-                a = tl.reshape(g * s * u, (BLOCK_M, BLOCK_N // GROUP, GROUP))
-                amax = tl.maximum(tl.max(tl.abs(a), axis=2), 1e-10)
-                scale = amax / 448.0
-                if UE8M0:
-                    scale = tl.exp2(tl.ceil(tl.log2(scale)))
-                q = tl.reshape(tl.clamp(a / scale[:, :, None], -448.0, 448.0), (BLOCK_M, BLOCK_N))
-                tl.store(out_ptr + r64 * stride_o + cols[None, :],
-                         q.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
-                grp = nb * (BLOCK_N // GROUP) + tl.arange(0, BLOCK_N // GROUP)
-                tl.store(s_ptr + grp[None, :] * stride_s + rows[:, None], scale,
-                         mask=rmask[:, None] & (grp[None, :] * GROUP < I))
+                do = do * w[:, None]
+            op = out_ptr + r64 * stride_o + cols[None, :]
+            tl.store(op, (do * u * s * (1.0 + g * (1.0 - s))).to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(op + I, (do * g * s).to(out_ptr.dtype.element_ty), mask=mask)
+        else:  # 1x128 e4m3: one scale per row per GROUP columns
+            a = tl.reshape(g * s * u, (BLOCK_M, BLOCK_N // GROUP, GROUP))
+            amax = tl.maximum(tl.max(tl.abs(a), axis=2), 1e-10)
+            scale = amax / 448.0
+            if UE8M0:
+                scale = tl.exp2(tl.ceil(tl.log2(scale)))
+            q = tl.reshape(tl.clamp(a / scale[:, :, None], -448.0, 448.0), (BLOCK_M, BLOCK_N))
+            tl.store(out_ptr + r64 * stride_o + cols[None, :],
+                     q.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+            grp = c0 // GROUP + tl.arange(0, BLOCK_N // GROUP)
+            tl.store(s_ptr + grp[None, :] * stride_s + rows[:, None], scale,
+                     mask=rmask[:, None] & (grp[None, :] * GROUP < I))
 
     @triton.jit
-    def _flat_block(b, ar, nb_v, cum_v, start_v, end_v):
-        """Row block ``b`` of the flat schedule: ``(first row, end of its expert)``."""
-        ex = tl.sum((cum_v <= b).to(tl.int32), 0)  # the expert whose blocks include b
+    def _flat_unit(b, ar, nb_v, cum_v, start_v, end_v, NUM_NB: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+        """Tile ``b`` of the flat numbering: ``(first row, end of its expert, first column)``."""
+        ex = tl.sum((cum_v <= b).to(tl.int32), 0)  # the expert whose tiles include b
         sel = ar == ex
-        first = tl.sum(tl.where(sel, cum_v - nb_v, 0), 0)
+        t = b - tl.sum(tl.where(sel, cum_v - nb_v, 0), 0)  # its number within the expert
         lo = tl.sum(tl.where(sel, start_v, 0), 0)
         hi = tl.sum(tl.where(sel, end_v, 0), 0)
-        return lo, first, hi
+        return lo + (t // NUM_NB) * BLOCK_M, hi, (t % NUM_NB) * BLOCK_N
 
     @triton.jit
     def _swiglu_kernel(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, start_ptr, end_ptr, M, E, I, stride_h, stride_do,
-                       stride_o, stride_s, OP: tl.constexpr, HAS_LAYOUT: tl.constexpr, FLAT: tl.constexpr,
-                       HAS_W: tl.constexpr, UE8M0: tl.constexpr, EVEN_N: tl.constexpr, NUM_NB: tl.constexpr,
-                       EP: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       GROUP: tl.constexpr):
+                       stride_o, stride_s, OP: tl.constexpr, SCHED: tl.constexpr, HAS_W: tl.constexpr,
+                       UE8M0: tl.constexpr, EVEN_N: tl.constexpr, NUM_NB: tl.constexpr, EP: tl.constexpr,
+                       INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+        # tiles: BLOCK_M rows x BLOCK_N columns; an expert's tile t covers rows start + (t // NUM_NB)·BLOCK_M
+        # and columns (t % NUM_NB)·BLOCK_N
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
-        if FLAT:
-            # every program reads the e end points and numbers the live row blocks itself:
-            # blocks of expert i are cum[i] - nb[i] … cum[i] - 1; program p takes p, p + G, …
+        if SCHED == 0:  # dense: one program per tile of the whole buffer, no loop
+            _tile(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, (pid // NUM_NB) * BLOCK_M, M, (pid % NUM_NB) * BLOCK_N, I,
+                  stride_h, stride_do, stride_o, stride_s, OP, HAS_W, UE8M0, EVEN_N, BLOCK_M, BLOCK_N, GROUP)
+        elif SCHED == 1:
+            # flat: every program reads the e end points and numbers the live tiles itself (cumsum in
+            # registers): tiles of expert i are cum[i] - nt[i] … cum[i] - 1; program p takes p, p + G, …
             ar = tl.arange(0, EP)
             em = ar < E
-            if HAS_LAYOUT:
-                start_v = tl.load(start_ptr + ar, mask=em, other=0)
-                end_v = tl.minimum(tl.load(end_ptr + ar, mask=em, other=0), M)
-            else:
-                start_v = tl.where(ar == 0, 0, M)
-                end_v = tl.where(ar == 0, M, M)
-            nb_v = tl.where(em, (tl.maximum(end_v - start_v, 0) + BLOCK_M - 1) // BLOCK_M, 0)
+            start_v = tl.load(start_ptr + ar, mask=em, other=0)
+            end_v = tl.minimum(tl.load(end_ptr + ar, mask=em, other=0), M)
+            nb_v = tl.where(em, (tl.maximum(end_v - start_v, 0) + BLOCK_M - 1) // BLOCK_M, 0) * NUM_NB
             cum_v = tl.cumsum(nb_v, 0)
             total = tl.sum(nb_v, 0)
             if INTERPRET:  # the interpreter's scalars are 1-element arrays, which range() rejects
                 b = pid
                 while b < total:
-                    lo, first, hi = _flat_block(b, ar, nb_v, cum_v, start_v, end_v)
-                    _rows(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, lo + (b - first) * BLOCK_M, hi, I, stride_h,
-                          stride_do, stride_o, stride_s, OP, HAS_W, UE8M0, EVEN_N, NUM_NB, BLOCK_M, BLOCK_N, GROUP)
+                    r0, hi, c0 = _flat_unit(b, ar, nb_v, cum_v, start_v, end_v, NUM_NB, BLOCK_M, BLOCK_N)
+                    _tile(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, r0, hi, c0, I, stride_h, stride_do, stride_o, stride_s,
+                          OP, HAS_W, UE8M0, EVEN_N, BLOCK_M, BLOCK_N, GROUP)
                     b += nprog
             else:
                 for b in range(pid, total, nprog):
-                    lo, first, hi = _flat_block(b, ar, nb_v, cum_v, start_v, end_v)
-                    _rows(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, lo + (b - first) * BLOCK_M, hi, I, stride_h,
-                          stride_do, stride_o, stride_s, OP, HAS_W, UE8M0, EVEN_N, NUM_NB, BLOCK_M, BLOCK_N, GROUP)
+                    r0, hi, c0 = _flat_unit(b, ar, nb_v, cum_v, start_v, end_v, NUM_NB, BLOCK_M, BLOCK_N)
+                    _tile(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, r0, hi, c0, I, stride_h, stride_do, stride_o, stride_s,
+                          OP, HAS_W, UE8M0, EVEN_N, BLOCK_M, BLOCK_N, GROUP)
         else:
-            # program (p, i): expert i's rows start[i] + p·BLOCK_M, start[i] + (p + P)·BLOCK_M, … below end[i]
-            if HAS_LAYOUT:
-                ex = tl.program_id(1)
-                lo = tl.load(start_ptr + ex)
-                hi = tl.minimum(tl.load(end_ptr + ex), M)
-            else:
-                lo = M * 0
-                hi = M
-            r0 = lo + pid * BLOCK_M
+            # expert: program (p, i) takes expert i's tiles p, p + P, … (program_id(1) picks the expert)
+            ex = tl.program_id(1)
+            lo = tl.load(start_ptr + ex)
+            hi = tl.minimum(tl.load(end_ptr + ex), M)
+            n = (tl.maximum(hi - lo, 0) + BLOCK_M - 1) // BLOCK_M * NUM_NB
             if INTERPRET:
-                while r0 < hi:
-                    _rows(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, r0, hi, I, stride_h, stride_do, stride_o, stride_s,
-                          OP, HAS_W, UE8M0, EVEN_N, NUM_NB, BLOCK_M, BLOCK_N, GROUP)
-                    r0 += nprog * BLOCK_M
+                t = pid + lo * 0
+                while t < n:
+                    _tile(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, lo + (t // NUM_NB) * BLOCK_M, hi,
+                          (t % NUM_NB) * BLOCK_N, I, stride_h, stride_do, stride_o, stride_s, OP, HAS_W, UE8M0,
+                          EVEN_N, BLOCK_M, BLOCK_N, GROUP)
+                    t += nprog
             else:
-                for r in range(r0, hi, nprog * BLOCK_M):
-                    _rows(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, r, hi, I, stride_h, stride_do, stride_o, stride_s,
-                          OP, HAS_W, UE8M0, EVEN_N, NUM_NB, BLOCK_M, BLOCK_N, GROUP)
+                for t in range(pid, n, nprog):
+                    _tile(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, lo + (t // NUM_NB) * BLOCK_M, hi,
+                          (t % NUM_NB) * BLOCK_N, I, stride_h, stride_do, stride_o, stride_s, OP, HAS_W, UE8M0,
+                          EVEN_N, BLOCK_M, BLOCK_N, GROUP)
+
+
+SCHEDULES = {"dense": 0, "flat": 1, "expert": 2}
 
 
 @dataclass(frozen=True)
 class LaunchConfig:
     """How the SwiGLU kernels are launched (the defaults are the measured best on an H200).
 
+    The work is cut into tiles of ``block_m`` rows × ``block_n`` columns.
+
     Attributes:
-        schedule: ``"flat"``: a 1-D grid of ``G`` programs; each reads the ``e`` end points,
-            numbers the live row blocks of all experts itself (``cumsum`` in registers) and
-            takes blocks ``p, p + G, …``, so any split of the rows over the experts (one expert
-            holding every row included) spreads over the whole GPU. ``"expert"``: a ``(P, e)``
-            grid; program ``(p, i)`` walks expert ``i``'s rows from ``start[i] + p·block_m`` in
-            steps of ``P·block_m`` (``program_id(1)`` picks the expert, as in seed 000).
-        block_m: rows per step. block_n: columns per step (a power of two; a multiple of 128
+        schedule: how the tiles of the live rows are dealt out when a layout is given (without
+            one, every program takes one tile of the whole buffer). ``"flat"``: a 1-D grid of
+            ``G`` programs; each reads the ``e`` end points, numbers the live tiles of all
+            experts itself (``cumsum`` in registers) and takes tiles ``p, p + G, …``, so any
+            split of the rows over the experts (one expert holding every row included) spreads
+            over the whole GPU. ``"expert"``: a ``(P, e)`` grid; program ``(p, i)`` takes expert
+            ``i``'s tiles ``p, p + P, …`` (``program_id(1)`` picks the expert, as in seed 000).
+        block_m: rows per tile. block_n: columns per tile (a power of two; a multiple of 128
             for the quantisation). num_warps: warps per program.
         programs_per_sm: ``G`` (flat) or ``P·e`` (expert) is about this many programs per SM.
     """
@@ -177,9 +179,9 @@ class LaunchConfig:
 
 
 #: Per op, the configs measured best on an H200 (benchmarks/live_rows.py --sweep): the full
-#: buffer's time first, then 3,072 live of 28,672 rows (benchmarks/results/h200_live_rows_*).
-DEFAULT_CONFIGS = {OP_FWD: LaunchConfig(block_m=1, block_n=2048, num_warps=8, programs_per_sm=16),
-                   OP_BWD: LaunchConfig(), OP_QUANT: LaunchConfig()}
+#: buffer's time first, then 3,072 live of 28,672 rows, one expert holding every row not slower
+#: (benchmarks/results/h200_live_rows_*).
+DEFAULT_CONFIGS = {OP_FWD: LaunchConfig(), OP_BWD: LaunchConfig(), OP_QUANT: LaunchConfig()}
 
 
 def _num_sms(device: torch.device) -> int:
@@ -188,18 +190,19 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _grid(num_experts: int | None, m: int, cfg: LaunchConfig, device: torch.device) -> tuple[int, int]:
-    """The launch grid for ``num_experts`` local experts (None: the dense path) over ``m`` rows."""
+def _grid(num_experts: int | None, m: int, nnb: int, cfg: LaunchConfig, device: torch.device) -> tuple[int, int]:
+    """The launch grid for ``num_experts`` local experts (None: the dense path) over ``m`` rows of ``nnb``
+    column blocks."""
     sms = _num_sms(device)
-    blocks = max(1, -(-m // cfg.block_m))
-    if num_experts is None:  # dense: one program per row block
-        return blocks, 1
+    tiles = max(1, -(-m // cfg.block_m)) * nnb
+    if num_experts is None:  # dense: one program per tile
+        return tiles, 1
     if cfg.schedule == "flat":
-        return max(1, min(blocks + num_experts, sms * cfg.programs_per_sm)), 1
+        return max(1, min(tiles + num_experts * nnb, sms * cfg.programs_per_sm)), 1
     e = max(1, num_experts)
     # P: about programs_per_sm per SM in all, but at least an eighth of the GPU for one expert
     p = max(-(-sms * cfg.programs_per_sm // e), -(-sms * cfg.programs_per_sm // 8))
-    return max(1, min(blocks, p)), e
+    return max(1, min(tiles, p)), e
 
 
 def _launch(op: int, h13: torch.Tensor, layout: ExpertLayout | None, out: torch.Tensor, *, dout=None, row_w=None,
@@ -211,29 +214,29 @@ def _launch(op: int, h13: torch.Tensor, layout: ExpertLayout | None, out: torch.
     # the opaque op only while torch.compile traces; eager calls skip its dispatch (tens of µs a call)
     launch = _swiglu_op if torch.compiler.is_compiling() else _swiglu_launch
     launch(op, h13, start, end, out, dout, row_w, scale, ue8m0, cfg.schedule, cfg.block_m, cfg.block_n,
-               cfg.num_warps, cfg.programs_per_sm)
+           cfg.num_warps, cfg.programs_per_sm)
 
 
 def _swiglu_launch(op: int, h13: torch.Tensor, start: torch.Tensor | None, end: torch.Tensor | None, out: torch.Tensor,
-               dout: torch.Tensor | None, row_w: torch.Tensor | None, scale: torch.Tensor | None, ue8m0: bool,
-               schedule: str, block_m: int, block_n: int, num_warps: int, programs_per_sm: int) -> None:
+                   dout: torch.Tensor | None, row_w: torch.Tensor | None, scale: torch.Tensor | None, ue8m0: bool,
+                   schedule: str, block_m: int, block_n: int, num_warps: int, programs_per_sm: int) -> None:
     """The Triton launch; as ``dropless::swiglu`` an opaque op with a fake (no-op) implementation, so
     that ``torch.compile`` traces the layer around it (``fullgraph=True``) and calls the kernel as it is."""
     cfg = LaunchConfig(schedule, block_m, block_n, num_warps, programs_per_sm)
     m, i = h13.shape[0], h13.shape[1] // 2
     bn = min(block_n, max(triton.next_power_of_2(i), QUANT_GROUP if op == OP_QUANT else 1))
+    nnb = -(-i // bn)
     has_layout = start is not None
     e = start.numel() if has_layout else 1
     sv, ev = (start, end) if has_layout else (h13, h13)
     do = dout if dout is not None else h13
     w = row_w if row_w is not None else h13
     s = scale if scale is not None else h13
-    _swiglu_kernel[_grid(e if has_layout else None, m, cfg, h13.device)](
+    _swiglu_kernel[_grid(e if has_layout else None, m, nnb, cfg, h13.device)](
         h13, do, w, out, s, sv, ev, m, e, i, h13.stride(0), do.stride(0), out.stride(0),
-        scale.stride(1) if scale is not None else 0, OP=op, HAS_LAYOUT=has_layout,
-        FLAT=schedule == "flat" or not has_layout, HAS_W=row_w is not None, UE8M0=ue8m0, EVEN_N=i % bn == 0,
-        NUM_NB=-(-i // bn), EP=triton.next_power_of_2(max(e, 2)), INTERPRET=select.interpreting(),
-        BLOCK_M=block_m, BLOCK_N=bn, GROUP=QUANT_GROUP, num_warps=num_warps)
+        scale.stride(1) if scale is not None else 0, OP=op, SCHED=SCHEDULES[schedule] if has_layout else 0,
+        HAS_W=row_w is not None, UE8M0=ue8m0, EVEN_N=i % bn == 0, NUM_NB=nnb, EP=triton.next_power_of_2(max(e, 2)),
+        INTERPRET=select.interpreting(), BLOCK_M=block_m, BLOCK_N=bn, GROUP=QUANT_GROUP, num_warps=num_warps)
 
 
 _swiglu_op = torch.library.custom_op("dropless::swiglu", _swiglu_launch, mutates_args=("out", "scale"))
