@@ -289,3 +289,36 @@ def test_fp8_weights_quantised_once_for_chunks_and_microbatches():
             p.sub_(0.01 * p.grad)
     m(torch.randn(1, 40, 64, requires_grad=True)).sum().backward()
     assert be.quantisations == 8
+
+
+def test_torch_compile_of_fp8_moe_runs_the_fp8_nodes_eagerly():
+    """``torch.compile`` of an MoE with gemm=fp8: the FP8 nodes run eagerly (graph breaks); same result as eager."""
+    torch.manual_seed(0)
+    m = MoE(ModelArgs(**MOE_SMALL, gemm="fp8"), layer_id=1)
+    m.experts.backend = Fp8Backend(emulate=True)
+    m.init_weights(3)
+    x = torch.randn(1, 32, 64)
+    xe, xc = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    ye = m(xe)
+    ye.sum().backward()
+    ge = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    m.zero_grad(set_to_none=True)
+    yc = torch.compile(m, backend="aot_eager")(xc)
+    yc.sum().backward()
+    assert rel(yc, ye) < 1e-6 and rel(xc.grad, xe.grad) < 1e-6
+    for n, p in m.named_parameters():
+        if n in ge:
+            assert rel(p.grad, ge[n]) < 1e-5, n
+
+
+def test_trainer_refuses_gemm_fp8_without_fp8_gpu(tmp_path, capsys):
+    """``gemm=fp8`` on this CPU: a configuration error at trainer start (exit 2), before any step."""
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9):
+        pytest.skip("this machine has FP8 tensor cores")
+    pytest.importorskip("hydra")
+    from dropless.train.__main__ import main
+
+    assert main(["gemm=fp8", "train.steps=1", f"run_dir={tmp_path / 'run'}", "logging.mode=disabled"]) == 2
+    err = capsys.readouterr().err
+    assert "gemm=fp8 needs" in err and "compute capability >= 8.9" in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -61,14 +61,17 @@ class Fp8Backend:
 
     Args:
         emulate: run the GEMM as its fp32 emulation (tests; any device, a host sync per call).
-        fast_accum: ``use_fast_accum`` of the CUTLASS kernel (Hopper's faster, less precise
-            accumulation inside a K-block).
+        fast_accum: ``use_fast_accum`` of the CUTLASS kernel (Hopper's FP8 tensor-core
+            accumulation without periodic promotion to fp32). On by default: at K = 7168 its
+            output is within 2.5e-3 (relative) of the fp64 product of the same FP8 operands
+            (1.7e-3 without; the bf16 output rounding alone is about 2e-3) while the operands'
+            own FP8 error is about 4e-2 (tests/test_fp8_gpu.py).
         ue8m0: power-of-two scales.
     """
 
     name = "fp8"
 
-    def __init__(self, emulate: bool = False, fast_accum: bool = False, ue8m0: bool = False):
+    def __init__(self, emulate: bool = False, fast_accum: bool = True, ue8m0: bool = False):
         self.emulate, self.fast_accum, self.ue8m0 = emulate, fast_accum, ue8m0
         self._wgrad = TorchBackend()
         # owner tensor -> {operand geometry: (version, fp8 operand, scales)}
@@ -146,6 +149,7 @@ class Fp8Backend:
                 out[s:t] = (a @ dequant_weight(b_eKN[i:i + 1], bs_eN[i:i + 1])[0]).to(out_dtype)
         return out
 
+    @torch.compiler.disable  # the weight cache is host logic: eager inside a compiled graph (a graph break)
     def gmm(self, x_MK: torch.Tensor, w_eKN: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
         xq, xs = quant_rows(x_MK, layout, self.ue8m0)
         b, bs = self.weight(w_eKN)

@@ -78,6 +78,7 @@ class _Fp8ExpertMLP(torch.autograd.Function):
         return dx, dw13, dw2, d_row_w, None, None, None
 
 
+@torch.compiler.disable  # the weight cache (identity, _version) is host logic: run eagerly inside a compiled graph
 def fp8_expert_mlp(x_MH: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, row_w: torch.Tensor | None,
                    layout: ExpertLayout, backend: Fp8Backend, wgrad: WgradAccumulator | None = None) -> torch.Tensor:
     """FC1 -> SwiGLU (× row weight) -> FC2 of the live rows with FP8 GEMMs.
@@ -95,5 +96,6 @@ def fp8_expert_mlp(x_MH: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, row_
         for an empty expert), ``d row_w``.
     Raises:
         RuntimeError: (device-side, asynchronous on CUDA) a live row of an FP8 operand is not finite.
+    Under ``torch.compile`` it runs eagerly (a graph break; ``fullgraph=True`` refuses it).
     """
     return _Fp8ExpertMLP.apply(x_MH, w13, w2, row_w, layout, backend, wgrad)
