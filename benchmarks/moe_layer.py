@@ -9,7 +9,8 @@ The dense bf16 GEMM ceiling is measured in the same run (an 8192×8192×8192 mat
 experts' shape).
 
 With ``--gemm fp8`` every measurement runs for bf16 (``torch``), ``fp8`` (its default,
-``use_fast_accum`` on) and ``fp8_exact`` (``use_fast_accum`` off) in the same process, each line tagged ``gemm`` and ``speedup`` over bf16;
+``use_fast_accum`` on) and ``fp8_exact`` (``use_fast_accum`` off) in the same process, each line
+tagged ``gemm`` and ``speedup`` over bf16;
 ``--profile`` adds the experts' per-kernel CUDA time (one line per kernel, top 15).
 
 Usage: ``python benchmarks/moe_layer.py [--gemm torch|fp8] [--quick] [--profile]``. Needs CUDA.

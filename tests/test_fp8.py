@@ -26,8 +26,7 @@ from dropless.moe import MoE
 from dropless.ops import get_backend, grouped_mm, list_backends
 from dropless.ops.backends import check_backend_device
 from dropless.ops.fp8_backend import Fp8Backend
-from dropless.ops.fp8_quant import (FP8_MAX, dequant_rows, dequant_weight, quant_rows, quant_weight,
-                                    swiglu_quant_rows)
+from dropless.ops.fp8_quant import FP8_MAX, dequant_rows, dequant_weight, quant_rows, quant_weight, swiglu_quant_rows
 from tests.conftest import py_layout
 
 NAN = float("nan")
@@ -276,7 +275,7 @@ def test_moe_layer_fp8_matches_torch(extra):
 
 
 def test_fp8_weights_quantised_once_for_chunks_and_microbatches():
-    """Two chunks, forward and backward, two micro-batches: each weight's two FP8 copies made once; again after a step."""
+    """Chunks, backward, two micro-batches: each weight's two FP8 copies made once, again after a step."""
     m = MoE(ModelArgs(**MOE_SMALL, num_token_chunks=2, gemm="fp8"), layer_id=1)
     be = m.experts.backend = Fp8Backend(emulate=True)
     m.init_weights(3)

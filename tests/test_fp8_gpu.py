@@ -159,3 +159,21 @@ def test_nonfinite_live_row_is_a_device_side_error():
             "q, s = quant_rows(x, lay); torch.cuda.synchronize(); print('NO ERROR')\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "NO ERROR" not in r.stdout, r.stdout + r.stderr
+
+
+def test_fp8_moe_forward_backward_has_no_host_sync():
+    """The MoE layer with gemm=fp8, forward and backward, under ``set_sync_debug_mode("error")`` (weights cached)."""
+    args = dict(hidden_size=1024, moe_intermediate_size=512, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+                topk_group=2, n_shared_experts=1, expert_alignment=128)
+    m = MoE(ModelArgs(**args, gemm="fp8"), 1)
+    m.init_weights(0)
+    m = m.cuda().bfloat16()
+    x = torch.randn(1, 512, 1024, device="cuda").bfloat16().requires_grad_(True)
+    m(x).sum().backward()  # first call: the weights' FP8 copies are made (not in the timed path)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        m(x).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
