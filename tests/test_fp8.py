@@ -172,6 +172,15 @@ def test_weight_cache_reuse_and_requantise_after_inplace_update():
     c = be.alias(w.detach().clone(), w)
     be.gmm(x, c, lay)
     assert be.quantisations == 3
+    # new storage (p.data = ...) requantises; torch._foreach_copy_ (the trainer's refresh) moves _version
+    w.data = w.data * 0.5
+    assert rel(be.gmm(x, w, lay)[live], y1[live]) < 1e-6 and be.quantisations == 4
+    with torch.no_grad():
+        torch._foreach_copy_([w], [w * 3.0])
+    assert rel(be.gmm(x, w, lay)[live], 3 * y1[live]) < 1e-6 and be.quantisations == 5
+    be.clear_cache()
+    be.gmm(x, w, lay)
+    assert be.quantisations == 6
 
 
 def test_fp8_backend_registered_and_device_errors():

@@ -74,7 +74,7 @@ class Fp8Backend:
     def __init__(self, emulate: bool = False, fast_accum: bool = True, ue8m0: bool = False):
         self.emulate, self.fast_accum, self.ue8m0 = emulate, fast_accum, ue8m0
         self._wgrad = TorchBackend()
-        # owner tensor -> {operand geometry: (version, fp8 operand, scales)}
+        # owner tensor -> {operand geometry: ((owner's _version, data_ptr), fp8 operand, scales)}
         self._cache: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._alias: WeakIdKeyDictionary = WeakIdKeyDictionary()  # cast copy -> parameter
         self.quantisations = 0  # weight copies made (tests)
@@ -119,7 +119,10 @@ class Fp8Backend:
         """The cached FP8 operand and ``[e, N]`` scales of the GEMM's right operand ``w_eKN``.
 
         ``w_eKN`` may be a weight ``[e, K, N]`` or a transposed view of one (the data
-        gradient's ``wᵀ``). Requantised when the owning tensor's ``_version`` moved.
+        gradient's ``wᵀ``). Requantised when the owning tensor's ``_version`` moved (any
+        in-place update: the optimizer's, ``copy_``, ``torch._foreach_copy_``) or its storage
+        changed (``p.data = …``). An in-place write through ``p.data`` bypasses the version
+        counter and is not seen: call :meth:`clear_cache` after one.
         """
         owner = self._owner(w_eKN)
         geo = (tuple(w_eKN.shape), tuple(w_eKN.stride()), w_eKN.storage_offset())
@@ -127,13 +130,17 @@ class Fp8Backend:
         if entry is None:
             entry = self._cache[owner] = {}
         hit = entry.get(geo)
-        version = owner._version
+        version = (owner._version, owner.data_ptr())
         if hit is not None and hit[0] == version:
             return hit[1], hit[2]
         b, s = quant_weight(w_eKN, contract_dim=1, ue8m0=self.ue8m0)
         entry[geo] = (version, b, s)
         self.quantisations += 1
         return b, s
+
+    def clear_cache(self) -> None:
+        """Drop every cached FP8 weight copy (the next use requantises)."""
+        self._cache = WeakIdKeyDictionary()
 
     # ------------------------------------------------------------------ GEMMs
     def scaled_gmm(self, xq_MK: torch.Tensor, xs_M: torch.Tensor, b_eKN: torch.Tensor, bs_eN: torch.Tensor,
