@@ -212,12 +212,15 @@ def quant_weight(w_eKN: torch.Tensor, contract_dim: int = 1, ue8m0: bool = False
     w = w_eKN.detach()
     # put the output channels first, contracted dim last: [e, N, K] contiguous, then view as [e, K, N]
     w_NK = w.transpose(1, 2) if contract_dim == 1 else w
-    a = w_NK.float()
-    scale = a.abs().amax(-1).clamp_min(SCALE_EPS) / FP8_MAX
+    # three passes over the weight: the max-norm reduction, the fp32 quotient (clamped in place),
+    # and one converting copy into the contiguous FP8 buffer
+    amax = torch.linalg.vector_norm(w_NK, ord=float("inf"), dim=-1, dtype=torch.float32)
+    scale = amax.clamp_min(SCALE_EPS) / FP8_MAX
     if ue8m0:
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
     torch._assert_async(torch.isfinite(scale).all(), "dropless gemm=fp8: an expert weight holds NaN or Inf")
-    q = (a / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).contiguous()
+    q = torch.empty(w_NK.shape, dtype=FP8_DTYPE, device=w.device)
+    q.copy_(torch.div(w_NK, scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX))
     return q.transpose(1, 2), scale.contiguous()
 
 
