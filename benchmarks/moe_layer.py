@@ -8,7 +8,12 @@
 The dense bf16 GEMM ceiling is measured in the same run (an 8192×8192×8192 matmul, and one at the
 experts' shape).
 
-Usage: ``python benchmarks/moe_layer.py [--gemm torch] [--quick]``. Needs CUDA.
+With ``--gemm fp8`` every measurement runs for bf16 (``torch``), ``fp8`` (its default,
+``use_fast_accum`` on) and ``fp8_exact`` (``use_fast_accum`` off) in the same process, each line
+tagged ``gemm`` and ``speedup`` over bf16;
+``--profile`` adds the experts' per-kernel CUDA time (one line per kernel, top 15).
+
+Usage: ``python benchmarks/moe_layer.py [--gemm torch|fp8] [--quick] [--profile]``. Needs CUDA.
 """
 
 from __future__ import annotations
@@ -48,13 +53,22 @@ def dense_ceiling(m: int, n: int, k: int) -> float:
     return 2 * m * n * k / ms / 1e9
 
 
+def make_backend(gemm: str):
+    """A backend name, or ``fp8_exact``: the fp8 backend without ``use_fast_accum``."""
+    if gemm == "fp8_exact":
+        from dropless.ops.fp8_backend import Fp8Backend
+
+        return Fp8Backend(fast_accum=False)
+    return gemm
+
+
 def build_experts(gemm: str, counts=(21733, 15004, 17982, 10817), H: int = 7168, I: int = 2048, A: int = 1):
     """(forward, forward+backward) closures of the experts alone at the seed's per-rank shape."""
     from dropless.experts import GroupedExperts
     from dropless.layout import ExpertLayout
 
     layout = ExpertLayout.from_counts(torch.tensor(list(counts), device="cuda"), A, num_rows=sum(counts))
-    ex = GroupedExperts(H, I, len(counts), gemm=gemm)
+    ex = GroupedExperts(H, I, len(counts), gemm=make_backend(gemm))
     ex.init_weights(0, 0)
     ex = ex.cuda().to(torch.bfloat16)
     x = torch.randn(layout.capacity, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -81,8 +95,10 @@ def build_layer(gemm: str, T: int = 8192, H: int = 7168, I: int = 2048, E: int =
 
     args = ModelArgs(hidden_size=H, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=k,
                      n_group=8, topk_group=4, n_shared_experts=1, routed_scaling_factor=2.5,
-                     aux_loss_alpha=1e-4, expert_alignment=A, gemm=gemm, **extra)
+                     aux_loss_alpha=1e-4, expert_alignment=A, gemm="fp8" if gemm == "fp8_exact" else gemm, **extra)
     moe = MoE(args, 0)
+    if gemm == "fp8_exact":
+        moe.experts.backend = make_backend(gemm)
     if fast_init:  # the same N(0, initializer_range) weights drawn on the GPU (the CPU draw is slow at this size)
         moe = moe.cuda()
         with torch.no_grad():
@@ -104,25 +120,49 @@ def build_layer(gemm: str, T: int = 8192, H: int = 7168, I: int = 2048, E: int =
     return fwdbwd
 
 
-def experts_only(gemm: str, counts: list[int], H: int, I: int, A: int) -> None:
+def experts_only(gemm: str, counts: list[int], H: int, I: int, A: int, base: dict | None = None) -> dict:
+    """Time the experts alone; ``base``: the bf16 line of the same shape, for ``speedup``."""
     fwd, fwdbwd = build_experts(gemm, counts, H, I, A)
     R = sum(counts)
     flops_fwd = 6 * R * H * I
     ms_f = bench(fwd)
     ms_fb = bench(fwdbwd)
-    emit(bench="experts_only", gemm=gemm, counts=counts, H=H, I=I, alignment=A, rows=R,
-         fwd_ms=round(ms_f, 3), fwd_tflops=round(flops_fwd / ms_f / 1e9, 1),
-         fwdbwd_ms=round(ms_fb, 3), fwdbwd_tflops=round(3 * flops_fwd / ms_fb / 1e9, 1))
+    line = dict(bench="experts_only", gemm=gemm, counts=counts, H=H, I=I, alignment=A, rows=R,
+                fwd_ms=round(ms_f, 3), fwd_tflops=round(flops_fwd / ms_f / 1e9, 1),
+                fwdbwd_ms=round(ms_fb, 3), fwdbwd_tflops=round(3 * flops_fwd / ms_fb / 1e9, 1))
+    if base is not None:
+        line.update(fwd_speedup=round(base["fwd_ms"] / ms_f, 3), fwdbwd_speedup=round(base["fwdbwd_ms"] / ms_fb, 3))
+    emit(**line)
+    return line
+
+
+def profile_experts(gemm: str, counts: list[int], H: int, I: int, A: int) -> None:
+    """Per-kernel CUDA time of one experts forward+backward (after warm-up), top 15 kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _, fwdbwd = build_experts(gemm, counts, H, I, A)
+    for _ in range(3):
+        fwdbwd()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fwdbwd()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages() if e.device_time_total > 0]
+    rows.sort(key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    for name, ms, n in rows[:15]:
+        emit(bench="experts_profile", gemm=gemm, alignment=A, kernel=name[:120], calls=n, ms=round(ms, 3),
+             share=round(ms / total, 3))
 
 
 def whole_layer(gemm: str, T: int, H: int, I: int, E: int, k: int, A: int, label: str = "", fast_init: bool = False,
-                **extra) -> None:
+                base: dict | None = None, **extra) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     fwdbwd = build_layer(gemm, T, H, I, E, k, A, fast_init=fast_init, **extra)
     fwdbwd()
     torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
+    resident = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     fwdbwd()
     torch.cuda.synchronize()
@@ -130,10 +170,14 @@ def whole_layer(gemm: str, T: int, H: int, I: int, E: int, k: int, A: int, label
     ms = bench(fwdbwd, warmup=3, iters=10)
     # live FLOPs: routed rows (T·k) through 3 GEMMs, shared expert (T rows), router (T·E·H)
     fwd = 6 * T * k * H * I + 6 * T * H * I + 2 * T * E * H
-    emit(bench="whole_layer", label=label, gemm=gemm, T=T, H=H, I=I, E=E, k=k, alignment=A, **extra,
-         fwdbwd_ms=round(ms, 3), fwdbwd_tflops=round(3 * fwd / ms / 1e9, 1),
-         peak_gib=round(peak / 2**30, 2), resident_before_gib=round(base / 2**30, 2),
-         activation_peak_gib=round((peak - base) / 2**30, 2))
+    line = dict(bench="whole_layer", label=label, gemm=gemm, T=T, H=H, I=I, E=E, k=k, alignment=A, **extra,
+                fwdbwd_ms=round(ms, 3), fwdbwd_tflops=round(3 * fwd / ms / 1e9, 1),
+                peak_gib=round(peak / 2**30, 2), resident_before_gib=round(resident / 2**30, 2),
+                activation_peak_gib=round((peak - resident) / 2**30, 2))
+    if base is not None:
+        line.update(speedup=round(base["fwdbwd_ms"] / ms, 3))
+    emit(**line)
+    return line
 
 
 def main(argv=None) -> int:
@@ -144,6 +188,7 @@ def main(argv=None) -> int:
     p.add_argument("--alignments", default="1,128", help="expert_alignment values, comma-separated")
     p.add_argument("--label", default="", help="a tag put in every whole_layer line (e.g. old/new)")
     p.add_argument("--fast-init", action="store_true", help="draw the weights on the GPU (not init_weights)")
+    p.add_argument("--profile", action="store_true", help="per-kernel CUDA time of the experts (A = 128)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/moe_layer.py needs a CUDA device", file=sys.stderr)
@@ -155,12 +200,22 @@ def main(argv=None) -> int:
         emit(bench="dense_ceiling", shape="8192x8192x8192", tflops=round(dense_ceiling(8192, 8192, 8192), 1))
         emit(bench="dense_ceiling", shape=f"{sum(counts)}x{2 * I}x{H}",
              tflops=round(dense_ceiling(sum(counts), 2 * I, H), 1))
+    gemms = ["torch", "fp8", "fp8_exact"] if a.gemm == "fp8" else [a.gemm]
     if a.only in (None, "experts"):
         for A in (1, 128):
-            experts_only(a.gemm, counts, H, I, A)
+            base = None
+            for g in gemms:
+                line = experts_only(g, counts, H, I, A, base)
+                base = base or line
+        if a.profile:
+            for g in gemms:
+                profile_experts(g, counts, H, I, 128)
     if a.only in (None, "layer"):
         for A in map(int, a.alignments.split(",")):
-            whole_layer(a.gemm, 8192, H, I, 32, 8, A, label=a.label, fast_init=a.fast_init)
+            base = None
+            for g in gemms:
+                line = whole_layer(g, 8192, H, I, 32, 8, A, label=a.label, fast_init=a.fast_init, base=base)
+                base = base or line
     return 0
 
 

@@ -8,8 +8,10 @@ import torch
 from torch import nn
 
 from dropless.layout import ExpertLayout, poison_padding
-from dropless.ops import get_backend, grouped_mm
+from dropless.ops import GemmBackend, get_backend, grouped_mm
 from dropless.ops.expert_mlp import RecomputeAhead, expert_mlp_recompute  # noqa: F401 (RecomputeAhead re-exported)
+from dropless.ops.fp8_backend import Fp8Backend
+from dropless.ops.fp8_mlp import fp8_expert_mlp
 from dropless.ops.grouped_gemm import WgradAccumulator, check_operands
 from dropless.ops.swiglu import swiglu
 from dropless.permute import RowSource, permute_rows
@@ -75,7 +77,11 @@ class GroupedExperts(nn.Module):
         w2: ``[e, I, H]`` down projection.
     Args:
         hidden_size: ``H``. moe_intermediate_size: ``I``. num_local_experts: ``e``.
-        gemm: grouped GEMM backend name (:func:`dropless.ops.list_backends`).
+        gemm: grouped GEMM backend name (:func:`dropless.ops.list_backends`), or a backend
+            instance (e.g. ``Fp8Backend(emulate=True)`` in CPU tests). With ``fp8`` the default
+            path (no recompute option, no ``poison``, landed rows) is the fused FP8 node
+            (:mod:`dropless.ops.fp8_mlp`); the recompute paths run the backend's FP8 GEMMs
+            through the recompute nodes.
         expert_offset: global id of local expert 0 (``ep_rank · e``), for layout-independent init.
         recompute_swiglu: do not save the SwiGLU output; recompute it from ``h13`` in backward.
         recompute_fc1: do not save ``h13`` either; rerun the FC1 GEMM in backward. Either
@@ -83,13 +89,13 @@ class GroupedExperts(nn.Module):
     """
 
     def __init__(self, hidden_size: int, moe_intermediate_size: int, num_local_experts: int,
-                 gemm: str = "torch", expert_offset: int = 0, recompute_swiglu: bool = False,
+                 gemm: "str | GemmBackend" = "torch", expert_offset: int = 0, recompute_swiglu: bool = False,
                  recompute_fc1: bool = False):
         super().__init__()
         self.recompute_swiglu, self.recompute_fc1 = recompute_swiglu, recompute_fc1
         self.hidden_size, self.moe_intermediate_size = hidden_size, moe_intermediate_size
         self.num_local_experts, self.expert_offset = num_local_experts, expert_offset
-        self.backend = get_backend(gemm)
+        self.backend = get_backend(gemm) if isinstance(gemm, str) else gemm
         self.w13 = nn.Parameter(torch.empty(num_local_experts, hidden_size, 2 * moe_intermediate_size))
         self.w2 = nn.Parameter(torch.empty(num_local_experts, moe_intermediate_size, hidden_size))
 
@@ -110,7 +116,12 @@ class GroupedExperts(nn.Module):
         if accumulate_wgrad and torch.is_grad_enabled() and (w13.requires_grad or w2.requires_grad):
             acc = WgradAccumulator(self.backend)
             w13, w2 = acc.collect(w13, "w13"), acc.collect(w2, "w2")
-        return ExpertWeights(w13.to(dtype), w2.to(dtype), acc)
+        w13c, w2c = w13.to(dtype), w2.to(dtype)
+        alias = getattr(self.backend, "alias", None)
+        if alias is not None:  # the FP8 cache keys on the parameters, so a cast copy reuses their FP8 copies
+            alias(w13c, self.w13)
+            alias(w2c, self.w2)
+        return ExpertWeights(w13c, w2c, acc)
 
     def forward(self, rows_MH: torch.Tensor | None, layout: ExpertLayout,
                 row_weight_M: torch.Tensor | None = None, poison: bool = False, *,
@@ -153,6 +164,12 @@ class GroupedExperts(nn.Module):
                                             self.recompute_fc1, source=source, wgrad=acc, with_ahead=with_ahead)
             if rows_MH is None:
                 rows_MH = permute_rows(source.x_NH, source.src_M, source.dest_Nk)
+            if isinstance(self.backend, Fp8Backend) and not poison:
+                x = rows_MH.to(dt)
+                check_operands(x, w13, layout, self.backend)
+                check_operands(x.new_empty(layout.capacity, w2.shape[1]), w2, layout, self.backend)
+                y = fp8_expert_mlp(x, w13, w2, row_weight_M, layout, self.backend, acc)
+                return (y, None) if with_ahead else y
             mark = _poisoner(layout, poison)
             x = mark(rows_MH.to(dt))
             h13 = mark(grouped_mm(x, w13, layout, self.backend, wgrad=(acc, "w13") if acc is not None else None))

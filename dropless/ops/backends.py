@@ -6,6 +6,7 @@ from typing import Callable, Protocol
 
 import torch
 
+from dropless.config import ConfigError
 from dropless.layout import ExpertLayout
 
 
@@ -58,11 +59,38 @@ def get_backend(name: str) -> GemmBackend:
     return _INSTANCES[name]
 
 
+def check_backend_device(name: str, device: torch.device | str) -> None:
+    """Raise ConfigError when backend ``name`` cannot run on ``device`` (call before training starts).
+
+    Backends without a device requirement (``torch``, ``loop``) pass; ``fp8`` needs CUDA with
+    compute capability >= 8.9; ``deep_gemm`` needs its package (raised by :func:`get_backend`).
+    """
+    be = get_backend(name)
+    check = getattr(be, "check_device", None)
+    if check is not None:
+        check(device)
+
+
+def _deep_gemm() -> GemmBackend:
+    try:
+        import deep_gemm  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(
+            "gemm=deep_gemm needs the deep_gemm package (DeepSeek's DeepGEMM, github.com/deepseek-ai/DeepGEMM, "
+            f"built for this CUDA and torch), which does not import here ({e}); install it, or use gemm=fp8 "
+            "(torch's FP8 grouped GEMM) or gemm=torch") from e
+    raise ConfigError("gemm=deep_gemm: the deep_gemm package imports, but dropless has no deep_gemm backend yet "
+                      "(its grouped GEMM was never run here); use gemm=fp8 or gemm=torch")
+
+
 def _ensure_builtin() -> None:
     if "torch" in _REGISTRY:
         return
+    from dropless.ops.fp8_backend import Fp8Backend
     from dropless.ops.loop_backend import LoopBackend
     from dropless.ops.torch_backend import TorchBackend
 
     _REGISTRY.setdefault("torch", TorchBackend)
     _REGISTRY.setdefault("loop", LoopBackend)
+    _REGISTRY.setdefault("fp8", Fp8Backend)
+    _REGISTRY.setdefault("deep_gemm", _deep_gemm)

@@ -52,6 +52,7 @@ from omegaconf import DictConfig, OmegaConf
 from dropless.config import ConfigError, ModelArgs
 from dropless.convert import init_from
 from dropless.model.loss import resolve_loss_impl
+from dropless.ops.backends import check_backend_device
 from dropless.train import checkpoint as ckpt
 from dropless.train.compile import check_compile, compile_blocks
 from dropless.train.config import model_args
@@ -240,6 +241,7 @@ class Trainer:
                               f"{self.args.max_position_embeddings}: lower train.seq_len or raise "
                               "model.max_position_embeddings")
         self.env = env = init_distributed(cfg, self.args.n_routed_experts)
+        check_backend_device(self.args.gemm, env.device)  # e.g. gemm=fp8 on a GPU without FP8 tensor cores
         self.main = env.is_main
         self.loss_impl, loss_note = resolve_loss_impl(t.get("loss_impl", "auto"), env.device)
         self.print(f"[dropless] loss: {loss_note}")

@@ -1,0 +1,172 @@
+"""The ``fp8`` grouped GEMM backend: e4m3 operands, rowwise scales, ``torch._scaled_grouped_mm``.
+
+Forward and data-gradient GEMMs (``gmm``) run in FP8: the left operand ``x [M, K]`` is
+quantised per row over the live rows (:func:`dropless.ops.fp8_quant.quant_rows`), the
+weight per output channel (:func:`dropless.ops.fp8_quant.quant_weight`), and
+``torch._scaled_grouped_mm`` (CUTLASS, sm89+/sm90) multiplies them with fp32
+accumulation and writes bf16. The groups are the layout's unaligned ends, as for the
+``torch`` backend: group ``i`` spans ``[end[i-1], end[i])``, so a gap row (whose FP8 row and
+scale were never written) gives garbage in that gap row of the output only; any group size
+works (torch 2.11 takes unaligned ``M`` offsets for the 2-D × 3-D case). The weight
+gradient (``gmm_wgrad``) runs in bf16 through the ``torch`` backend (the live-row rules and
+the accumulating Triton kernel are that backend's).
+
+Weight copies are cached: :meth:`Fp8Backend.weight` keys on the tensor that owns the
+weight's storage (a view's ``_base``; or the parameter registered with :meth:`Fp8Backend.alias`
+for a cast copy) and its ``_version``, so the FP8 copy and scales of a weight are made once
+per optimizer step (the optimizer's in-place update moves ``_version``) and reused by every
+micro-batch, chunk and backward pass. Forward (``x @ w``) and data gradient (``dy @ wᵀ``)
+need the scales along different axes: two cached copies per weight (1 byte per element each).
+
+Limits (torch 2.11-2.13): CUDA with compute capability >= 8.9; operands bf16; the left
+operand e4m3 (the kernel rejects e5m2); output bf16; ``K`` a multiple of 16 (16-byte FP8
+rows). Blockwise (1×128 / 128×128) scales are not implemented for the grouped GEMM on sm90
+in torch 2.11 ("No gemm implementation was found"), hence rowwise / per-channel scales.
+
+``Fp8Backend(emulate=True)`` replaces the CUDA kernel by its emulation (the same FP8
+operands dequantised, one fp32 matmul per expert, reading the layout on the host): what
+the CPU tests use to check the quantisation, layout, cache and backward logic.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from dropless.config import ConfigError
+from dropless.layout import ExpertLayout
+from dropless.ops.fp8_quant import dequant_rows, dequant_weight, quant_rows, quant_weight
+from dropless.ops.torch_backend import TorchBackend
+
+MIN_CAPABILITY = (8, 9)
+
+
+def fp8_unavailable_reason(device: torch.device | str | None) -> str | None:
+    """Why the real FP8 grouped GEMM cannot run on ``device`` (None: it can)."""
+    device = torch.device(device) if device is not None else None
+    if device is None or device.type != "cuda" or not torch.cuda.is_available():
+        return (f"gemm=fp8 needs a CUDA GPU with FP8 tensor cores (compute capability >= 8.9: Ada, Hopper or "
+                f"newer); this run is on {device.type if device is not None else 'no device'}. Use gemm=torch")
+    cap = torch.cuda.get_device_capability(device)
+    if cap < MIN_CAPABILITY:
+        return (f"gemm=fp8 needs FP8 tensor cores (compute capability >= 8.9); {torch.cuda.get_device_name(device)} "
+                f"has {cap[0]}.{cap[1]}. Use gemm=torch")
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        return f"gemm=fp8 needs torch._scaled_grouped_mm (torch >= 2.9); this is torch {torch.__version__}"
+    return None
+
+
+class Fp8Backend:
+    """FP8 forward / data-gradient GEMMs, bf16 weight gradient (see the module docstring).
+
+    Args:
+        emulate: run the GEMM as its fp32 emulation (tests; any device, a host sync per call).
+        fast_accum: ``use_fast_accum`` of the CUTLASS kernel (Hopper's FP8 tensor-core
+            accumulation without periodic promotion to fp32). On by default: at K = 7168 its
+            output is within 2.5e-3 (relative) of the fp64 product of the same FP8 operands
+            (1.7e-3 without; the bf16 output rounding alone is about 2e-3) while the operands'
+            own FP8 error is about 4e-2 (tests/test_fp8_gpu.py).
+        ue8m0: power-of-two scales.
+    """
+
+    name = "fp8"
+
+    def __init__(self, emulate: bool = False, fast_accum: bool = True, ue8m0: bool = False):
+        self.emulate, self.fast_accum, self.ue8m0 = emulate, fast_accum, ue8m0
+        self._wgrad = TorchBackend()
+        # owner tensor -> {operand geometry: ((owner's _version, data_ptr), fp8 operand, scales)}
+        self._cache: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._alias: WeakIdKeyDictionary = WeakIdKeyDictionary()  # cast copy -> parameter
+        self.quantisations = 0  # weight copies made (tests)
+
+    # ------------------------------------------------------------------ checks
+    def check_device(self, device: torch.device | str | None) -> None:
+        """Raise ConfigError when this backend cannot run on ``device`` (not with ``emulate``)."""
+        if self.emulate:
+            return
+        why = fp8_unavailable_reason(device)
+        if why is not None:
+            raise ConfigError(why)
+
+    def check(self, x_MK: torch.Tensor, w_eKN: torch.Tensor) -> None:
+        self.check_device(x_MK.device)
+        ok = (torch.bfloat16,) if not self.emulate else (torch.bfloat16, torch.float32)
+        if x_MK.dtype not in ok:
+            raise ValueError(f"gemm=fp8: the FP8 grouped GEMM takes {[str(d) for d in ok]} operands (quantised "
+                             f"inside), got {x_MK.dtype}; run the model in bf16, or use gemm=loop for references")
+        for name, n in (("K (input width)", x_MK.shape[1]), ("N (output width)", w_eKN.shape[2])):
+            if n % 16:
+                raise ValueError(f"gemm=fp8: {name}={n}: FP8 rows need a multiple of 16 elements (16 bytes); "
+                                 "hidden_size and moe_intermediate_size must be multiples of 16, or use gemm=torch")
+
+    # ------------------------------------------------------------------ weights
+    def alias(self, copy: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        """Record that ``copy`` (e.g. ``param.to(bf16)``) holds ``param``'s values, so the cache keys on ``param``."""
+        if copy is not param:
+            self._alias[copy] = param
+        return copy
+
+    def _owner(self, w: torch.Tensor) -> torch.Tensor:
+        t = w
+        for _ in range(4):  # a view's base, a cast copy's parameter (and their bases)
+            nxt = t._base if t._base is not None else self._alias.get(t)
+            if nxt is None:
+                break
+            t = nxt
+        return t
+
+    def weight(self, w_eKN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cached FP8 operand and ``[e, N]`` scales of the GEMM's right operand ``w_eKN``.
+
+        ``w_eKN`` may be a weight ``[e, K, N]`` or a transposed view of one (the data
+        gradient's ``wᵀ``). Requantised when the owning tensor's ``_version`` moved (any
+        in-place update: the optimizer's, ``copy_``, ``torch._foreach_copy_``) or its storage
+        changed (``p.data = …``). An in-place write through ``p.data`` bypasses the version
+        counter and is not seen: call :meth:`clear_cache` after one.
+        """
+        owner = self._owner(w_eKN)
+        geo = (tuple(w_eKN.shape), tuple(w_eKN.stride()), w_eKN.storage_offset())
+        entry = self._cache.get(owner)
+        if entry is None:
+            entry = self._cache[owner] = {}
+        hit = entry.get(geo)
+        version = (owner._version, owner.data_ptr())
+        if hit is not None and hit[0] == version:
+            return hit[1], hit[2]
+        b, s = quant_weight(w_eKN, contract_dim=1, ue8m0=self.ue8m0)
+        entry[geo] = (version, b, s)
+        self.quantisations += 1
+        return b, s
+
+    def clear_cache(self) -> None:
+        """Drop every cached FP8 weight copy (the next use requantises)."""
+        self._cache = WeakIdKeyDictionary()
+
+    # ------------------------------------------------------------------ GEMMs
+    def scaled_gmm(self, xq_MK: torch.Tensor, xs_M: torch.Tensor, b_eKN: torch.Tensor, bs_eN: torch.Tensor,
+                   layout: ExpertLayout, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """``out[live_i] = (xq · xs)[live_i] @ (b · bs)[i]``: ``[M, N]`` in ``out_dtype`` (bf16 on CUDA)."""
+        if not self.emulate:
+            return torch._scaled_grouped_mm(xq_MK, b_eKN, xs_M, bs_eN, offs=layout.end, out_dtype=torch.bfloat16,
+                                            use_fast_accum=self.fast_accum)
+        out = torch.empty(xq_MK.shape[0], b_eKN.shape[2], dtype=out_dtype, device=xq_MK.device)
+        for i, (s, t) in enumerate(zip(layout.start.tolist(), layout.end.tolist())):
+            if t > s:
+                a = dequant_rows(xq_MK[s:t], xs_M[s:t])
+                out[s:t] = (a @ dequant_weight(b_eKN[i:i + 1], bs_eN[i:i + 1])[0]).to(out_dtype)
+        return out
+
+    @torch.compiler.disable  # the weight cache is host logic: eager inside a compiled graph (a graph break)
+    def gmm(self, x_MK: torch.Tensor, w_eKN: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+        xq, xs = quant_rows(x_MK, layout, self.ue8m0)
+        b, bs = self.weight(w_eKN)
+        return self.scaled_gmm(xq, xs, b, bs, layout, x_MK.dtype)
+
+    def gmm_wgrad(self, x_MK: torch.Tensor, dy_MN: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+        """bf16 (the ``torch`` backend's): ``dW[i] = x[live_i]ᵀ @ dy[live_i]``, exact 0 for an empty expert."""
+        return self._wgrad.gmm_wgrad(x_MK, dy_MN, layout)
+
+    def gmm_wgrad_acc_(self, dw_eKN: torch.Tensor, x_MK: torch.Tensor, dy_MN: torch.Tensor,
+                       layout: ExpertLayout) -> None:
+        """``dw[i] += x[live_i]ᵀ @ dy[live_i]`` in place (the ``torch`` backend's)."""
+        self._wgrad.gmm_wgrad_acc_(dw_eKN, x_MK, dy_MN, layout)

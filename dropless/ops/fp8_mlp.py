@@ -1,0 +1,98 @@
+"""The routed experts' FC1 -> SwiGLU (× row weight) -> FC2 in FP8 (``gemm=fp8``).
+
+Forward: the landed rows are quantised rowwise (:func:`~dropless.ops.fp8_quant.quant_rows`),
+FC1 runs in FP8, the SwiGLU output is quantised in the same pass that computes it
+(:func:`~dropless.ops.fp8_quant.swiglu_quant_rows`; a folded routing weight multiplies the
+row's scale, which is exact for rowwise scales), and FC2 runs in FP8. Backward: the incoming
+gradient is quantised rowwise and both data gradients run in FP8; the weight gradients run
+in bf16 (:meth:`~dropless.ops.fp8_backend.Fp8Backend.gmm_wgrad`, or a chunk accumulator).
+
+Two autograd nodes: FC1 (the generic grouped GEMM on the FP8 backend; saves the landed rows
+``[M, H]``, bf16, for ``dW13``) and SwiGLU-quant + FC2 (saves ``h13 [M, 2I]`` for the SwiGLU
+backward; the bf16 SwiGLU output for ``dW2`` is rebuilt from it), plus the row weights if
+folded and the weights (their FP8 copies live in the backend's per-step cache). This is what
+the bf16 path saves minus its ``[M, I]`` SwiGLU output; FC2's gradients are released before
+FC1's backward runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dropless.layout import ExpertLayout
+from dropless.ops.backward import first_order_only, grad_wanted
+from dropless.ops.fp8_backend import Fp8Backend
+from dropless.ops.fp8_quant import quant_rows, swiglu_quant_rows
+from dropless.ops.grouped_gemm import WgradAccumulator, grouped_mm, weight_grad
+from dropless.ops.swiglu import swiglu_bwd, swiglu_fwd
+
+
+class _Fp8SwiGLUFC2(torch.autograd.Function):
+    """SwiGLU (× row weight) quantised in one pass, then FC2 in FP8; saves ``h13`` (not the SwiGLU output)."""
+
+    @staticmethod
+    def forward(ctx, h13, w2, row_w, layout, backend, wgrad):
+        be: Fp8Backend = backend
+        hq, hs = swiglu_quant_rows(h13, layout, be.ue8m0)
+        if row_w is not None:  # rowwise scales: q(a)·(s·w) == a·w exactly up to q's rounding
+            hs = hs * row_w.to(h13.dtype).float()
+        y = be.scaled_gmm(hq, hs, *be.weight(w2), layout, h13.dtype)
+        ctx.layout, ctx.backend, ctx.wgrad, ctx.has_w = layout, be, wgrad, row_w is not None
+        ctx.save_for_backward(h13, w2, row_w if row_w is not None else h13.new_empty(0))
+        return y
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, dy_MH):
+        h13, w2, row_w = ctx.saved_tensors
+        layout, be, acc = ctx.layout, ctx.backend, ctx.wgrad
+        row_w = row_w if ctx.has_w else None
+        want_h, want_w2 = grad_wanted(ctx, 0), grad_wanted(ctx, 1)
+        want_rw = ctx.has_w and grad_wanted(ctx, 2)
+        dy_MH = dy_MH.contiguous()
+        dh13 = dw2 = d_row_w = a = None
+        if want_h or want_rw:
+            dyq, dys = quant_rows(dy_MH, layout, be.ue8m0)
+            dh = be.scaled_gmm(dyq, dys, *be.weight(w2.transpose(1, 2)), layout, dy_MH.dtype)  # d(a · w)
+            del dyq, dys
+            if want_rw:
+                a = swiglu_fwd(h13, layout)
+                d_row_w = torch.sum(dh * a, dim=-1, dtype=torch.float32).to(row_w.dtype)
+            if want_h:  # before dW2, so that dh is freed first
+                dh13 = swiglu_bwd(h13, dh, layout, row_w)
+            del dh
+        if want_w2:
+            if a is None:
+                a = swiglu_fwd(h13, layout)
+            if row_w is not None:
+                a = a.mul_(row_w.to(a.dtype).unsqueeze(1))
+            dw2 = weight_grad(a, dy_MH, layout, be, w2.dtype, (acc, "w2") if acc is not None else None)
+        return dh13, dw2, d_row_w, None, None, None
+
+
+@torch.compiler.disable  # the weight cache (identity, _version) is host logic: run eagerly inside a compiled graph
+def fp8_expert_mlp(x_MH: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, row_w: torch.Tensor | None,
+                   layout: ExpertLayout, backend: Fp8Backend, wgrad: WgradAccumulator | None = None) -> torch.Tensor:
+    """FC1 -> SwiGLU (× row weight) -> FC2 of the live rows with FP8 GEMMs.
+
+    Two autograd nodes: FC1 (:func:`~dropless.ops.grouped_gemm.grouped_mm` on the FP8 backend:
+    saves the rows) and SwiGLU-quant + FC2 (saves ``h13``), so that FC2's backward releases
+    its gradients and ``h13`` before FC1's backward runs.
+
+    Args:
+        x_MH: ``[M, H]`` landed rows (bf16; padding rows may hold anything, NaN included).
+        w13: ``[e, H, 2I]``, w2: ``[e, I, H]`` in ``x_MH``'s dtype (their FP8 copies come from
+            ``backend``'s cache: made once per optimizer step).
+        row_w: ``[M]`` routing weight per row (``fold_routing_weights``), or None.
+        layout: the rows' :class:`ExpertLayout`. backend: an :class:`Fp8Backend`.
+        wgrad: accumulator for ``dW13``/``dW2`` (chunked layer calls), or None to return them.
+    Returns:
+        ``[M, H]`` in ``x_MH``'s dtype; live rows per expert, padding rows unspecified. Backward:
+        ``dX`` on live rows (FP8 data gradients), ``dW`` from live rows only in bf16 (exactly 0
+        for an empty expert), ``d row_w``.
+    Raises:
+        RuntimeError: (device-side, asynchronous on CUDA) a live row of an FP8 operand is not finite.
+    Under ``torch.compile`` it runs eagerly (a graph break; ``fullgraph=True`` refuses it).
+    """
+    h13 = grouped_mm(x_MH, w13, layout, backend, wgrad=(wgrad, "w13") if wgrad is not None else None)
+    return _Fp8SwiGLUFC2.apply(h13, w2, row_w, layout, backend, wgrad)

@@ -1,0 +1,234 @@
+"""Rowwise FP8 (e4m3) quantisation over the live rows of a layout, plain or fused with SwiGLU.
+
+Ops (each picks its Triton kernel or its torch reference in one place, :func:`dropless.ops.select.use_triton`):
+
+* :func:`quant_rows` — ``x [M, K]`` -> ``(q [M, K] e4m3, scale [M] fp32)`` with
+  ``x[r] ≈ q[r] · scale[r]``: one scale per row (the rowwise operand of
+  ``torch._scaled_grouped_mm``).
+* :func:`swiglu_quant_rows` — ``h13 [M, 2I]`` (gate = first ``I`` columns) ->
+  ``(q [M, I], scale [M])`` of ``silu(gate) · up`` in one pass; the SwiGLU is computed
+  in fp32 and quantised from fp32 (never rounded to bf16 first).
+* :func:`quant_weight` — a per-output-channel e4m3 copy of an expert weight, laid out as
+  the scaled grouped GEMM reads its right operand (column-major ``[e, K, N]``).
+
+Scales: ``scale = max(amax, 1e-12) / 448`` (448 = largest finite e4m3), so ``|q| <= 448``;
+with ``ue8m0`` the power-of-two ceiling of that (exactly representable in UE8M0).
+With a layout, the Triton kernels walk rows ``[start[i], end[i])`` of each expert only
+(program ``(p, i)`` takes row blocks ``start[i] + p·BLOCK_M, start[i] + (p + P)·BLOCK_M, …``):
+padding rows of ``q`` and ``scale`` stay unwritten and cost nothing (DESIGN.md rules 2-3).
+The torch references compute every row.
+
+Non-finite input: a live row holding NaN or ±Inf has no usable scale. Every op here counts
+such rows into a device-side flag and raises through :func:`torch._assert_async` (no host
+sync; on CUDA the failure surfaces as a device-side assert at the next synchronisation),
+rather than letting a NaN scale flow into the GEMMs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dropless.layout import ExpertLayout
+from dropless.ops import select
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+SCALE_EPS = 1e-12  # floor of amax, so an all-zero row gets a finite scale
+
+NONFINITE_MSG = ("dropless gemm=fp8: a live row holds NaN or Inf, so its FP8 scale is not finite; the "
+                 "activations or gradients diverged upstream (lower the learning rate, check the loss scale)")
+
+if select.HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _quant_block(x_ptr, q_ptr, s_ptr, flag_ptr, r0, hi, K, stride_x, stride_q,
+                     SWIGLU: tl.constexpr, UE8M0: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        rows = r0 + tl.arange(0, BLOCK_M)
+        rmask = rows < hi
+        r64 = rows.to(tl.int64)[:, None]
+        cols = tl.arange(0, BLOCK_K)[None, :]
+        mask = rmask[:, None] & (cols < K)
+        xp = x_ptr + r64 * stride_x + cols
+        if SWIGLU:
+            g = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(xp + K, mask=mask, other=0.0).to(tl.float32)
+            a = g * tl.sigmoid(g) * u
+        else:
+            a = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
+        # NaN fails every comparison, Inf fails this one: count the non-finite elements
+        bad = tl.sum(tl.sum(tl.where(mask & ~(tl.abs(a) <= 3.4028234663852886e38), 1, 0), axis=1), axis=0)
+        amax = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-12)
+        scale = amax / 448.0
+        if UE8M0:
+            scale = tl.exp2(tl.ceil(tl.log2(scale)))
+        q = tl.clamp(a / scale[:, None], -448.0, 448.0)
+        tl.store(q_ptr + r64 * stride_q + cols, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
+                 mask=mask)
+        tl.store(s_ptr + rows, scale, mask=rmask)
+        tl.atomic_max(flag_ptr, bad, mask=bad > 0)
+
+    @triton.jit
+    def _quant_kernel(x_ptr, q_ptr, s_ptr, flag_ptr, start_ptr, end_ptr, M, K, stride_x, stride_q,
+                      HAS_LAYOUT: tl.constexpr, SWIGLU: tl.constexpr, UE8M0: tl.constexpr,
+                      INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        if HAS_LAYOUT:
+            ex = tl.program_id(1)
+            lo = tl.load(start_ptr + ex)
+            hi = tl.minimum(tl.load(end_ptr + ex), M)
+        else:
+            lo = M * 0
+            hi = M
+        r0 = lo + pid * BLOCK_M
+        if INTERPRET:  # the interpreter's scalars are 1-element arrays, which range() rejects
+            while r0 < hi:
+                _quant_block(x_ptr, q_ptr, s_ptr, flag_ptr, r0, hi, K, stride_x, stride_q, SWIGLU, UE8M0,
+                             BLOCK_M, BLOCK_K)
+                r0 += nprog * BLOCK_M
+        else:
+            for r in range(r0, hi, nprog * BLOCK_M):
+                _quant_block(x_ptr, q_ptr, s_ptr, flag_ptr, r, hi, K, stride_x, stride_q, SWIGLU, UE8M0,
+                             BLOCK_M, BLOCK_K)
+
+
+def _launch(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, flag: torch.Tensor, layout: ExpertLayout | None,
+            k: int, swiglu: bool, ue8m0: bool) -> None:
+    m = x.shape[0]
+    block_k = triton.next_power_of_2(k)
+    block_m = max(1, min(8, 4096 // block_k))
+    num_warps = 8 if block_k * block_m >= 4096 else 4
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+    if layout is not None:
+        e = layout.num_experts
+        grid = (max(1, min(-(-m // block_m), -(-sms * 8 // max(e, 1)))), e)
+        start, end = layout.start, layout.end
+    else:
+        grid = (max(1, min(-(-m // block_m), sms * 8)), 1)
+        start = end = flag
+    _quant_kernel[grid](x, q, s, flag, start, end, m, k, x.stride(0), q.stride(0), HAS_LAYOUT=layout is not None,
+                        SWIGLU=swiglu, UE8M0=ue8m0, INTERPRET=select.interpreting(), BLOCK_M=block_m,
+                        BLOCK_K=block_k, num_warps=num_warps)
+
+
+def _quant_torch(a: torch.Tensor, ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference: ``(q, scale, number of non-finite elements)`` of fp32 ``a [M, K]``, every row."""
+    bad = (~torch.isfinite(a)).sum()
+    scale = a.abs().amax(-1).clamp_min(SCALE_EPS) / FP8_MAX
+    if ue8m0:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    q = (a / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale, bad
+
+
+def _check(name: str, x: torch.Tensor, layout: ExpertLayout | None) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"{name}: need a 2-D [M, K] input, got {tuple(x.shape)}")
+    if layout is not None and x.shape[0] != layout.capacity:
+        raise ValueError(f"{name}: {x.shape[0]} rows but the layout's capacity M is {layout.capacity}; "
+                         "pass the whole landed buffer")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{name}: takes fp32/bf16/fp16, got {x.dtype}")
+
+
+def _rows_op(name: str, x: torch.Tensor, layout: ExpertLayout | None, swiglu: bool, ue8m0: bool,
+             check_finite: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    _check(name, x, layout)
+    m = x.shape[0]
+    k = x.shape[1] // 2 if swiglu else x.shape[1]
+    if select.use_triton(x):
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
+        s = torch.empty(m, dtype=torch.float32, device=x.device)
+        flag = torch.zeros(1, dtype=torch.int32, device=x.device)
+        if m and k:
+            _launch(x, q, s, flag, layout, k, swiglu, ue8m0)
+        bad = flag[0]
+    else:
+        a = x.float()
+        if swiglu:
+            g, u = a[:, :k], a[:, k:]
+            a = g * torch.sigmoid(g) * u
+        if layout is not None:  # the reference checks live rows only, as the kernel does
+            a = torch.where(layout.live_mask().unsqueeze(1), a, torch.zeros((), dtype=a.dtype, device=a.device))
+        q, s, bad = _quant_torch(a, ue8m0)
+    if check_finite:
+        torch._assert_async(bad == 0, NONFINITE_MSG)
+    return q, s
+
+
+def quant_rows(x_MK: torch.Tensor, layout: ExpertLayout | None = None, ue8m0: bool = False,
+               check_finite: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rowwise e4m3 quantisation of ``x_MK``.
+
+    Args:
+        x_MK: ``[M, K]`` fp32/bf16/fp16 (padding rows may hold anything, NaN included).
+        layout: with it, live rows only (Triton path: padding rows of the results unwritten).
+        ue8m0: power-of-two scales.
+        check_finite: raise (device-side, :func:`torch._assert_async`) when a live row holds NaN/Inf.
+    Returns:
+        ``q [M, K]`` float8_e4m3fn (row-major) and ``scale [M]`` fp32 with ``x[r] ≈ q[r] · scale[r]``.
+    Raises:
+        ValueError: not 2-D, ``M`` not the layout's capacity, or an unsupported dtype.
+        RuntimeError: (asynchronously on CUDA) a live row is not finite.
+    """
+    return _rows_op("quant_rows", x_MK, layout, False, ue8m0, check_finite)
+
+
+def swiglu_quant_rows(h13_MI2: torch.Tensor, layout: ExpertLayout | None = None, ue8m0: bool = False,
+                      check_finite: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``silu(gate) · up`` of ``h13 [M, 2I]`` quantised rowwise to e4m3 in one pass.
+
+    Returns ``q [M, I]`` float8_e4m3fn and ``scale [M]`` fp32; otherwise as :func:`quant_rows`
+    (the non-finite check applies to the SwiGLU output).
+    """
+    if h13_MI2.dim() == 2 and h13_MI2.shape[1] % 2:
+        raise ValueError(f"swiglu_quant_rows: h13 must be [M, 2I] (gate || up), got {tuple(h13_MI2.shape)}")
+    return _rows_op("swiglu_quant_rows", h13_MI2, layout, True, ue8m0, check_finite)
+
+
+def quant_weight(w_eKN: torch.Tensor, contract_dim: int = 1, ue8m0: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel e4m3 copy of an expert weight, as the right operand of the scaled grouped GEMM.
+
+    Args:
+        w_eKN: ``[e, A, B]`` weight (any float dtype; quantised from its own precision).
+        contract_dim: the dimension the GEMM contracts over: 1 for ``x @ w`` (forward,
+            output channels along dim 2), 2 for ``dy @ wᵀ`` (data gradient, output
+            channels along dim 1).
+        ue8m0: power-of-two scales.
+    Returns:
+        ``(b, scale)``: ``b`` the ``[e, K, N]`` column-major e4m3 operand (``K`` = the contracted
+        size; a transposed view of a contiguous ``[e, N, K]`` buffer, as ``torch._scaled_grouped_mm``
+        requires), ``scale [e, N]`` fp32 with ``w ≈ b · scale`` per output channel.
+        Raises (device-side) when a scale is not finite (a NaN/Inf weight).
+    """
+    if w_eKN.dim() != 3 or contract_dim not in (1, 2):
+        raise ValueError(f"quant_weight: need w [e, K, N] and contract_dim 1 or 2, got {tuple(w_eKN.shape)}, "
+                         f"{contract_dim}")
+    w = w_eKN.detach()
+    # put the output channels first, contracted dim last: [e, N, K] contiguous, then view as [e, K, N]
+    w_NK = w.transpose(1, 2) if contract_dim == 1 else w
+    # three passes over the weight: the max-norm reduction, the fp32 quotient (clamped in place),
+    # and one converting copy into the contiguous FP8 buffer
+    amax = torch.linalg.vector_norm(w_NK, ord=float("inf"), dim=-1, dtype=torch.float32)
+    scale = amax.clamp_min(SCALE_EPS) / FP8_MAX
+    if ue8m0:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    torch._assert_async(torch.isfinite(scale).all(), "dropless gemm=fp8: an expert weight holds NaN or Inf")
+    q = torch.empty(w_NK.shape, dtype=FP8_DTYPE, device=w.device)
+    q.copy_(torch.div(w_NK, scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX))
+    return q.transpose(1, 2), scale.contiguous()
+
+
+def dequant_rows(q_MK: torch.Tensor, scale_M: torch.Tensor) -> torch.Tensor:
+    """fp32 ``q · scale`` of a rowwise-quantised ``[M, K]`` (reference / emulation)."""
+    return q_MK.float() * scale_M.unsqueeze(1)
+
+
+def dequant_weight(b_eKN: torch.Tensor, scale_eN: torch.Tensor) -> torch.Tensor:
+    """fp32 ``b · scale`` of :func:`quant_weight`'s ``[e, K, N]`` operand (reference / emulation)."""
+    return b_eKN.float() * scale_eN.unsqueeze(1)

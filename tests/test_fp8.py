@@ -1,0 +1,332 @@
+"""``gemm=fp8`` on CPU: quantisation, layout, weight cache and backward logic through the GEMM's emulation.
+
+``Fp8Backend(emulate=True)`` runs the same FP8 operands as the CUDA kernel would (quantised by
+the same code), dequantised, through one fp32 matmul per expert; tests/test_fp8_gpu.py checks
+the real kernel against it. References are float64.
+
+Error bounds used here. e4m3 keeps 3 mantissa bits: a value in the normal range rounds to
+within 2^-4 of itself (relative); the smallest scaled values (below 2^-6 · scale) are
+subnormal, absolute error <= 2^-10 · scale. A GEMM whose two operands each carry that error
+has a relative (Frobenius) error near sqrt(2) · 2^-4 / sqrt(3) ≈ 0.05 on Gaussian data;
+tests bound it by 0.06 and check that it is not tiny (> 0.005: the operands really were FP8).
+The experts' FC1 -> SwiGLU -> FC2 chain quantises four operands: bound 0.1 (gradients 0.12).
+The weight gradients are bf16/fp32 GEMMs (fp32 on CPU): 1e-5 of the fp64 reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dropless import ModelArgs
+from dropless.config import ConfigError
+from dropless.experts import GroupedExperts
+from dropless.layout import ExpertLayout
+from dropless.moe import MoE
+from dropless.ops import get_backend, grouped_mm, list_backends
+from dropless.ops.backends import check_backend_device
+from dropless.ops.fp8_backend import Fp8Backend
+from dropless.ops.fp8_quant import FP8_MAX, dequant_rows, dequant_weight, quant_rows, quant_weight, swiglu_quant_rows
+from tests.conftest import py_layout
+
+NAN = float("nan")
+CASE01 = [162, 0, 2577, 446, 0, 83]
+FP8_GEMM_TOL = 0.06
+FP8_MLP_TOL = 0.1  # FC1 -> SwiGLU -> FC2: four quantised operands, sqrt(4) · 2^-4 / sqrt(3) ≈ 0.07
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def make(counts, a=1, k_dim=64, n_dim=32, seed=0, dtype=torch.float32):
+    starts, ends = py_layout(counts, a)
+    m = ends[-1] + 3
+    lay = ExpertLayout.from_counts(torch.tensor(counts), alignment=a, capacity=m)
+    g = torch.Generator().manual_seed(seed)
+    live = lay.live_mask()
+    x = torch.randn(m, k_dim, generator=g).to(dtype)
+    x[~live] = NAN
+    w = (torch.randn(len(counts), k_dim, n_dim, generator=g) / k_dim ** 0.5).to(dtype)
+    return lay, x, w, list(zip(starts, ends)), live, g
+
+
+# ---------------------------------------------------------------------------- quantisation
+def test_quant_rows_scales_and_rounding_bound():
+    lay, x, _, seg, live, _ = make([5, 0, 17, 3], a=8, k_dim=256)
+    x[live] *= torch.logspace(-3, 3, int(live.sum())).unsqueeze(1)  # rows of very different magnitude
+    q, s = quant_rows(x, lay)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape and s.shape == (x.shape[0],)
+    xl = x[live].double()
+    torch.testing.assert_close(s[live].double(), xl.abs().amax(1) / FP8_MAX, rtol=1e-6, atol=0)
+    assert q[live].float().abs().amax(1).eq(FP8_MAX).all()  # the row's amax maps onto 448
+    err = (dequant_rows(q[live], s[live]).double() - xl).abs()
+    bound = 2.0 ** -4 * xl.abs() + 2.0 ** -10 * s[live].double().unsqueeze(1)
+    assert (err <= bound).all()
+
+
+def test_quant_rows_ue8m0_power_of_two():
+    lay, x, _, _, live, _ = make([7, 9], k_dim=128)
+    q, s = quant_rows(x, lay, ue8m0=True)
+    ls = torch.log2(s[live])
+    assert torch.equal(ls, ls.round()) and (s[live] >= x[live].abs().amax(1) / FP8_MAX).all()
+    assert q[live].float().abs().max() <= FP8_MAX
+
+
+def test_quant_rows_nonfinite_live_row_raises_padding_ignored():
+    lay, x, _, seg, live, _ = make([4, 6], a=8, k_dim=32)
+    quant_rows(x, lay)  # NaN only in padding rows: fine
+    bad = x.clone()
+    bad[seg[1][0] + 2, 5] = float("inf")
+    with pytest.raises(RuntimeError, match="NaN or Inf"):
+        quant_rows(bad, lay)
+    bad[seg[1][0] + 2, 5] = NAN
+    with pytest.raises(RuntimeError, match="NaN or Inf"):
+        swiglu_quant_rows(bad, lay)
+
+
+def test_swiglu_quant_rows_matches_fp64():
+    lay, h13, _, _, live, _ = make([33, 0, 12], a=4, k_dim=2 * 128)
+    q, s = swiglu_quant_rows(h13, lay)
+    assert q.shape == (h13.shape[0], 128)
+    hd = h13[live].double()
+    a = torch.nn.functional.silu(hd[:, :128]) * hd[:, 128:]
+    torch.testing.assert_close(s[live].double(), a.abs().amax(1) / FP8_MAX, rtol=1e-6, atol=0)
+    err = (dequant_rows(q[live], s[live]).double() - a).abs()
+    assert (err <= 2.0 ** -4 * a.abs() + 2.0 ** -10 * s[live].double().unsqueeze(1) + 1e-7).all()
+
+
+@pytest.mark.parametrize("contract_dim", [1, 2])
+def test_quant_weight_layout_and_bound(contract_dim):
+    w = torch.randn(3, 64, 48) * torch.logspace(-2, 2, 48)
+    op = w if contract_dim == 1 else w.transpose(1, 2)  # the GEMM's right operand [e, K, N]
+    b, s = quant_weight(op, contract_dim=1)
+    k, n = op.shape[1:]
+    assert b.shape == (3, k, n) and b.stride(1) == 1 and b.stride(2) == k  # column-major, as the kernel needs
+    assert s.shape == (3, n)
+    torch.testing.assert_close(s.double(), op.double().abs().amax(1) / FP8_MAX, rtol=1e-6, atol=0)
+    err = (dequant_weight(b, s).double() - op.double()).abs()
+    assert (err <= 2.0 ** -4 * op.double().abs() + 2.0 ** -10 * s.double().unsqueeze(1)).all()
+    with pytest.raises(RuntimeError, match="NaN or Inf"):
+        quant_weight(torch.full((1, 16, 16), NAN))
+
+
+# ---------------------------------------------------------------------------- the grouped GEMM
+def reference(x, w, seg, dy):
+    xd, wd, dyd = x.double(), w.double(), dy.double()
+    out, dx, dw = torch.zeros(x.shape[0], w.shape[2], dtype=torch.float64), torch.zeros(x.shape, dtype=torch.float64), \
+        torch.zeros(w.shape, dtype=torch.float64)
+    for i, (s, t) in enumerate(seg):
+        out[s:t], dx[s:t], dw[i] = xd[s:t] @ wd[i], dyd[s:t] @ wd[i].t(), xd[s:t].t() @ dyd[s:t]
+    return out, dx, dw
+
+
+@pytest.mark.parametrize("a", [1, 8, 128])
+def test_grouped_mm_fp8_emulated_live_rows(a):
+    """Forward and dX in FP8 (bounded error vs fp64, NaN padding never reaches them), dW in fp32, empty dW == 0."""
+    be = Fp8Backend(emulate=True)
+    lay, x, w, seg, live, g = make(CASE01, a, k_dim=64, n_dim=32)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    out = grouped_mm(x, w, lay, be)
+    dy = torch.randn(out.shape, generator=g)
+    dy[~live] = NAN
+    out.backward(dy)
+    ref_out, ref_dx, ref_dw = reference(x.detach(), w.detach(), seg, dy)
+    errs = {"fwd": rel(out[live], ref_out[live]), "dgrad": rel(x.grad[live], ref_dx[live])}
+    for what, e in errs.items():
+        assert 0.005 < e < FP8_GEMM_TOL, (what, e)
+    assert torch.isfinite(w.grad).all()
+    assert rel(w.grad, ref_dw) < 1e-5  # the weight gradient is not FP8
+    for i, c in enumerate(CASE01):
+        if c == 0:
+            assert torch.equal(w.grad[i], torch.zeros_like(w.grad[i]))
+    # the emulation is exactly "dequantised FP8 operands, fp32 GEMM": rebuild it here
+    xq, xs = quant_rows(x.detach(), lay)
+    b, bs = quant_weight(w.detach())
+    manual = torch.zeros_like(ref_out)
+    for i, (s, t) in enumerate(seg):
+        manual[s:t] = dequant_rows(xq[s:t], xs[s:t]).double() @ dequant_weight(b, bs)[i].double()
+    assert rel(out[live], manual[live]) < 1e-6
+
+
+def test_weight_cache_reuse_and_requantise_after_inplace_update():
+    be = Fp8Backend(emulate=True)
+    lay, x, w, seg, live, _ = make([10, 20], k_dim=32, n_dim=16)
+    w = torch.nn.Parameter(w)
+    y1 = be.gmm(x, w, lay)
+    assert be.quantisations == 1
+    y2 = be.gmm(x, w, lay)
+    assert be.quantisations == 1 and torch.equal(y1[live], y2[live])  # reused
+    be.gmm(x, w.transpose(1, 2).transpose(1, 2), lay)
+    assert be.quantisations == 1  # a view with the same geometry reuses the parent's copy
+    be.gmm(torch.randn(x.shape[0], 16), w.transpose(1, 2), lay)  # the data gradient's operand: its own copy
+    assert be.quantisations == 2
+    with torch.no_grad():
+        w.mul_(2.0)  # the optimizer's in-place step moves _version
+    y3 = be.gmm(x, w, lay)
+    assert be.quantisations == 3
+    assert rel(y3[live], 2 * y1[live]) < 1e-6
+    # a cast copy registered as the parameter's alias hits the parameter's entry
+    c = be.alias(w.detach().clone(), w)
+    be.gmm(x, c, lay)
+    assert be.quantisations == 3
+    # new storage (p.data = ...) requantises; torch._foreach_copy_ (the trainer's refresh) moves _version
+    w.data = w.data * 0.5
+    assert rel(be.gmm(x, w, lay)[live], y1[live]) < 1e-6 and be.quantisations == 4
+    with torch.no_grad():
+        torch._foreach_copy_([w], [w * 3.0])
+    assert rel(be.gmm(x, w, lay)[live], 3 * y1[live]) < 1e-6 and be.quantisations == 5
+    be.clear_cache()
+    be.gmm(x, w, lay)
+    assert be.quantisations == 6
+
+
+def test_fp8_backend_registered_and_device_errors():
+    assert {"fp8", "deep_gemm"} <= set(list_backends())
+    with pytest.raises(ConfigError, match="compute capability >= 8.9"):
+        check_backend_device("fp8", "cpu")
+    with pytest.raises(ConfigError, match="compute capability >= 8.9"):
+        get_backend("fp8").check(torch.zeros(4, 16, dtype=torch.bfloat16), torch.zeros(1, 16, 16, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        Fp8Backend(emulate=True).check(torch.zeros(4, 24), torch.zeros(1, 24, 16))
+    check_backend_device("torch", "cpu")
+
+
+def test_deep_gemm_missing_is_a_config_error():
+    pytest.importorskip("torch")
+    try:
+        import deep_gemm  # noqa: F401
+        pytest.skip("deep_gemm is installed here")
+    except ImportError:
+        pass
+    with pytest.raises(ConfigError, match="deep_gemm package"):
+        get_backend("deep_gemm")
+    with pytest.raises(ConfigError, match="deep_gemm package"):
+        MoE(ModelArgs(hidden_size=64, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                      topk_group=1, gemm="deep_gemm"), layer_id=1)
+
+
+# ---------------------------------------------------------------------------- experts and the MoE layer
+def experts_ref(x, w13, w2, seg, row_w=None):
+    """float64 FC1 -> SwiGLU (× row weight) -> FC2 of the live rows."""
+    xd = x.double()
+    y = torch.zeros(x.shape[0], w2.shape[2], dtype=torch.float64)
+    i_dim = w2.shape[1]
+    for i, (s, t) in enumerate(seg):
+        h = xd[s:t] @ w13[i].double()
+        a = torch.nn.functional.silu(h[:, :i_dim]) * h[:, i_dim:]
+        if row_w is not None:
+            a = a * row_w[s:t].double().unsqueeze(1)
+        y[s:t] = a @ w2[i].double()
+    return y
+
+
+@pytest.mark.parametrize("opts", [dict(), dict(fold=True), dict(recompute_swiglu=True), dict(recompute_fc1=True),
+                                  dict(poison=True)])
+def test_grouped_experts_fp8_paths(opts):
+    """Every experts path with gemm=fp8 (emulated) against float64; gradients against loop fp32."""
+    torch.manual_seed(0)
+    counts, h_dim, i_dim = [40, 0, 75, 9], 64, 128
+    lay, x, _, seg, live, g = make(counts, a=16, k_dim=h_dim)
+    kw = dict(recompute_swiglu=opts.get("recompute_swiglu", False), recompute_fc1=opts.get("recompute_fc1", False))
+    ex = GroupedExperts(h_dim, i_dim, len(counts), gemm=Fp8Backend(emulate=True), **kw)
+    ref_ex = GroupedExperts(h_dim, i_dim, len(counts), gemm="loop")
+    ex.init_weights(1, 2, std=0.1)
+    ref_ex.load_state_dict(ex.state_dict())
+    row_w = torch.rand(x.shape[0], generator=g) if opts.get("fold") else None
+    poison = opts.get("poison", False)
+    xs = [x.clone().requires_grad_(True) for _ in range(2)]
+    rws = [row_w.clone().requires_grad_(True) if row_w is not None else None for _ in range(2)]
+    y = ex(xs[0], lay, rws[0], poison=poison)
+    y_ref = ref_ex(xs[1], lay, rws[1])
+    err = rel(y[live], experts_ref(x, ex.w13.detach(), ex.w2.detach(), seg, row_w)[live])
+    assert 0.005 < err < FP8_MLP_TOL
+    dy = torch.randn(y.shape, generator=g)
+    dy[~live] = NAN
+    y.backward(dy)
+    y_ref.backward(dy)
+    assert rel(xs[0].grad[live], xs[1].grad[live]) < 1.2 * FP8_MLP_TOL
+    for p, q in ((ex.w13, ref_ex.w13), (ex.w2, ref_ex.w2)):
+        assert torch.isfinite(p.grad).all()
+        assert rel(p.grad, q.grad) < 1.2 * FP8_MLP_TOL
+        assert torch.equal(p.grad[1], torch.zeros_like(p.grad[1]))  # the empty expert
+    if row_w is not None:
+        assert rel(rws[0].grad[live], rws[1].grad[live]) < 1.2 * FP8_MLP_TOL
+
+
+MOE_SMALL = dict(hidden_size=64, moe_intermediate_size=128, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+                 topk_group=2, n_shared_experts=1, expert_alignment=16)
+
+
+@pytest.mark.parametrize("extra", [dict(), dict(num_token_chunks=2), dict(recompute_gather=True),
+                                   dict(recompute_fc1=True, num_token_chunks=2), dict(fold_routing_weights=True)])
+def test_moe_layer_fp8_matches_torch(extra):
+    """The whole MoE layer with gemm=fp8 (emulated) against gemm=torch fp32: outputs and every gradient."""
+    args = dict(MOE_SMALL, **extra)
+    m8 = MoE(ModelArgs(**args, gemm="fp8"), layer_id=1)
+    m8.experts.backend = Fp8Backend(emulate=True)
+    mt = MoE(ModelArgs(**args, gemm="torch"), layer_id=1)
+    m8.init_weights(3)
+    mt.load_state_dict(m8.state_dict())
+    x = torch.randn(2, 48, 64, generator=torch.Generator().manual_seed(4))
+    x8, xt = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y8, yt = m8(x8), mt(xt)
+    assert 0.001 < rel(y8, yt) < FP8_MLP_TOL
+    dy = torch.randn(y8.shape, generator=torch.Generator().manual_seed(5))
+    y8.backward(dy)
+    yt.backward(dy)
+    assert rel(x8.grad, xt.grad) < 1.2 * FP8_MLP_TOL
+    for (n, p), q in zip(m8.named_parameters(), mt.parameters()):
+        if q.grad is not None:
+            assert p.grad is not None and rel(p.grad, q.grad) < 1.2 * FP8_MLP_TOL, n
+
+
+def test_fp8_weights_quantised_once_for_chunks_and_microbatches():
+    """Chunks, backward, two micro-batches: each weight's two FP8 copies made once, again after a step."""
+    m = MoE(ModelArgs(**MOE_SMALL, num_token_chunks=2, gemm="fp8"), layer_id=1)
+    be = m.experts.backend = Fp8Backend(emulate=True)
+    m.init_weights(3)
+    for mb in range(2):
+        x = torch.randn(1, 40, 64, generator=torch.Generator().manual_seed(mb), requires_grad=True)
+        m(x).square().sum().backward()
+    assert be.quantisations == 4  # w13, w2: a forward copy and a data-gradient copy each
+    with torch.no_grad():
+        for p in m.experts.parameters():
+            p.sub_(0.01 * p.grad)
+    m(torch.randn(1, 40, 64, requires_grad=True)).sum().backward()
+    assert be.quantisations == 8
+
+
+def test_torch_compile_of_fp8_moe_runs_the_fp8_nodes_eagerly():
+    """``torch.compile`` of an MoE with gemm=fp8: the FP8 nodes run eagerly (graph breaks); same result as eager."""
+    torch.manual_seed(0)
+    m = MoE(ModelArgs(**MOE_SMALL, gemm="fp8"), layer_id=1)
+    m.experts.backend = Fp8Backend(emulate=True)
+    m.init_weights(3)
+    x = torch.randn(1, 32, 64)
+    xe, xc = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    ye = m(xe)
+    ye.sum().backward()
+    ge = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    m.zero_grad(set_to_none=True)
+    yc = torch.compile(m, backend="aot_eager")(xc)
+    yc.sum().backward()
+    assert rel(yc, ye) < 1e-6 and rel(xc.grad, xe.grad) < 1e-6
+    for n, p in m.named_parameters():
+        if n in ge:
+            assert rel(p.grad, ge[n]) < 1e-5, n
+
+
+def test_trainer_refuses_gemm_fp8_without_fp8_gpu(tmp_path, capsys):
+    """``gemm=fp8`` on this CPU: a configuration error at trainer start (exit 2), before any step."""
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9):
+        pytest.skip("this machine has FP8 tensor cores")
+    pytest.importorskip("hydra")
+    from dropless.train.__main__ import main
+
+    assert main(["gemm=fp8", "train.steps=1", f"run_dir={tmp_path / 'run'}", "logging.mode=disabled"]) == 2
+    err = capsys.readouterr().err
+    assert "gemm=fp8 needs" in err and "compute capability >= 8.9" in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
