@@ -136,6 +136,37 @@ def test_rmsnorm_computes_in_fp32_and_casts_back():
     torch.testing.assert_close(y.double(), want, rtol=8e-3, atol=0)  # one bf16 rounding
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_rmsnorm_bf16_weight_equals_fp32_compute_and_saves_no_fp32_copy(device):
+    """bf16 input and bf16 weight (train.dtype=bf16): F.rms_norm is called on bf16 directly; the
+    output and gradients equal the cast-up-first computation; on CUDA (the fused kernel)
+    autograd saves no fp32 tensor of the input's size."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    gen = torch.Generator().manual_seed(3)
+    w = torch.linspace(0.5, 2.0, 64).bfloat16().to(device)
+    x = (torch.randn(5, 64, generator=gen) * 10).bfloat16().to(device).requires_grad_()
+    g = torch.randn(5, 64, generator=gen).bfloat16().to(device)
+    norm = RMSNorm(64, eps=1e-6).bfloat16().to(device)
+    norm.weight.data = w.clone()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dtype, t.numel())) or t, lambda t: t):
+        y = norm(x)
+    y.backward(g)
+    assert y.dtype == torch.bfloat16
+    if device == "cuda":
+        assert not [s for s in saved if s[0] == torch.float32 and s[1] == x.numel()]
+    x2 = x.detach().clone().requires_grad_()
+    w2 = w.clone().requires_grad_()
+    y2 = torch.nn.functional.rms_norm(x2.float(), (64,), w2.float(), 1e-6).bfloat16()
+    y2.backward(g)
+    assert torch.equal(y, y2)
+    torch.testing.assert_close(x.grad.double(), x2.grad.double(), rtol=8e-3, atol=1e-3)
+    torch.testing.assert_close(norm.weight.grad.double(), w2.grad.double(), rtol=8e-3, atol=1e-2)
+    want = _rms_ref(x.detach().double(), w.double(), 1e-6)
+    torch.testing.assert_close(y.double(), want, rtol=8e-3, atol=0)
+
+
 # ----------------------------------------------------------------- whole model
 def test_causal_later_tokens_do_not_change_earlier_logits():
     model = Transformer(tiny_args())
