@@ -405,3 +405,34 @@ def test_q_lora_rank_null_in_json_builds_direct_query(tmp_path):
     attn = model.layers["0"].attention
     assert hasattr(attn, "wq") and not hasattr(attn, "wq_a")
     assert attn.wq.weight.shape == (4 * 12, 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_feed_forward_saves_x_a_b_only_and_equals_the_plain_modules(dtype):
+    """FeedForward's fused autograd Function: output and every gradient bitwise equal to
+    ``w2(silu(w1 x) * w3 x)`` through plain autograd, with 2 activation tensors fewer saved."""
+    from dropless.mlp import FeedForward
+    gen = torch.Generator().manual_seed(11)
+    m = FeedForward(32, 48).to(dtype)
+    with torch.no_grad():
+        for lin in (m.w1, m.w3, m.w2):
+            lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen) * 0.2)
+    x = torch.randn(2, 5, 32, generator=gen).to(dtype).requires_grad_()
+    g = torch.randn(2, 5, 32, generator=gen).to(dtype)
+
+    def run(fn):
+        x.grad = None
+        m.zero_grad()
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+            y = fn(x)
+        y.backward(g)
+        acts = [s for s in saved if s[-1] == 48 and s[:-1].numel() == 10]  # [T=10, hidden] activations
+        return y.detach(), [t.grad.clone() for t in (x, m.w1.weight, m.w3.weight, m.w2.weight)], len(acts)
+
+    y1, g1, n1 = run(m)
+    y2, g2, n2 = run(lambda t: m.w2(torch.nn.functional.silu(m.w1(t)) * m.w3(t)))
+    assert torch.equal(y1, y2)
+    for a, b in zip(g1, g2):
+        assert torch.equal(a, b)
+    assert n1 == 2 and n2 >= 4
