@@ -436,3 +436,31 @@ def test_feed_forward_saves_x_a_b_only_and_equals_the_plain_modules(dtype):
     for a, b in zip(g1, g2):
         assert torch.equal(a, b)
     assert n1 == 2 and n2 >= 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("n_nope", [0, 6])
+def test_rope_tail_equals_split_rope_cat_and_saves_no_activation(dtype, n_nope):
+    """rope_tail(x) == cat([x[..., :n], apply_rope(x[..., n:])]) bitwise; gradients equal plain
+    autograd through that expression (float64 exactly); only the two tables are saved."""
+    from dropless.model.rope import rope_tail
+    gen = torch.Generator().manual_seed(4)
+    B, S, N, R = 2, 7, 3, 8
+    cos, sin = rope_cos_sin(S, R, 10000.0, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    x = torch.randn(B, S, N, n_nope + R, generator=gen).to(dtype).requires_grad_()
+    g = torch.randn(B, S, N, n_nope + R, generator=gen).to(dtype)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        y = rope_tail(x, cos, sin)
+    (gx,) = torch.autograd.grad(y, x, g)
+    assert saved == [cos.shape, sin.shape]
+    x2 = x.detach().clone().requires_grad_()
+    y2 = torch.cat([x2[..., :n_nope], apply_rope(x2[..., n_nope:], cos, sin)], dim=-1)
+    (gx2,) = torch.autograd.grad(y2, x2, g)
+    assert y.is_contiguous() and torch.equal(y, y2)
+    if dtype == torch.float64:
+        torch.testing.assert_close(gx, gx2, rtol=1e-12, atol=1e-12)
+    else:
+        torch.testing.assert_close(gx.double(), gx2.double(), rtol=8e-3, atol=1e-2)
+    with pytest.raises(ValueError, match="rope_tail"):
+        rope_tail(x, cos[:3], sin[:3])
