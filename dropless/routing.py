@@ -90,12 +90,17 @@ class _Fp32Logits(torch.autograd.Function):
     Autograd of ``F.linear(x.float(), w.float())`` would save the fp32 copy of ``x``
     (``T·H·4`` bytes: 0.22 GiB at T 8192, H 7168, twice the bf16 layer input, which the
     shared experts keep anyway). Backward re-casts it; the gradients are the same
-    (the upcast is exact).
+    (the upcast is exact). On CUDA, 16-bit ``x`` and ``weight`` of one dtype go through
+    ``torch.mm(..., out_dtype=torch.float32)`` (fp32 accumulation and output).
     """
 
     @staticmethod
     def forward(ctx, x_TH, weight_EH):
         ctx.save_for_backward(x_TH, weight_EH)
+        if x_TH.is_cuda and x_TH.dtype == weight_EH.dtype and x_TH.dtype in (torch.bfloat16, torch.float16):
+            # the 16-bit GEMM with fp32 accumulation and fp32 output: the same fp32 logits of the
+            # same 16-bit values, without an fp32 copy of x and an fp32 GEMM
+            return torch.mm(x_TH, weight_EH.t(), out_dtype=torch.float32)
         return F.linear(x_TH.float(), weight_EH.float())
 
     @staticmethod
