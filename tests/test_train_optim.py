@@ -206,3 +206,31 @@ def test_case07_router_bias_update_counts_once_per_step(mode):
     assert torch.equal(block.router.tokens_per_expert, torch.zeros(16, dtype=torch.int64))
     opt.step()                                                # no forward since: no move
     assert torch.equal(block.router.e_score_correction_bias, before + delta)
+
+
+def test_grad_buckets_copy_first_gradient_and_zero_the_unwritten():
+    """bf16 main-gradient buckets are not zero-filled per step: the first gradient is copied in,
+    later micro-batches add (exactly g1.float() + g2.float()), and a parameter that got no
+    gradient this step reads 0 after finish() even though the previous step wrote it."""
+    from dropless.train.grads import GradBuckets
+    a = torch.nn.Parameter(torch.zeros(3, 4, dtype=torch.bfloat16))
+    b = torch.nn.Parameter(torch.zeros(5, dtype=torch.bfloat16))
+    masters = [torch.nn.Parameter(torch.zeros(3, 4)), torch.nn.Parameter(torch.zeros(5))]
+    gb = GradBuckets([a, b], set(), grads_are_params=False, owners=masters, bucket_elems=8)
+    gen = torch.Generator().manual_seed(1)
+    ga = [torch.randn(3, 4, generator=gen).bfloat16() for _ in range(2)]
+    gbb = torch.randn(5, generator=gen).bfloat16()
+    gb.zero_()
+    for i in range(2):                                  # step 1: a in both micro-batches, b once
+        gb.start(sync=i == 1)
+        loss = (a * ga[i]).sum() + ((b * gbb).sum() if i == 0 else 0.0)
+        loss.backward()
+    gb.finish()
+    assert torch.equal(masters[0].grad, ga[0].float() + ga[1].float())
+    assert torch.equal(masters[1].grad, gbb.float())
+    gb.zero_()                                          # step 2: only a gets a gradient
+    gb.start(sync=True)
+    (a * ga[1]).sum().backward()
+    gb.finish()
+    assert torch.equal(masters[0].grad, ga[1].float())
+    assert torch.equal(masters[1].grad, torch.zeros(5))
