@@ -48,9 +48,10 @@ import torch
 CATEGORIES = ("casts_copies", "optimizer", "dense_gemm", "grouped_gemm", "softmax_ce", "attention",
               "sort_index_topk", "other")
 
-_RULES = (  # first match wins; matched against the lower-cased kernel / operator name
-    ("grouped_gemm", ("grouped", "groupproblem", "_grouped_mm", "gmm", "wgrad")),
+_RULES = (  # first match wins; matched against the lower-cased kernel / operator name (attention first:
+    # cuDNN's SDPA kernels are named ..._wgmma_..., which the grouped-GEMM key "gmm" would take)
     ("attention", ("flash", "fmha", "sdpa", "attention", "cudnn", "attn")),
+    ("grouped_gemm", ("grouped", "groupproblem", "_grouped_mm", "gmm", "wgrad")),
     ("softmax_ce", ("softmax", "cross_entropy", "nll_loss", "logsumexp")),
     ("casts_copies", ("copy", "cast", "catarray", "aten::cat", "_to_copy", "aten::to", "convert")),
     ("optimizer", ("multi_tensor_apply", "adam", "_foreach", "foreach", "fused_")),
