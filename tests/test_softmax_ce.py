@@ -70,6 +70,8 @@ def test_float64_runs_the_reference_and_bad_shapes_raise():
     torch.testing.assert_close(loss, _ref(z, t, w)[0])
     with pytest.raises(ValueError, match=r"\[C, V\]"):
         softmax_ce_grad_(z, t[:3], w)
+    zg = z.clone()
+    softmax_ce_grad_torch_(zg, t, w, grad=True)                   # the reference path itself, float64
+    torch.testing.assert_close(zg, _ref(z, t, w)[1], rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match=r"\[C, V\]"):
-        softmax_ce_grad_torch_  # noqa: B018 (the reference is public for tests)
         softmax_ce_grad_(z[0], t, w)
