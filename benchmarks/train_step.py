@@ -20,7 +20,9 @@ Fields: ``variant``, ``recipe``, ``device``, ``tokens_per_s``, ``mfu``, ``tflops
 ``step_ms`` (median), ``peak_mem_gib`` (``torch.cuda.max_memory_allocated`` or the CPU peak
 RSS), ``losses`` (every step's training loss, warm-up first), ``kernel_ms_per_step`` (per
 category), ``kernel_ms_total_per_step``, ``kernels_per_step`` (launch count), ``build_s``
-(construction, compile excluded: compilation happens in the first steps), ``overrides``.
+(construction, compile excluded: compilation happens in the first steps), ``overrides``;
+with ``--top-kernels N`` also ``top_kernels`` (``[ms per step, calls per step, name]``), with
+``--label`` a ``label``.
 
 Usage::
 
@@ -46,9 +48,10 @@ import torch
 CATEGORIES = ("casts_copies", "optimizer", "dense_gemm", "grouped_gemm", "softmax_ce", "attention",
               "sort_index_topk", "other")
 
-_RULES = (  # first match wins; matched against the lower-cased kernel / operator name
-    ("grouped_gemm", ("grouped", "groupproblem", "_grouped_mm", "gmm", "wgrad")),
+_RULES = (  # first match wins; matched against the lower-cased kernel / operator name (attention first:
+    # cuDNN's SDPA kernels are named ..._wgmma_..., which the grouped-GEMM key "gmm" would take)
     ("attention", ("flash", "fmha", "sdpa", "attention", "cudnn", "attn")),
+    ("grouped_gemm", ("grouped", "groupproblem", "_grouped_mm", "gmm", "wgrad")),
     ("softmax_ce", ("softmax", "cross_entropy", "nll_loss", "logsumexp")),
     ("casts_copies", ("copy", "cast", "catarray", "aten::cat", "_to_copy", "aten::to", "convert")),
     ("optimizer", ("multi_tensor_apply", "adam", "_foreach", "foreach", "fused_")),
@@ -67,8 +70,9 @@ def category(name: str) -> str:
     return "other"
 
 
-def _profile(trainer, steps: int) -> dict[str, Any]:
-    """Per-step self time per category (ms) and launches, over ``steps`` profiled steps."""
+def _profile(trainer, steps: int, top: int = 0) -> dict[str, Any]:
+    """Per-step self time per category (ms) and launches, over ``steps`` profiled steps
+    (and the ``top`` kernels / operators by time: ``[ms per step, calls per step, name]``)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = trainer.env.device.type == "cuda"
@@ -80,6 +84,7 @@ def _profile(trainer, steps: int) -> dict[str, Any]:
             torch.cuda.synchronize()
     per = dict.fromkeys(CATEGORIES, 0.0)
     launches = 0
+    rows = []
     for ev in prof.key_averages():
         if cuda:
             us = getattr(ev, "self_device_time_total", None)
@@ -94,13 +99,17 @@ def _profile(trainer, steps: int) -> dict[str, Any]:
                 continue
             launches += ev.count
         per[category(ev.key)] += us / 1e3
+        rows.append((round(us / 1e3 / steps, 3), ev.count // steps, ev.key[:160]))
     per = {k: round(v / steps, 3) for k, v in per.items()}
-    return {"kernel_ms_per_step": per, "kernel_ms_total_per_step": round(sum(per.values()), 3),
-            "kernels_per_step": launches // steps}
+    out = {"kernel_ms_per_step": per, "kernel_ms_total_per_step": round(sum(per.values()), 3),
+           "kernels_per_step": launches // steps}
+    if top:
+        out["top_kernels"] = [list(r) for r in sorted(rows, reverse=True)[:top]]
+    return out
 
 
 def run_variant(recipe: str, variant: str, overrides: list[str], warmup: int, steps: int,
-                profile_steps: int) -> dict[str, Any]:
+                profile_steps: int, top: int = 0) -> dict[str, Any]:
     """Build, warm up, time and profile one variant; returns its JSON record."""
     from dropless.train.config import compose
     from dropless.train.trainer import Trainer
@@ -122,7 +131,7 @@ def run_variant(recipe: str, variant: str, overrides: list[str], warmup: int, st
                 losses.append(rec["loss"])
                 if i >= warmup:
                     timed.append(rec)
-            prof = _profile(tr, profile_steps) if profile_steps > 0 else {}
+            prof = _profile(tr, profile_steps, top) if profile_steps > 0 else {}
             from dropless.train.metrics import peak_memory_gib
 
             med = {k: statistics.median(r[k] for r in timed if r[k] is not None) if timed else None
@@ -151,10 +160,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile-steps", type=int, default=2, help="profiled steps after the timed ones (0: none)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override, repeatable (e.g. --set train.micro_batch_size=8)")
+    p.add_argument("--top-kernels", type=int, default=0, metavar="N",
+                   help="also report the N kernels (operators on CPU) that take the most time (field top_kernels)")
+    p.add_argument("--label", default=None, help="a label copied into each record (field label)")
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")
     a = p.parse_args(argv)
     for variant in a.variants:
-        rec = run_variant(a.recipe, variant, a.overrides, a.warmup, a.steps, a.profile_steps)
+        rec = run_variant(a.recipe, variant, a.overrides, a.warmup, a.steps, a.profile_steps, a.top_kernels)
+        if a.label:
+            rec = {"label": a.label, **rec}
         line = json.dumps(rec)
         print(line, flush=True)
         if a.out:

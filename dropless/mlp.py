@@ -4,6 +4,12 @@
 linear unit with a SiLU gate of Shazeer, "GLU Variants Improve Transformer"
 (2020), as used by DeepSeek-V3 for its dense layers (``intermediate_size``)
 and its shared experts (``n_shared_experts * moe_intermediate_size``).
+
+Memory: the forward and backward are one autograd Function that saves ``x``, ``a = w1 x``
+and ``b = w3 x`` only; ``silu(a)`` and ``h = silu(a)·b`` (the input of ``w2``) are rebuilt in
+backward (two elementwise ops) instead of being saved: two ``[T, hidden_dim]`` tensors fewer
+per layer. The arithmetic is the ops autograd would run (``F.silu``, ``aten::silu_backward``,
+the same matmuls), so outputs and gradients equal the unfused module's.
 """
 
 from __future__ import annotations
@@ -11,6 +17,32 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+class _SwiGLUMLP(torch.autograd.Function):
+    """``w2(silu(w1 x) · w3 x)`` on ``x_TH`` [T, H]; saves ``x``, ``a``, ``b`` (see the module doc)."""
+
+    @staticmethod
+    def forward(ctx, x_TH, w1_FH, w3_FH, w2_HF):
+        a_TF = F.linear(x_TH, w1_FH)
+        b_TF = F.linear(x_TH, w3_FH)
+        y_TH = F.linear(F.silu(a_TF) * b_TF, w2_HF)
+        ctx.save_for_backward(x_TH, w1_FH, w3_FH, w2_HF, a_TF, b_TF)
+        return y_TH
+
+    @staticmethod
+    def backward(ctx, gy_TH):
+        x_TH, w1_FH, w3_FH, w2_HF, a_TF, b_TF = ctx.saved_tensors
+        silu_TF = F.silu(a_TF)
+        gh_TF = gy_TH @ w2_HF
+        gb_TF = gh_TF * silu_TF
+        ga_TF = torch.ops.aten.silu_backward(gh_TF * b_TF, a_TF)
+        need = ctx.needs_input_grad
+        dx = (ga_TF @ w1_FH + gb_TF @ w3_FH) if need[0] else None
+        dw1 = ga_TF.t() @ x_TH if need[1] else None
+        dw3 = gb_TF.t() @ x_TH if need[2] else None
+        dw2 = gy_TH.t() @ (silu_TF * b_TF) if need[3] else None
+        return dx, dw1, dw3, dw2
 
 
 class FeedForward(nn.Module):
@@ -45,7 +77,10 @@ class FeedForward(nn.Module):
 
     def forward(self, x_xH: torch.Tensor) -> torch.Tensor:
         """``x_xH`` [..., H] -> [..., H], same dtype as the weights' compute."""
-        return self.w2(F.silu(self.w1(x_xH)) * self.w3(x_xH))
+        w1, w3, w2 = self.w1.weight, self.w3.weight, self.w2.weight
+        if not (w1.dtype == w3.dtype == w2.dtype == x_xH.dtype) or torch.is_autocast_enabled(x_xH.device.type):
+            return self.w2(F.silu(self.w1(x_xH)) * self.w3(x_xH))  # mixed dtypes / autocast: plain modules
+        return _SwiGLUMLP.apply(x_xH.reshape(-1, self.dim), w1, w3, w2).view(x_xH.shape)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, hidden_dim={self.hidden_dim}"

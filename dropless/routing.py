@@ -50,7 +50,8 @@ from torch import nn
 
 from dropless.config import ConfigError, ModelArgs
 
-__all__ = ["Router", "RouterOutput", "update_router_biases", "in_backward_recompute"]
+__all__ = ["Router", "RouterOutput", "update_router_biases", "summed_router_counts", "apply_router_bias_updates",
+           "in_backward_recompute"]
 
 # Guard of the top-k normalisation denominator (as DeepSeek's MoEGate): only
 # matters if every chosen score underflows to 0.
@@ -89,12 +90,17 @@ class _Fp32Logits(torch.autograd.Function):
     Autograd of ``F.linear(x.float(), w.float())`` would save the fp32 copy of ``x``
     (``T·H·4`` bytes: 0.22 GiB at T 8192, H 7168, twice the bf16 layer input, which the
     shared experts keep anyway). Backward re-casts it; the gradients are the same
-    (the upcast is exact).
+    (the upcast is exact). On CUDA, 16-bit ``x`` and ``weight`` of one dtype go through
+    ``torch.mm(..., out_dtype=torch.float32)`` (fp32 accumulation and output).
     """
 
     @staticmethod
     def forward(ctx, x_TH, weight_EH):
         ctx.save_for_backward(x_TH, weight_EH)
+        if x_TH.is_cuda and x_TH.dtype == weight_EH.dtype and x_TH.dtype in (torch.bfloat16, torch.float16):
+            # the 16-bit GEMM with fp32 accumulation and fp32 output: the same fp32 logits of the
+            # same 16-bit values, without an fp32 copy of x and an fp32 GEMM
+            return torch.mm(x_TH, weight_EH.t(), out_dtype=torch.float32)
         return F.linear(x_TH.float(), weight_EH.float())
 
     @staticmethod
@@ -432,6 +438,36 @@ def _load_stats(counts_E: torch.Tensor) -> dict[str, float]:
 
 
 @torch.no_grad()
+def summed_router_counts(routers: list[Router], group: Any = None) -> torch.Tensor:
+    """int64 ``[Σ E_l]``: every router's ``tokens_per_expert``, concatenated in order, summed over ``group``.
+
+    ONE all-reduce (SUM, int64: exact) when ``torch.distributed`` is initialised and ``group``
+    has > 1 rank; no host sync. Every rank must call it with the same routers. The counters
+    are not reset (:func:`apply_router_bias_updates` does).
+    """
+    flat = torch.cat([r.tokens_per_expert.to(torch.int64) for r in routers])
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    return flat
+
+
+@torch.no_grad()
+def apply_router_bias_updates(routers: list[Router], summed_flat: torch.Tensor) -> list[torch.Tensor]:
+    """Move every router's bias once with its slice of ``summed_flat`` (from :func:`summed_router_counts`).
+
+    Calls :meth:`Router.update_bias` per router (which resets its counter); returns the int64
+    ``[E_l]`` loads used. No host sync.
+
+    Raises:
+        ValueError: ``summed_flat`` does not hold ``Σ E_l`` counts.
+    """
+    sizes = [r.n_experts for r in routers]
+    if summed_flat.numel() != sum(sizes):
+        raise ValueError(f"apply_router_bias_updates: {summed_flat.numel()} counts for routers of {sizes} experts")
+    return [r.update_bias(load_E) for r, load_E in zip(routers, summed_flat.reshape(-1).split(sizes))]
+
+
+@torch.no_grad()
 def update_router_biases(model: nn.Module, group: Any = None) -> dict[str, dict]:
     """Once per optimizer step: sum the counts over ranks, move every bias once, reset.
 
@@ -461,15 +497,10 @@ def update_router_biases(model: nn.Module, group: Any = None) -> dict[str, dict]
                              f"layer_id={r.layer_id}; give each MoE layer its own layer_id")
         seen[r.layer_id] = name
 
-    flat = torch.cat([r.tokens_per_expert.to(torch.int64) for _, r in routers])
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-    loads = []
-    aux = []
-    for (_, r), load_E in zip(routers, flat.split([r.n_experts for _, r in routers])):
-        loads.append(r.update_bias(load_E))
-        aux.append(r._last_aux_loss if r._last_aux_loss is not None
-                   else torch.zeros((), device=load_E.device))
+    rs = [r for _, r in routers]
+    loads = apply_router_bias_updates(rs, summed_router_counts(rs, group))
+    aux = [r._last_aux_loss if r._last_aux_loss is not None else torch.zeros((), device=load_E.device)
+           for r, load_E in zip(rs, loads)]
     # one host copy for all layers: the int64 counts, then the float64 aux losses' bits
     aux64 = torch.stack([a.to(loads[0].device, torch.float64) for a in aux]).view(torch.int64)
     host = torch.cat([torch.cat(loads), aux64]).cpu()

@@ -34,6 +34,7 @@ def test_kernel_categories():
     assert category("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>") \
         == "optimizer"
     assert category("cudnn_generated_fort_native_sdpa_sm90_flash_fprop") == "attention"
+    assert category("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26") == "attention"  # not "gmm"
     assert category("void at::native::cunn_SoftMaxForward") == "softmax_ce"
     assert category("void at::native::sbtopk::gatherTopK") == "sort_index_topk"
     assert category("_swiglu_kernel") == "other"

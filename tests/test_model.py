@@ -136,6 +136,37 @@ def test_rmsnorm_computes_in_fp32_and_casts_back():
     torch.testing.assert_close(y.double(), want, rtol=8e-3, atol=0)  # one bf16 rounding
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_rmsnorm_bf16_weight_equals_fp32_compute_and_saves_no_fp32_copy(device):
+    """bf16 input and bf16 weight (train.dtype=bf16): F.rms_norm is called on bf16 directly; the
+    output and gradients equal the cast-up-first computation; on CUDA (the fused kernel)
+    autograd saves no fp32 tensor of the input's size."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    gen = torch.Generator().manual_seed(3)
+    w = torch.linspace(0.5, 2.0, 64).bfloat16().to(device)
+    x = (torch.randn(5, 64, generator=gen) * 10).bfloat16().to(device).requires_grad_()
+    g = torch.randn(5, 64, generator=gen).bfloat16().to(device)
+    norm = RMSNorm(64, eps=1e-6).bfloat16().to(device)
+    norm.weight.data = w.clone()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dtype, t.numel())) or t, lambda t: t):
+        y = norm(x)
+    y.backward(g)
+    assert y.dtype == torch.bfloat16
+    if device == "cuda":
+        assert not [s for s in saved if s[0] == torch.float32 and s[1] == x.numel()]
+    x2 = x.detach().clone().requires_grad_()
+    w2 = w.clone().requires_grad_()
+    y2 = torch.nn.functional.rms_norm(x2.float(), (64,), w2.float(), 1e-6).bfloat16()
+    y2.backward(g)
+    assert torch.equal(y, y2)
+    torch.testing.assert_close(x.grad.double(), x2.grad.double(), rtol=8e-3, atol=1e-3)
+    torch.testing.assert_close(norm.weight.grad.double(), w2.grad.double(), rtol=8e-3, atol=1e-2)
+    want = _rms_ref(x.detach().double(), w.double(), 1e-6)
+    torch.testing.assert_close(y.double(), want, rtol=8e-3, atol=0)
+
+
 # ----------------------------------------------------------------- whole model
 def test_causal_later_tokens_do_not_change_earlier_logits():
     model = Transformer(tiny_args())
@@ -374,3 +405,62 @@ def test_q_lora_rank_null_in_json_builds_direct_query(tmp_path):
     attn = model.layers["0"].attention
     assert hasattr(attn, "wq") and not hasattr(attn, "wq_a")
     assert attn.wq.weight.shape == (4 * 12, 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_feed_forward_saves_x_a_b_only_and_equals_the_plain_modules(dtype):
+    """FeedForward's fused autograd Function: output and every gradient bitwise equal to
+    ``w2(silu(w1 x) * w3 x)`` through plain autograd, with 2 activation tensors fewer saved."""
+    from dropless.mlp import FeedForward
+    gen = torch.Generator().manual_seed(11)
+    m = FeedForward(32, 48).to(dtype)
+    with torch.no_grad():
+        for lin in (m.w1, m.w3, m.w2):
+            lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen) * 0.2)
+    x = torch.randn(2, 5, 32, generator=gen).to(dtype).requires_grad_()
+    g = torch.randn(2, 5, 32, generator=gen).to(dtype)
+
+    def run(fn):
+        x.grad = None
+        m.zero_grad()
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+            y = fn(x)
+        y.backward(g)
+        acts = [s for s in saved if s[-1] == 48 and s[:-1].numel() == 10]  # [T=10, hidden] activations
+        return y.detach(), [t.grad.clone() for t in (x, m.w1.weight, m.w3.weight, m.w2.weight)], len(acts)
+
+    y1, g1, n1 = run(m)
+    y2, g2, n2 = run(lambda t: m.w2(torch.nn.functional.silu(m.w1(t)) * m.w3(t)))
+    assert torch.equal(y1, y2)
+    for a, b in zip(g1, g2):
+        assert torch.equal(a, b)
+    assert n1 == 2 and n2 >= 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("n_nope", [0, 6])
+def test_rope_tail_equals_split_rope_cat_and_saves_no_activation(dtype, n_nope):
+    """rope_tail(x) == cat([x[..., :n], apply_rope(x[..., n:])]) bitwise; gradients equal plain
+    autograd through that expression (float64 exactly); only the two tables are saved."""
+    from dropless.model.rope import rope_tail
+    gen = torch.Generator().manual_seed(4)
+    B, S, N, R = 2, 7, 3, 8
+    cos, sin = rope_cos_sin(S, R, 10000.0, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    x = torch.randn(B, S, N, n_nope + R, generator=gen).to(dtype).requires_grad_()
+    g = torch.randn(B, S, N, n_nope + R, generator=gen).to(dtype)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        y = rope_tail(x, cos, sin)
+    (gx,) = torch.autograd.grad(y, x, g)
+    assert saved == [cos.shape, sin.shape]
+    x2 = x.detach().clone().requires_grad_()
+    y2 = torch.cat([x2[..., :n_nope], apply_rope(x2[..., n_nope:], cos, sin)], dim=-1)
+    (gx2,) = torch.autograd.grad(y2, x2, g)
+    assert y.is_contiguous() and torch.equal(y, y2)
+    if dtype == torch.float64:
+        torch.testing.assert_close(gx, gx2, rtol=1e-12, atol=1e-12)
+    else:
+        torch.testing.assert_close(gx.double(), gx2.double(), rtol=8e-3, atol=1e-2)
+    with pytest.raises(ValueError, match="rope_tail"):
+        rope_tail(x, cos[:3], sin[:3])

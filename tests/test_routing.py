@@ -583,3 +583,22 @@ def test_old_dcp_checkpoint_with_fp32_counter_loads(tmp_path):
     assert new.tokens_per_expert.dtype == torch.int64
     assert torch.equal(new.tokens_per_expert, torch.arange(16) + (1 << 23))
     assert torch.equal(new.weight, r.weight)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_router_logits_on_cuda_are_fp32_of_the_bf16_values():
+    """CUDA, bf16 x and weight: the logits come from the 16-bit GEMM with fp32 output and equal the
+    float64 product of the same bf16 values to fp32 accumulation accuracy; gradients as the fp32 path."""
+    from dropless.routing import _Fp32Logits
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(512, 256, generator=g).bfloat16().cuda().requires_grad_()
+    w = (torch.randn(64, 256, generator=g) * 0.05).bfloat16().cuda().requires_grad_()
+    z = _Fp32Logits.apply(x, w)
+    assert z.dtype == torch.float32
+    ref = x.detach().double() @ w.detach().double().t()
+    assert ((z.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    dz = torch.randn(512, 64, generator=g).cuda()
+    z.backward(dz)
+    torch.testing.assert_close(x.grad.double(), (dz.double() @ w.detach().double()), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(w.grad.double(), (dz.double().t() @ x.detach().double()), rtol=1e-2, atol=1e-1)

@@ -156,3 +156,81 @@ def test_compile_where_it_cannot_run_is_a_config_error(tmp_path, monkeypatch):
     monkeypatch.delenv("CXX", raising=False)
     with pytest.raises(ConfigError, match="train.compile=true .*C\\+\\+ compiler"):
         Trainer(compose(QUICK + [f"run_dir={tmp_path}", "train.compile=true", "device=cpu"]))
+
+
+@pytest.mark.parametrize("mode", ["nonreentrant", "reentrant"])
+def test_case07_router_bias_update_counts_once_per_step(mode):
+    """case-07 on :class:`RouterBiasUpdate` itself: under activation recompute and 4
+    gradient-accumulation micro-batches, the counts it hands the bias update are the step's
+    true routed rows (float64 reference selection), the hook moves the bias once by exactly
+    ``γ·sign(mean − load)``, and a second optimizer step without forwards moves nothing."""
+    from dropless.train.optim import RouterBiasUpdate
+    from tests.test_routing import CkptBlock, logits64, ref_route, small_args
+
+    args = small_args(bias_update_speed=0.125)
+    torch.manual_seed(0)
+    block = CkptBlock(args, mode)
+    with torch.no_grad():
+        block.router.weight.normal_(0, 0.5)
+    block.train()
+    g = torch.Generator().manual_seed(9)
+    micro = [torch.randn(16, 32, generator=g) for _ in range(4)]
+    masks = [torch.ones(16, dtype=torch.bool) for _ in range(4)]
+    masks[1][10:] = False
+    true = torch.zeros(16, dtype=torch.int64)
+    with torch.no_grad():
+        for x, m in zip(micro, masks):
+            chosen, _ = ref_route(logits64(block.router, block.proj(x)), [0.0] * 16, n_group=4, topk_group=2, k=4)
+            for t, s in enumerate(chosen):
+                if m[t]:
+                    for e in s:
+                        true[e] += 1
+    assert int(true.sum()) == (16 * 3 + 10) * 4
+
+    opt = torch.optim.SGD(block.proj.parameters(), lr=0.0)
+    upd = RouterBiasUpdate(block)
+    upd.register(opt)
+    w_out = torch.randn(16, 4, generator=g)
+    for x, m in zip(micro, masks):
+        w, aux = block(x, m)
+        ((w * w_out).sum() + aux).backward()
+    assert block.calls == 8 and block.recompute_seen == 4    # the recompute ran, and was not counted
+    counts = upd.counts()
+    assert counts.dtype == torch.int64 and counts.shape == (1, 16)
+    assert torch.equal(counts[0], true)
+    assert upd.counts() is counts                             # summed once per step
+    before = block.router.e_score_correction_bias.clone()
+    opt.step()                                                # the post-hook moves the bias
+    delta = block.router.e_score_correction_bias - before
+    assert torch.equal(delta, 0.125 * torch.sign(true.double().mean() - true.double()).float())
+    assert torch.equal(block.router.tokens_per_expert, torch.zeros(16, dtype=torch.int64))
+    opt.step()                                                # no forward since: no move
+    assert torch.equal(block.router.e_score_correction_bias, before + delta)
+
+
+def test_grad_buckets_copy_first_gradient_and_zero_the_unwritten():
+    """bf16 main-gradient buckets are not zero-filled per step: the first gradient is copied in,
+    later micro-batches add (exactly g1.float() + g2.float()), and a parameter that got no
+    gradient this step reads 0 after finish() even though the previous step wrote it."""
+    from dropless.train.grads import GradBuckets
+    a = torch.nn.Parameter(torch.zeros(3, 4, dtype=torch.bfloat16))
+    b = torch.nn.Parameter(torch.zeros(5, dtype=torch.bfloat16))
+    masters = [torch.nn.Parameter(torch.zeros(3, 4)), torch.nn.Parameter(torch.zeros(5))]
+    gb = GradBuckets([a, b], set(), grads_are_params=False, owners=masters, bucket_elems=8)
+    gen = torch.Generator().manual_seed(1)
+    ga = [torch.randn(3, 4, generator=gen).bfloat16() for _ in range(2)]
+    gbb = torch.randn(5, generator=gen).bfloat16()
+    gb.zero_()
+    for i in range(2):                                  # step 1: a in both micro-batches, b once
+        gb.start(sync=i == 1)
+        loss = (a * ga[i]).sum() + ((b * gbb).sum() if i == 0 else 0.0)
+        loss.backward()
+    gb.finish()
+    assert torch.equal(masters[0].grad, ga[0].float() + ga[1].float())
+    assert torch.equal(masters[1].grad, gbb.float())
+    gb.zero_()                                          # step 2: only a gets a gradient
+    gb.start(sync=True)
+    (a * ga[1]).sum().backward()
+    gb.finish()
+    assert torch.equal(masters[0].grad, ga[1].float())
+    assert torch.equal(masters[1].grad, torch.zeros(5))

@@ -31,7 +31,7 @@ from torch import nn
 
 from dropless.config import ModelArgs
 from dropless.model.norm import RMSNorm
-from dropless.model.rope import apply_rope
+from dropless.model.rope import rope_tail
 
 
 class MLA(nn.Module):
@@ -109,20 +109,19 @@ class MLA(nn.Module):
             q_BSX = self.wq(x_BSH)
         else:
             q_BSX = self.wq_b(self.q_norm(self.wq_a(x_BSH)))
-        q_BSND = q_BSX.view(B, S, N, self.qk_head_dim)
-        q_nope_BSNn, q_pe_BSNr = torch.split(q_BSND, [Dn, Dr], dim=-1)
-        q_pe_BSNr = apply_rope(q_pe_BSNr, rope_cos_SP, rope_sin_SP)
+        # RoPE on each head's last Dr features, written with the nope part into one new tensor
+        # (no split + concatenation, nothing saved but the tables)
+        q_BSND = rope_tail(q_BSX.view(B, S, N, self.qk_head_dim), rope_cos_SP, rope_sin_SP)
 
         # Compressed KV latent c [B, S, C] and the shared rope key k_pe [B, S, 1, Dr].
         kv_BSX = self.wkv_a(x_BSH)
         c_BSC, k_pe_BSr = torch.split(kv_BSX, [self.kv_lora_rank, Dr], dim=-1)
-        k_pe_BS1r = apply_rope(k_pe_BSr.unsqueeze(2), rope_cos_SP, rope_sin_SP)
+        k_pe_BS1r = rope_tail(k_pe_BSr.unsqueeze(2), rope_cos_SP, rope_sin_SP)
 
         # Per-head keys and values up-projected from the normalised latent.
         kv_BSNX = self.wkv_b(self.kv_norm(c_BSC)).view(B, S, N, Dn + Dv)
         k_nope_BSNn, v_BSNv = torch.split(kv_BSNX, [Dn, Dv], dim=-1)
 
-        q_BSND = torch.cat([q_nope_BSNn, q_pe_BSNr], dim=-1)
         k_BSND = torch.cat([k_nope_BSNn, k_pe_BS1r.expand(B, S, N, Dr)], dim=-1)
 
         # SDPA wants [B, N, S, D].

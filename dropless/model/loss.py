@@ -1,10 +1,12 @@
 """The output head fused with the cross-entropy, without the whole batch's logits.
 
 ``loss = CE(h_TH @ weight_VHᵀ, targets_T)`` is computed ``rows`` tokens at a time, so at
-most one chunk's logits ``[rows, V]`` (in fp32, or float64 for float64 inputs) exist at
-once; the full ``[T, V]`` fp32 logits of ``recipe=h200_single`` would be 17 GB
-(32,768 × 129,280 × 4 B). DESIGN.md "Precision": the loss never materialises fp32 logits for
-the whole batch.
+most one chunk's logits ``[rows, V]`` exist at once, in the compute dtype (the head GEMM's
+output); :func:`dropless.ops.softmax_ce.softmax_ce_grad_` computes the chunk's loss and
+gradient from them in fp32 (float64 for float64 inputs) and writes the gradient over the
+logits (one Triton kernel on CUDA: the chunk read twice, written once). The full ``[T, V]``
+fp32 logits of ``recipe=h200_single`` would be 17 GB (32,768 × 129,280 × 4 B). DESIGN.md
+"Precision": the loss never materialises fp32 logits for the whole batch.
 
 Gradients are computed in the forward, chunk by chunk (the approach of Liger-Kernel's fused
 linear cross-entropy, Hsu et al. 2024, arXiv:2410.10989 §3.3): for each chunk the softmax
@@ -30,6 +32,7 @@ import importlib
 import torch
 
 from dropless.config import ConfigError
+from dropless.ops.softmax_ce import softmax_ce_grad_
 
 __all__ = ["DEFAULT_CHUNK_ELEMENTS", "LOSS_IMPLS", "chunk_rows", "linear_cross_entropy", "resolve_loss_impl"]
 
@@ -60,7 +63,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
         torch._assert_async(((targets_T >= 0) & (targets_T < V) | ~valid_T).all(),
                             f"linear_cross_entropy: a target id is outside [0, vocab_size={V}) and is not "
                             f"ignore_index={ignore_index}")
-        tgt_T1 = torch.where(valid_T, targets_T, torch.zeros_like(targets_T)).unsqueeze(1)
+        tgt_T = torch.where(valid_T, targets_T, torch.zeros_like(targets_T))
         n_valid = valid_T.sum()
         scale = 1.0 / n_valid.clamp_min(1).to(acc) if mean else torch.ones((), dtype=acc, device=h_TH.device)
         h_cd = h_TH.to(compute_dtype)
@@ -71,25 +74,20 @@ class _ChunkedLinearCE(torch.autograd.Function):
         for lo in range(0, T, rows):
             hi = min(T, lo + rows)
             h_c = h_cd[lo:hi]
-            logits_CV = (h_c @ w_cd.t()).to(acc)
-            lse_C = torch.logsumexp(logits_CV, dim=1)
-            picked_C = logits_CV.gather(1, tgt_T1[lo:hi]).squeeze(1)
+            # logits in the compute dtype (the GEMM's output); the loss and gradient in fp32 from them,
+            # the gradient written over the logits (one chunk's [rows, V] alive at a time)
+            z_CV = h_c @ w_cd.t()
             w_C = valid_T[lo:hi].to(acc) * scale  # 1/n on counted rows (mean), 0 on ignored rows
-            loss = loss + ((lse_C - picked_C) * w_C).sum()
-            if need_dh or need_dw:
-                g_CV = logits_CV.sub_(lse_C.unsqueeze(1)).exp_()          # softmax, in place
-                g_CV.scatter_add_(1, tgt_T1[lo:hi], torch.full_like(picked_C, -1.0).unsqueeze(1))
-                g_CV.mul_(w_C.unsqueeze(1))
-                g_cd = g_CV if compute_dtype == acc else g_CV.to(compute_dtype)
-                if need_dh:
-                    dh_TH[lo:hi] = g_cd @ w_cd
-                if need_dw:
-                    if g_cd.dtype == acc:
-                        dw_VH.addmm_(g_cd.t(), h_c)
-                    else:
-                        dw_VH.add_(g_cd.t() @ h_c)
-                del g_CV, g_cd
-            del logits_CV  # one chunk's logits alive at a time
+            loss_C = softmax_ce_grad_(z_CV, tgt_T[lo:hi], w_C, grad=need_dh or need_dw)
+            loss = loss + (loss_C.to(acc) * w_C).sum()
+            if need_dh:
+                dh_TH[lo:hi] = z_CV @ w_cd
+            if need_dw:
+                if z_CV.dtype == acc:
+                    dw_VH.addmm_(z_CV.t(), h_c)
+                else:
+                    dw_VH.add_(z_CV.t() @ h_c)
+            del z_CV
         ctx.save_for_backward(dh_TH, dw_VH)
         ctx.w_dtype = w_VH.dtype
         return loss

@@ -25,7 +25,11 @@ class RMSNorm(nn.Module):
 
     Shapes: ``x_xD`` [..., dim] -> [..., dim], same dtype as ``x``. The
     computation runs in ``promote_types(x.dtype, float32)`` (fp32 for bf16/fp16
-    inputs, fp64 for fp64 inputs), weight included.
+    inputs, fp64 for fp64 inputs), weight included. A 16-bit input with a weight of
+    its own dtype goes to ``F.rms_norm`` as it is: its kernels (CUDA fused, CPU
+    composite) compute the statistics and the scaling in fp32 and round once, the same
+    result as casting up first, but autograd saves the 16-bit input (not an fp32 copy)
+    and no cast kernels run.
 
     Raises:
         ValueError: ``dim`` not positive.
@@ -40,6 +44,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(self.dim))
 
     def forward(self, x_xD: torch.Tensor) -> torch.Tensor:
+        if x_xD.dtype in (torch.bfloat16, torch.float16) and self.weight.dtype == x_xD.dtype:
+            return F.rms_norm(x_xD, (self.dim,), self.weight, self.eps)
         compute_dtype = torch.promote_types(x_xD.dtype, torch.float32)
         y_xD = F.rms_norm(
             x_xD.to(compute_dtype), (self.dim,), self.weight.to(compute_dtype), self.eps

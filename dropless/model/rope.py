@@ -130,3 +130,62 @@ def apply_rope(x_BSNR: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch.Tensor)
         (a_BSNP * cos_1S1P - b_BSNP * sin_1S1P, a_BSNP * sin_1S1P + b_BSNP * cos_1S1P), dim=-1
     )
     return out_BSNP2.flatten(-2).to(x_BSNR.dtype)
+
+
+def _rotate_into(out_xR: torch.Tensor, x_xR: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch.Tensor,
+                 sign: float) -> None:
+    """``out = rotate(x)`` by ``sign``·angle (the ops of :func:`apply_rope`), written into ``out`` (any strides)."""
+    S, P = cos_SP.shape
+    compute = torch.promote_types(torch.promote_types(x_xR.dtype, cos_SP.dtype), torch.float32)
+    x = x_xR.to(compute).unflatten(-1, (P, 2))
+    a, b = x[..., 0], x[..., 1]
+    c = cos_SP.to(compute)[None, :, None, :]
+    s = sin_SP.to(compute)[None, :, None, :] * sign
+    o = out_xR.unflatten(-1, (P, 2))
+    o[..., 0].copy_(a * c - b * s)
+    o[..., 1].copy_(a * s + b * c)
+
+
+class _RopeTail(torch.autograd.Function):
+    """``[x[..., :D−R] | rope(x[..., D−R:])]`` as a new contiguous tensor; saves only the tables."""
+
+    @staticmethod
+    def forward(ctx, x_BSND, cos_SP, sin_SP):
+        n = x_BSND.shape[-1] - 2 * cos_SP.shape[1]
+        out = torch.empty(x_BSND.shape, dtype=x_BSND.dtype, device=x_BSND.device)
+        if n:
+            out[..., :n].copy_(x_BSND[..., :n])
+        _rotate_into(out[..., n:], x_BSND[..., n:], cos_SP, sin_SP, 1.0)
+        ctx.save_for_backward(cos_SP, sin_SP)
+        ctx.n = n
+        return out
+
+    @staticmethod
+    def backward(ctx, g_BSND):
+        cos_SP, sin_SP = ctx.saved_tensors
+        n = ctx.n
+        gx = torch.empty(g_BSND.shape, dtype=g_BSND.dtype, device=g_BSND.device)
+        if n:
+            gx[..., :n].copy_(g_BSND[..., :n])
+        _rotate_into(gx[..., n:], g_BSND[..., n:], cos_SP, sin_SP, -1.0)  # a rotation's transpose: −angle
+        return gx, None, None
+
+
+def rope_tail(x_BSND: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch.Tensor) -> torch.Tensor:
+    """RoPE on the last R features of each head, the first D − R copied: one new tensor, no concatenation.
+
+    Args:
+        x_BSND: [B, S, N, D] (D ≥ R = 2·P; MLA's query ``[q_nope | q_pe]``, or the rope key with D = R).
+        cos_SP, sin_SP: [S, P] from :func:`rope_cos_sin`.
+    Returns:
+        [B, S, N, D] contiguous in ``x``'s dtype: ``x[..., :D−R]`` and :func:`apply_rope` of
+        ``x[..., D−R:]`` (same arithmetic, at least fp32). Backward rotates the gradient by the
+        negative angle; only the tables are saved (no activation).
+    Raises:
+        ValueError: tables that do not match ``x``.
+    """
+    B, S, N, D = x_BSND.shape
+    if cos_SP.shape != sin_SP.shape or cos_SP.dim() != 2 or cos_SP.shape[0] != S or 2 * cos_SP.shape[1] > D:
+        raise ValueError(f"rope_tail: tables {tuple(cos_SP.shape)} do not match x {tuple(x_BSND.shape)}; expected "
+                         f"[{S}, P] with 2·P <= {D}")
+    return _RopeTail.apply(x_BSND, cos_SP, sin_SP)

@@ -6,7 +6,10 @@ as views into flat buckets of at most ``bucket_elems`` elements. Each parameter'
 accumulated it:
 
 * bf16 compute parameters: ``main += p.grad`` (fp32), then ``p.grad = None`` at once, so the
-  micro-batches accumulate in fp32 and no second full-size bf16 gradient lives on;
+  micro-batches accumulate in fp32 and no second full-size bf16 gradient lives on. The step's
+  first gradient of a parameter is copied (``main = p.grad``) rather than added to zeros, so
+  the buckets are not zero-filled before a step; a parameter that got no gradient by
+  :meth:`GradBuckets.finish` has its main gradient zeroed there;
 * fp32 parameters: ``p.grad`` *is* the main-gradient view (autograd accumulates into it in
   place), the hook only counts.
 
@@ -113,15 +116,22 @@ class GradBuckets:
         self.flats = [b.flat for b in self.buckets]
         self._sync = False
         self._next = 0
+        self._written: set[int] = set()     # ids of parameters whose main grad holds this step's value
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
+        for b in self.buckets:
+            b.flat.zero_()
         self.zero_()
 
     # ------------------------------------------------------------------ step protocol
     def zero_(self) -> None:
-        """Zero every main gradient (before a step's first micro-batch); (re)attach the views
-        as the owners' ``.grad``."""
+        """Start a step: every main gradient counts as zero from here (before a step's first
+        micro-batch); (re)attach the views as the owners' ``.grad``. fp32 training zero-fills
+        the buckets (autograd accumulates into them); bf16 training defers it: each
+        parameter's first gradient is copied in, and :meth:`finish` zeroes the rest."""
+        self._written = set()
         for b in self.buckets:
-            b.flat.zero_()
+            if self.grads_are_params:
+                b.flat.zero_()
             b.ready, b.work, b.launched = 0, None, False
         self._next = 0
         for o, g in zip(self.owners, self.main):
@@ -146,7 +156,11 @@ class GradBuckets:
         b = self.buckets[bi]
         if not self.grads_are_params:
             if p.grad is not None:
-                b.views[k].add_(p.grad)
+                if id(p) in self._written:
+                    b.views[k].add_(p.grad)
+                else:
+                    b.views[k].copy_(p.grad)
+                    self._written.add(id(p))
             p.grad = None
         if self._sync and self.overlap:
             b.ready += 1
@@ -165,8 +179,18 @@ class GradBuckets:
         else:
             b.work = dist.all_reduce(b.flat, op=dist.ReduceOp.SUM, group=self.world_group, async_op=True)
 
+    def _zero_unwritten(self) -> None:
+        if self.grads_are_params or len(self._written) == len(self.params):
+            return
+        for p, g in zip(self.params, self.main):
+            if id(p) not in self._written:
+                g.zero_()
+                self._written.add(id(p))
+
     def finish(self) -> None:
-        """After the last micro-batch's backward: launch the rest, wait, ``/ world``."""
+        """After the last micro-batch's backward: zero the main gradients no parameter wrote
+        this step, launch the rest, wait, ``/ world``."""
+        self._zero_unwritten()
         if self.world_size <= 1:
             return
         for b in self.buckets[self._next:]:

@@ -37,10 +37,9 @@ import math
 from typing import Any, Iterable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from dropless.routing import Router
+from dropless.routing import Router, apply_router_bias_updates, summed_router_counts
 
 __all__ = ["lr_at", "build_optimizer", "build_scheduler", "MasterWeights", "RouterBiasUpdate", "is_dtensor",
            "adamw_impl"]
@@ -199,9 +198,11 @@ class RouterBiasUpdate:
     """The aux-loss-free balancing update as an optimizer step post-hook.
 
     :meth:`counts` sums every router's ``tokens_per_expert`` over ``group`` in one
-    collective (no host sync) and keeps the result for the hook; the hook (registered by
-    :meth:`register`) then applies :meth:`~dropless.routing.Router.update_bias` with those
-    counts (bias ``+= γ·sign(mean − load)``) and resets the counters. :meth:`discard`
+    collective (:func:`dropless.routing.summed_router_counts`, no host sync) and keeps the
+    result for the hook; the hook (registered by :meth:`register`) then applies
+    :func:`dropless.routing.apply_router_bias_updates` with those counts (bias
+    ``+= γ·sign(mean − load)``, the counters reset): the same two calls as
+    :func:`dropless.routing.update_router_biases`, which adds the host-side stats. :meth:`discard`
     resets the counters of a step whose optimizer step was skipped.
 
     Args:
@@ -220,10 +221,7 @@ class RouterBiasUpdate:
         if not self.routers:
             return None
         if self._summed is None:
-            flat = torch.stack([r.tokens_per_expert.to(torch.int64) for r in self.routers])
-            if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
-                dist.all_reduce(flat, group=self.group)
-            self._summed = flat
+            self._summed = summed_router_counts(self.routers, self.group).view(len(self.routers), -1)
         return self._summed
 
     @torch.no_grad()
@@ -231,8 +229,7 @@ class RouterBiasUpdate:
         summed = self.counts()
         if summed is None:
             return
-        for r, load_E in zip(self.routers, summed.unbind(0)):
-            r.update_bias(load_E)
+        apply_router_bias_updates(self.routers, summed.reshape(-1))
         self._summed = None
 
     def discard(self) -> None:
