@@ -20,7 +20,7 @@ from dropless.layout import ExpertLayout
 from dropless.moe import MoE
 from dropless.ops import grouped_mm
 from dropless.ops.fp8_backend import Fp8Backend, fp8_unavailable_reason
-from dropless.ops.fp8_quant import FP8_MAX, _quant_torch, dequant_rows, quant_rows, swiglu_quant_rows
+from dropless.ops.fp8_quant import FP8_MAX, _quant_torch, dequant_rows, quant_rows, quant_weight, swiglu_quant_rows
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(fp8_unavailable_reason("cuda") is not None, reason="needs CUDA with cc >= 8.9")]
@@ -61,6 +61,26 @@ def test_triton_quant_kernels_match_reference():
     torch.testing.assert_close(s2[live].double(), a.abs().amax(1) / FP8_MAX, rtol=1e-5, atol=0)
     err = (dequant_rows(q2[live], s2[live]).double() - a).abs()
     assert (err <= 2.0 ** -4 * a.abs() * 1.001 + 2.0 ** -10 * s2[live].double().unsqueeze(1)).all()
+
+
+@pytest.mark.parametrize("k_dim", [512, 1024, 2048])
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_triton_quant_small_rows_and_weights_match_reference(k_dim, ue8m0):
+    """The multi-row blocks (K <= 2048: 4-16 rows per block) and the weight copies made through the
+    row kernel equal the torch reference bit for bit."""
+    lay, x, _, live, _ = make([3000, 0, 1000, 77, 4095], 128, k_dim, 16)
+    x[live] *= torch.logspace(-3, 3, int(live.sum()), device="cuda").unsqueeze(1).bfloat16()
+    q, s = quant_rows(x, lay, ue8m0)
+    qr, sr, _ = _quant_torch(x[live].float(), ue8m0)
+    assert torch.equal(s[live], sr) and torch.equal(q[live].float(), qr.float())
+    w = torch.randn(3, k_dim, 384, device="cuda").bfloat16()
+    for contract_dim in (1, 2):
+        b, bs = quant_weight(w, contract_dim, ue8m0)
+        w_NK = w.transpose(1, 2) if contract_dim == 1 else w  # output channels first, contracted last
+        qr, sr, _ = _quant_torch(w_NK.reshape(-1, w_NK.shape[2]).float(), ue8m0)
+        assert b.stride(1) == 1 and tuple(b.shape) == (3, w_NK.shape[2], w_NK.shape[1])
+        assert torch.equal(bs, sr.view(3, -1))
+        assert torch.equal(b.transpose(1, 2).reshape(-1, w_NK.shape[2]).float(), qr.float())
 
 
 @pytest.mark.parametrize("a", [1, 128])
