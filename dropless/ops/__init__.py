@@ -13,13 +13,19 @@ Backends (``gemm=…``):
     ``torch``  ``torch.nn.functional.grouped_mm`` (CPU: fp32/bf16/fp16; CUDA sm90: bf16).
     ``loop``   a per-expert reference loop (any dtype, float64 included); it reads
                the layout on the host, so it is for tests, not for speed.
+    ``fp8``    forward and data-gradient GEMMs in e4m3 with rowwise scales
+               (``torch._scaled_grouped_mm``, CUDA cc >= 8.9), bf16 weight gradients:
+               :mod:`~dropless.ops.fp8_backend`, its quantisation :mod:`~dropless.ops.fp8_quant`,
+               its fused SwiGLU-quant + FC2 node :mod:`~dropless.ops.fp8_mlp`.
+    ``deep_gemm``  a configuration error naming the package (no backend yet).
 
 The memory-bound ops around the GEMMs, one file each, each holding its Triton kernel, its
 torch reference and the one place that picks between them (:mod:`dropless.ops.select`):
 :mod:`~dropless.ops.swiglu` (SwiGLU over live rows, its backward, the fused FP8 quantisation),
 :mod:`~dropless.ops.rows` (permute, gather-sum / combine, combine backward),
 :mod:`~dropless.ops.zero_fill` (gap rows, empty experts' gradients) and
-:mod:`~dropless.ops.triton_wgrad` (the accumulating grouped weight gradient).
+:mod:`~dropless.ops.triton_wgrad` (the accumulating grouped weight gradient); and, outside the
+MoE layer, :mod:`~dropless.ops.softmax_ce` (the LM head's chunked cross-entropy and its gradient).
 """
 
 from dropless.ops.backends import GemmBackend, get_backend, list_backends, register_backend
