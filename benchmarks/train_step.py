@@ -70,6 +70,19 @@ def category(name: str) -> str:
     return "other"
 
 
+def counted_device_time_us(ev: Any) -> float:
+    """An averaged profiler event's own GPU time (µs) to count, 0 for what is not a kernel or copy.
+
+    A ``record_function`` range that reaches the GPU (``torch.optim``'s
+    ``Optimizer.step#AdamW.step``) shows as a CUDA "user annotation" spanning the kernels it
+    launched: counting it too would count the optimizer's kernels twice.
+    """
+    if ev.device_type != torch.autograd.DeviceType.CUDA or getattr(ev, "is_user_annotation", False):
+        return 0.0
+    us = getattr(ev, "self_device_time_total", None)
+    return float(ev.self_cuda_time_total if us is None else us)
+
+
 def _profile(trainer, steps: int, top: int = 0) -> dict[str, Any]:
     """Per-step self time per category (ms) and launches, over ``steps`` profiled steps
     (and the ``top`` kernels / operators by time: ``[ms per step, calls per step, name]``)."""
@@ -87,10 +100,8 @@ def _profile(trainer, steps: int, top: int = 0) -> dict[str, Any]:
     rows = []
     for ev in prof.key_averages():
         if cuda:
-            us = getattr(ev, "self_device_time_total", None)
-            if us is None:
-                us = ev.self_cuda_time_total
-            if not us or ev.device_type != torch.autograd.DeviceType.CUDA:
+            us = counted_device_time_us(ev)
+            if not us:
                 continue
             launches += ev.count
         else:

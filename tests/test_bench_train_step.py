@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
+import torch
 
-from benchmarks.train_step import CATEGORIES, category, main
+from benchmarks.train_step import CATEGORIES, category, counted_device_time_us, main
 
 
 def test_train_step_benchmark_json_fields(capsys):
@@ -38,3 +40,15 @@ def test_kernel_categories():
     assert category("void at::native::cunn_SoftMaxForward") == "softmax_ce"
     assert category("void at::native::sbtopk::gatherTopK") == "sort_index_topk"
     assert category("_swiglu_kernel") == "other"
+
+
+def test_gpu_user_annotations_are_not_counted():
+    """torch.optim's ``Optimizer.step#AdamW.step`` range reaches the GPU as a user annotation spanning
+    the optimizer's kernels; counting it counted them twice (15.7 ms of session 5's 37 ms)."""
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    kernel = SimpleNamespace(device_type=cuda, is_user_annotation=False, self_device_time_total=15_300.0)
+    annotation = SimpleNamespace(device_type=cuda, is_user_annotation=True, self_device_time_total=15_700.0)
+    host = SimpleNamespace(device_type=cpu, is_user_annotation=False, self_device_time_total=0.0)
+    old_torch = SimpleNamespace(device_type=cuda, self_device_time_total=None, self_cuda_time_total=7.0)
+    assert counted_device_time_us(kernel) == 15_300.0 and counted_device_time_us(annotation) == 0.0
+    assert counted_device_time_us(host) == 0.0 and counted_device_time_us(old_torch) == 7.0
