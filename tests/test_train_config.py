@@ -6,6 +6,7 @@ import dataclasses
 import math
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from dropless.config import ConfigError, ModelArgs
@@ -200,3 +201,21 @@ def test_misspelled_key_gets_one_hint_the_closest_key(capsys):
     assert main(["optim.weight_decy=0"]) == 2
     err = capsys.readouterr().err
     assert "did you mean optim.weight_decay=0?" in err and "To append" not in err, err
+
+
+@pytest.mark.parametrize("override,field", [("model.hidden_size=255", "K (input width)=255"),
+                                            ("model.moe_intermediate_size=30", "K (input width)=30")])
+def test_shape_the_grouped_gemm_cannot_take_exits_2_before_the_run_dir(tmp_path, capsys, override, field):
+    """gemm=torch needs 16-byte rows (fp32 on CPU: H and I multiples of 4): refused at start, naming the
+    model fields, before the run directory exists (it used to die at step 0 with a traceback, exit 1)."""
+    from dropless.train.__main__ import main
+
+    rd = tmp_path / "run"
+    assert main([override, "train.steps=1", f"run_dir={rd}", "logging.mode=disabled"]) == 2
+    err = capsys.readouterr().err
+    assert "model.hidden_size=" in err and "model.moe_intermediate_size=" in err and field in err, err
+    assert "Traceback" not in err and not rd.exists(), err
+    from dropless.ops.backends import check_backend_shapes
+
+    check_backend_shapes("loop", "cpu", torch.float32, 255, 30)  # the reference loop takes any shape
+    check_backend_shapes("torch", "cpu", torch.float32, 256, 32)

@@ -71,6 +71,25 @@ def check_backend_device(name: str, device: torch.device | str) -> None:
         check(device)
 
 
+def check_backend_shapes(name: str, device: torch.device | str, dtype: torch.dtype, hidden_size: int,
+                         moe_intermediate_size: int) -> None:
+    """Raise ConfigError when backend ``name`` cannot take the experts' GEMM operands of this model.
+
+    Runs the backend's own operand check (:meth:`GemmBackend.check`) on empty operands of
+    FC1 (``[0, H] @ [1, H, 2I]``) and FC2 (``[0, I] @ [1, I, H]``) in ``dtype`` on
+    ``device``, so a shape the kernel cannot take (e.g. ``gemm=torch`` needs 16-byte rows)
+    fails when the run starts, naming the model fields, instead of at the first step.
+    """
+    be = get_backend(name)
+    h, i = int(hidden_size), int(moe_intermediate_size)
+    try:
+        for k, n in ((h, 2 * i), (i, h)):
+            be.check(torch.empty(0, k, dtype=dtype, device=device), torch.empty(1, k, n, dtype=dtype, device=device))
+    except ValueError as e:
+        raise ConfigError(f"model.hidden_size={h}, model.moe_intermediate_size={i} with gemm={name} in "
+                          f"{str(dtype).removeprefix('torch.')}: {e}") from e
+
+
 def _deep_gemm() -> GemmBackend:
     try:
         import deep_gemm  # noqa: F401

@@ -52,7 +52,7 @@ from omegaconf import DictConfig, OmegaConf
 from dropless.config import ConfigError, ModelArgs
 from dropless.convert import init_from
 from dropless.model.loss import resolve_loss_impl
-from dropless.ops.backends import check_backend_device
+from dropless.ops.backends import check_backend_device, check_backend_shapes
 from dropless.train import checkpoint as ckpt
 from dropless.train.compile import check_compile, compile_blocks
 from dropless.train.config import model_args
@@ -242,6 +242,9 @@ class Trainer:
                               "model.max_position_embeddings")
         self.env = env = init_distributed(cfg, self.args.n_routed_experts)
         check_backend_device(self.args.gemm, env.device)  # e.g. gemm=fp8 on a GPU without FP8 tensor cores
+        self.dtype = compute_dtype(t, env.device)
+        check_backend_shapes(self.args.gemm, env.device, self.dtype, self.args.hidden_size,
+                             self.args.moe_intermediate_size)  # e.g. 16-byte GEMM rows, before the run dir exists
         self.main = env.is_main
         self.loss_impl, loss_note = resolve_loss_impl(t.get("loss_impl", "auto"), env.device)
         self.print(f"[dropless] loss: {loss_note}")
@@ -256,7 +259,6 @@ class Trainer:
             (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         env.barrier()
 
-        self.dtype = compute_dtype(t, env.device)
         if t.compile:
             check_compile(env.device, str(t.compile_backend))
         self.model = build_model(self.args, cfg, env, self.dtype)
