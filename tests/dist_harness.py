@@ -379,3 +379,22 @@ def shard_dense_worker(rank, world):
                 experts_plain=not any(isinstance(p, DTensor) for p in model.expert_parameters()),
                 local_fraction=local / total, loss_rel=abs(loss.item() - loss_ref.item()) / abs(loss_ref.item()),
                 grad_rel=worst)
+
+
+def mesh_timeout_worker(rank, world, timeout_s):
+    """The timeouts of ``build_mesh``'s groups (dp = 1 × ep = world, and dp = world × ep = 1), and
+    whether each is the default group; also the FSDP2 1-D mesh's group (``shard_dense_params``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dropless.dispatch.mesh import build_mesh
+
+    def info(g):
+        return dict(world=g is dist.group.WORLD, ranks=dist.get_process_group_ranks(g),
+                    timeout_s=g._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+    out = {}
+    for ep in (world, 1):
+        m = build_mesh(world, ep, "cpu", timeout_s=timeout_s)
+        out[ep] = dict(shape=tuple(m.shape), coord=list(m.get_coordinate()),
+                       dp=info(m.get_group("dp")), ep=info(m.get_group("ep")), ep_sub=info(m["ep"].get_group()))
+    out["fsdp_world"] = info(init_device_mesh("cpu", (world,), mesh_dim_names=("world",)).get_group())
+    return out

@@ -2,11 +2,12 @@
 
 Run as ``python -m torch.distributed.run ... tests/fault_rank.py OVERRIDES...``; every rank
 calls :func:`dropless.train.__main__.main` with the overrides. The fault comes from the
-environment (set by the test, read here only), on rank ``FAULT_RANK`` of the first start
-(``TORCHELASTIC_RESTART_COUNT`` 0):
+environment (set by the test, read here only), on rank ``FAULT_RANK`` (or each of the ranks
+of a comma-separated list, e.g. ``1,2,3``) of the first start (``TORCHELASTIC_RESTART_COUNT`` 0):
 
-* ``FAULT=stall``: before optimizer step ``FAULT_STEP`` the rank writes the time to
-  ``FAULT_MARK`` and sleeps forever (it stops taking part, without dying).
+* ``FAULT=stall``: before optimizer step ``FAULT_STEP`` the rank sleeps forever (it stops
+  taking part, without dying); the first rank of the list first writes the time to
+  ``FAULT_MARK``.
 * ``FAULT=kill_in_save``: in the checkpoint save of step ``FAULT_STEP``, after this rank's
   DCP files are written and before the save completes, the rank SIGKILLs itself.
 
@@ -33,14 +34,16 @@ if os.environ.get("FAULT_PID_DIR"):
     Path(os.environ["FAULT_PID_DIR"], f"rank{rank}.start{start}").write_text(str(os.getpid()))
 faulthandler.dump_traceback_later(float(os.environ.get("FAULT_DUMP_AFTER_S", "300")), exit=False)  # a hang shows where
 fault, at = os.environ.get("FAULT", ""), int(os.environ.get("FAULT_STEP", "-1"))
+fault_ranks = [int(r) for r in os.environ.get("FAULT_RANK", "1").split(",")]
 
-if start == 0 and rank == int(os.environ.get("FAULT_RANK", "1")):
+if start == 0 and rank in fault_ranks:
     if fault == "stall":
         train_step = Trainer.train_step
 
         def stalled_step(self):
             if self.step == at:
-                Path(os.environ["FAULT_MARK"]).write_text(repr(time.time()))
+                if rank == fault_ranks[0]:
+                    Path(os.environ["FAULT_MARK"]).write_text(repr(time.time()))
                 while True:
                     time.sleep(60)
             return train_step(self)

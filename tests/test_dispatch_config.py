@@ -128,3 +128,22 @@ def test_local_two_phase_api_is_eager():
     assert torch.equal(got.layout.end, want.layout.end)
     y = d.combine_async(got.rows_MH, got.handle).wait()
     assert torch.allclose(y, d.combine(want.rows_MH, want.handle))
+
+
+@pytest.mark.slow
+def test_mesh_groups_carry_the_timeout():
+    """build_mesh's dp and ep groups time out after ``timeout_s`` (not torch's 30 min); a dimension
+    over every rank is the default group (started here with 20 s). The FSDP2 1-D world mesh
+    (dropless/train/shard.py) reuses the default group on a CPU build, so it carries its timeout."""
+    from tests import dist_harness as H
+
+    res = H.run_world("mesh_timeout_worker", 2, 5.0, pg_timeout_s=20.0, deadline_s=120)
+    for r, out in enumerate(res):
+        assert "error" not in out, out
+        assert out[2]["shape"] == (1, 2) and out[2]["coord"] == [0, r], out
+        assert out[2]["ep"] == out[2]["ep_sub"] == dict(world=True, ranks=[0, 1], timeout_s=20.0), out
+        assert out[2]["dp"] == dict(world=False, ranks=[r], timeout_s=5.0), out
+        assert out[1]["shape"] == (2, 1) and out[1]["coord"] == [r, 0], out
+        assert out[1]["dp"] == dict(world=True, ranks=[0, 1], timeout_s=20.0), out
+        assert out[1]["ep"] == out[1]["ep_sub"] == dict(world=False, ranks=[r], timeout_s=5.0), out
+        assert out["fsdp_world"]["world"] and out["fsdp_world"]["timeout_s"] == 20.0, out

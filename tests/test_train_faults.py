@@ -3,6 +3,11 @@
 * A rank that stops taking part (sleeps forever before step 2): the other rank exits with
   status 1 and an error naming ``train.dist_timeout_s``, within that timeout plus a few
   seconds of the stall (issue 11 item 9).
+* The same through the expert-parallel group: 4 ranks, ``dispatcher=a2a`` with EP = 2
+  (mesh dp 2 × ep 2); ranks 1-3 stall before step 2, so rank 0's first collective after the
+  stall is the a2a dispatcher's all-to-all with rank 1 over the ep group ``[0, 1]``, a group
+  of the mesh (not the world group): rank 0 must fail within ``train.dist_timeout_s`` too,
+  not after torch's 30-minute default for new groups.
 * A rank SIGKILLed mid-run under ``torchrun --max-restarts 1``: torchrun restarts both, they
   resume by themselves (``TORCHELASTIC_RESTART_COUNT`` > 0 means ``resume=true``) from the
   newest complete checkpoint and finish; every step's loss and grad norm equals the
@@ -11,7 +16,7 @@
   completes): the half-written checkpoint is never loaded (the restart resumes from step 2,
   logs that it ignores step 4's directory) and the losses again equal the uninterrupted run's.
 
-The faults are injected by ``tests/fault_rank.py``. Runtime ≈ 60-90 s on 2 busy cores.
+The faults are injected by ``tests/fault_rank.py``. Runtime ≈ 90-150 s on 2 busy cores.
 """
 
 from __future__ import annotations
@@ -35,11 +40,11 @@ STEPS = 10
 
 
 def _torchrun(run_dir: Path, extra: list[str], *, restarts: int = 0, fault: dict | None = None,
-              log: Path | None = None) -> subprocess.Popen:
+              log: Path | None = None, nproc: int = 2) -> subprocess.Popen:
     env = _env()
     env["FAULT_PID_DIR"] = str(_pid_dir(run_dir))
     env.update(fault or {})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
            "--max-restarts", str(restarts), "--monitor-interval", "0.2", FAULT_RANK,
            *BASE, f"run_dir={run_dir}", *extra]
     out = open(log or run_dir.with_suffix(".log"), "w")
@@ -109,6 +114,36 @@ def test_stalled_rank_fails_the_other_within_the_timeout(tmp_path):
     log = rd.with_suffix(".log").read_text()
     assert "train.dist_timeout_s=4" in log and "a peer rank died or stopped taking part" in log, log[-3000:]
     assert "rank 0 of 2" in log, log[-3000:]
+    waited = exited - stalled
+    assert timeout_s * 0.8 <= waited < timeout_s + 8, (waited, log[-2000:])
+
+
+def test_stalled_ep_peer_fails_the_other_within_the_timeout(tmp_path):
+    timeout_s = 4
+    rd, mark = tmp_path / "run", tmp_path / "stalled_at"
+    pids = _pid_dir(rd)
+    p = _torchrun(rd, ["train.steps=50", "train.ckpt_every=0", f"train.dist_timeout_s={timeout_s}",
+                       "dispatcher=a2a", "dispatcher.ep_size=2"], nproc=4,
+                  fault={"FAULT": "stall", "FAULT_STEP": "2", "FAULT_RANK": "1,2,3", "FAULT_MARK": str(mark)})
+    try:
+        deadline = time.monotonic() + 300
+        while not mark.exists() and time.monotonic() < deadline and p.poll() is None:
+            time.sleep(0.1)
+        assert mark.exists(), rd.with_suffix(".log").read_text()[-3000:]
+        rank0 = int((pids / "rank0.start0").read_text())
+        # bounded: on a mesh whose ep group has torch's default timeout, rank 0 would wait 30 min
+        deadline = time.monotonic() + timeout_s + 40
+        while _alive(rank0) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        hung = _alive(rank0)
+        exited = time.time()
+        stalled = float(mark.read_text())
+    finally:
+        _finish(p, 0.1, rd)
+    log = rd.with_suffix(".log").read_text()
+    assert not hung, f"rank 0 still waits {exited - stalled:.0f} s after its ep peer stalled: " + log[-3000:]
+    assert "train.dist_timeout_s=4" in log and "a peer rank died or stopped taking part" in log, log[-3000:]
+    assert "rank 0 of 4" in log and "a2a dispatcher" in log, log[-3000:]
     waited = exited - stalled
     assert timeout_s * 0.8 <= waited < timeout_s + 8, (waited, log[-2000:])
 

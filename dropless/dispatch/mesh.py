@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from dropless.config import ConfigError
 
@@ -124,7 +124,9 @@ def build_mesh(world_size: int, ep_size: int, device_type: str = "cpu", *,
         ep_size: expert-parallel size ``EP``; ``dp = world_size // ep_size``.
         device_type: ``"cpu"`` or ``"cuda"``.
         n_routed_experts: if given, checked to be divisible by ``ep_size``.
-        timeout_s: collective timeout when this call has to initialise the process group.
+        timeout_s: collective timeout in seconds (``train.dist_timeout_s``) of the process group
+            when this call has to start it, and of the mesh's dp and ep groups. None: torch's
+            default for new groups (30 min gloo, 10 min NCCL).
     Returns:
         the mesh, shape ``(world_size // ep_size, ep_size)``.
     Raises:
@@ -132,6 +134,11 @@ def build_mesh(world_size: int, ep_size: int, device_type: str = "cpu", *,
             ``world_size`` differs from the initialised group's size, or ``world_size > 1``
             without a process group and without torchrun's environment.
     Notes:
+        New process groups do not inherit the default group's timeout, and ``init_device_mesh``
+        gives its groups none, so the groups are made here with ``dist.new_group(ranks,
+        timeout=...)`` (every rank makes every slice, in the same order) and the mesh is built
+        on them with ``DeviceMesh.from_group``. A dimension spanning every rank reuses the
+        default group, as ``init_device_mesh`` does (its timeout is the one it was started with).
         With ``world_size == 1`` and no process group, a one-rank group is created on an
         in-memory store (no torchrun, no ports), so single-process runs need no set-up.
     """
@@ -145,7 +152,19 @@ def build_mesh(world_size: int, ep_size: int, device_type: str = "cpu", *,
     if actual != world_size:
         raise ConfigError(f"build_mesh: world_size={world_size} but the process group has {actual} ranks; "
                           "pass world_size=torch.distributed.get_world_size()")
-    return init_device_mesh(device_type, (world_size // ep_size, ep_size), mesh_dim_names=("dp", "ep"))
+    ranks = torch.arange(world_size, dtype=torch.int).reshape(world_size // ep_size, ep_size)
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=float(timeout_s))
+    me = dist.get_rank()
+    groups = []
+    for slices in (ranks.t(), ranks):  # dp slices are the columns, ep slices the rows
+        mine = None
+        for sl in slices.tolist():
+            g = (dist.group.WORLD if len(sl) == world_size
+                 else dist.new_group(sl, timeout=timeout) if timeout is not None else dist.new_group(sl))
+            if me in sl:
+                mine = g
+        groups.append(mine)
+    return DeviceMesh.from_group(groups, device_type, mesh=ranks, mesh_dim_names=("dp", "ep"))
 
 
 def ep_group(mesh_or_group: Any) -> Any:

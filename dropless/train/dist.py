@@ -158,8 +158,9 @@ def init_distributed(cfg: Any, n_routed_experts: int) -> DistEnv:
     env = DistEnv(rank, world, local_rank, local_world, device, ep, dp)
     if world == 1:
         return env
-    start_process_group(device, float(cfg.train.get("dist_timeout_s", 600)))
-    env.mesh = build_mesh(world, ep, device.type)
+    timeout_s = float(cfg.train.get("dist_timeout_s", 600))
+    start_process_group(device, timeout_s)
+    env.mesh = build_mesh(world, ep, device.type, timeout_s=timeout_s)  # its dp/ep groups carry it too
     env.ep_group = env.mesh.get_group("ep") if ep > 1 else None
     env.dp_group = env.mesh.get_group("dp")
     return env
