@@ -3,13 +3,6 @@ import transformers (the checkpoint is made by the parent)."""
 
 from __future__ import annotations
 
-import datetime
-import os
-import traceback
-from pathlib import Path
-
-import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from dropless.convert import args_from_hf_config, load_hf, read_hf_config
@@ -22,36 +15,24 @@ from dropless.train.shard import shard_dense_params
 WORLD = 2
 
 
-def worker(rank, port, out_dir, hf_dir, dcp_dir):
-    torch.set_num_threads(1)
-    out = Path(out_dir) / f"rank{rank}.pt"
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                                timeout=datetime.timedelta(seconds=30))
-        mesh = build_mesh(WORLD, WORLD, "cpu")
-        args, _ = args_from_hf_config(read_hf_config(hf_dir))
-        res = {}
-        for src in ("hf", "dcp", "hf_sharded"):
-            model = Transformer(args, dispatcher_factory=lambda layer_id: build_dispatcher("a2a", args, ep_group=mesh))
-            model.init_weights(seed=99)
-            if src.endswith("sharded"):  # train.shard_dense: the non-expert weights are FSDP2 DTensors
-                shard_dense_params(model, WORLD, "cpu")
-            if src.startswith("hf"):
-                rep = load_hf(model, hf_dir)
-                res.setdefault("names_read", rep.names_read)
-            else:
-                init_from(model, dcp_dir, mesh=mesh)
-            res[src] = {k: (v.full_tensor() if isinstance(v, DTensor) else v).clone()
-                        for k, v in model.state_dict().items()}
-            res[src + "_dtensors"] = sum(isinstance(v, DTensor) for v in model.state_dict().values())
-        res["offsets"] = [m.experts.expert_offset for m in model.moe_layers()]
-        torch.save(res, out)
-        # after FSDP2 over the world mesh gloo's teardown can abort a rank (tests/dist_harness.py):
-        # the result is saved, leave at once
-        os._exit(0)
-    except BaseException:
-        torch.save({"error": traceback.format_exc()}, out)
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def worker(rank, world, hf_dir, dcp_dir):
+    """On each rank, under the harness's gloo group (tests/dist_harness.py ``run_world``): the
+    model imported three ways; returns each one's full state dict and what was read."""
+    mesh = build_mesh(world, world, "cpu")
+    args, _ = args_from_hf_config(read_hf_config(hf_dir))
+    res = {}
+    for src in ("hf", "dcp", "hf_sharded"):
+        model = Transformer(args, dispatcher_factory=lambda layer_id: build_dispatcher("a2a", args, ep_group=mesh))
+        model.init_weights(seed=99)
+        if src.endswith("sharded"):  # train.shard_dense: the non-expert weights are FSDP2 DTensors
+            shard_dense_params(model, world, "cpu")
+        if src.startswith("hf"):
+            rep = load_hf(model, hf_dir)
+            res.setdefault("names_read", rep.names_read)
+        else:
+            init_from(model, dcp_dir, mesh=mesh)
+        res[src] = {k: (v.full_tensor() if isinstance(v, DTensor) else v).clone()
+                    for k, v in model.state_dict().items()}
+        res[src + "_dtensors"] = sum(isinstance(v, DTensor) for v in model.state_dict().values())
+    res["offsets"] = [m.experts.expert_offset for m in model.moe_layers()]
+    return res

@@ -13,11 +13,15 @@ single-process ``local`` reference themselves (:func:`reference`) on the same gl
 from __future__ import annotations
 
 import datetime
+import faulthandler
+import importlib
 import os
+import signal
 import socket
 import tempfile
 import time
 import traceback
+from multiprocessing import connection as mp_connection
 from pathlib import Path
 
 import torch
@@ -89,16 +93,29 @@ def _save(obj, path: Path) -> None:
 # Workers whose process groups are not torn down: after FSDP2 over a world DeviceMesh, gloo's
 # teardown aborted one rank at exit in about 1 run of 15 under pytest (the results are saved
 # before, atomically, so leaving at once loses nothing).
-_NO_TEARDOWN = {"shard_dense_worker"}
+_NO_TEARDOWN = {"shard_dense_worker", "tests.convert_ep_worker:worker"}
+
+
+def _resolve(fn_name: str):
+    """A worker by name: ``"name"`` in this module, or ``"package.module:name"`` (a module of its
+    own keeps a worker's imports out of the other ranks, e.g. transformers)."""
+    if ":" not in fn_name:
+        return globals()[fn_name]
+    mod, _, name = fn_name.partition(":")
+    return getattr(importlib.import_module(mod), name)
 
 
 def _entry(rank, world, port, fn_name, out_dir, args, pg_timeout_s):
     torch.set_num_threads(1)
     out = Path(out_dir) / f"rank{rank}.pt"
+    # the parent sends SIGUSR1 to a rank still alive when another one failed: its Python stack
+    # tells where it was (a rank that never reached the collective its peer timed out in)
+    stack = open(Path(out_dir) / f"rank{rank}.stack", "w")  # noqa: SIM115 - open until the process ends
+    faulthandler.register(signal.SIGUSR1, file=stack, all_threads=True)
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
-        res = globals()[fn_name](rank, world, *args)
+        res = _resolve(fn_name)(rank, world, *args)
         _save(res, out)
     except BaseException:
         _save({"error": traceback.format_exc()}, out)
@@ -108,32 +125,78 @@ def _entry(rank, world, port, fn_name, out_dir, args, pg_timeout_s):
     dist.destroy_process_group()
 
 
-def run_world(fn_name: str, world: int, *args, pg_timeout_s: float = 30.0, deadline_s: float = 120.0,
+def _failure_report(tmp: Path, world: int, alive: list[int]) -> str:
+    """Every rank's saved error and, for the ranks that were still running, their stacks."""
+    parts = []
+    for r in range(world):
+        f = tmp / f"rank{r}.pt"
+        res = torch.load(f, weights_only=False) if f.exists() else None
+        if isinstance(res, dict) and "error" in res:
+            parts.append(f"--- rank {r} raised:\n{res['error']}")
+        elif r in alive:
+            st = tmp / f"rank{r}.stack"
+            parts.append(f"--- rank {r} was still running; its stack:\n"
+                         + (st.read_text() if st.exists() else "(none written)"))
+        else:
+            parts.append(f"--- rank {r}: " + ("finished" if res is not None else "exited without a result"))
+    return "\n".join(parts)
+
+
+def _stop(ctx, tmp: Path) -> list[int]:
+    """Dump the stacks of the ranks still alive, then kill them; return their ranks."""
+    alive = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
+    for r in alive:
+        os.kill(ctx.processes[r].pid, signal.SIGUSR1)
+    if alive:
+        time.sleep(1.0)
+    for p in ctx.processes:
+        if p.is_alive():
+            p.kill()
+        p.join(10)
+    return alive
+
+
+def run_world(fn_name: str, world: int, *args, pg_timeout_s: float = 60.0, deadline_s: float = 120.0,
               allow_fail: bool = False, until_rank0: bool = False) -> list:
     """Run ``fn_name(rank, world, *args)`` on ``world`` gloo ranks; return the per-rank results.
 
+    ``fn_name``: a worker of this module, or ``"package.module:function"``.
+    ``pg_timeout_s``: the gloo group's collective timeout: long enough that a 2-core CI machine
+    under load does not trip it (a 30 s send timed out there once), short enough that a real
+    hang fails well inside ``deadline_s``.
     ``until_rank0``: return (killing the others) as soon as rank 0 has written its result.
+    A failing world raises AssertionError with every rank's error and the stacks of the ranks
+    still running (a rank waiting in a collective its peers never entered shows where).
     """
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_entry, args=(world, _free_port(), fn_name, tmp, args, pg_timeout_s),
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        ctx = mp.start_processes(_entry, args=(world, _free_port(), fn_name, tmp_name, args, pg_timeout_s),
                                  nprocs=world, join=False, start_method="spawn")
         t0 = time.monotonic()
+        failure = None
         try:
-            while not ctx.join(timeout=0.2):
-                if until_rank0 and (Path(tmp) / "rank0.pt").exists():
+            while True:
+                codes = [p.exitcode for p in ctx.processes]
+                if all(c == 0 for c in codes):
+                    break
+                bad = {r: c for r, c in enumerate(codes) if c not in (None, 0)}
+                if bad:  # the others are still up: _stop dumps their stacks
+                    if not allow_fail:
+                        failure = f"{fn_name} on {world} ranks failed: exit codes {bad}"
+                    break
+                if until_rank0 and (tmp / "rank0.pt").exists():
                     break
                 if time.monotonic() - t0 > deadline_s:
-                    raise TimeoutError(f"{fn_name} on {world} ranks did not finish in {deadline_s} s")
-        except mp.ProcessRaisedException:
-            if not allow_fail:
-                raise
+                    failure = f"{fn_name} on {world} ranks did not finish in {deadline_s} s"
+                    break
+                mp_connection.wait([p.sentinel for p in ctx.processes if p.exitcode is None], timeout=0.2)
         finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
+            alive = _stop(ctx, tmp)
+        if failure is not None:
+            raise AssertionError(failure + "\n" + _failure_report(tmp, world, alive))
         results = []
         for r in range(world):
-            f = Path(tmp) / f"rank{r}.pt"
+            f = tmp / f"rank{r}.pt"
             results.append(torch.load(f, weights_only=False) if f.exists() else None)
         return results
 
@@ -398,3 +461,13 @@ def mesh_timeout_worker(rank, world, timeout_s):
                        dp=info(m.get_group("dp")), ep=info(m.get_group("ep")), ep_sub=info(m["ep"].get_group()))
     out["fsdp_world"] = info(init_device_mesh("cpu", (world,), mesh_dim_names=("world",)).get_group())
     return out
+
+
+def stuck_peer_worker(rank, world):
+    """Rank 0 waits in a barrier that rank 1, busy elsewhere, never enters: rank 0 times out
+    (the group's timeout), rank 1 is still running (the harness's own test)."""
+    if rank == 1:
+        time.sleep(120)
+        return {}
+    dist.barrier()
+    return {"passed_barrier": True}

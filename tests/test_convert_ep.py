@@ -5,26 +5,15 @@ Face import again with the non-expert weights FSDP2-sharded (``train.shard_dense
 
 from __future__ import annotations
 
-import socket
-import tempfile
-import time
-from pathlib import Path
-
 import torch
-import torch.multiprocessing as mp
 
 from dropless.convert import args_from_hf_config, load_hf, read_hf_config, save_model_dcp
 from dropless.model import Transformer
 from tests import convert_ep_worker
+from tests import dist_harness as H
 from tests.hf_tiny import make_hf_dir
 
 WORLD = convert_ep_worker.WORLD
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_ep_ranks_read_only_their_experts(tmp_path):
@@ -39,19 +28,7 @@ def test_ep_ranks_read_only_their_experts(tmp_path):
     E = args.n_routed_experts
     non_expert = rep.tensors_read - 3 * E * n_moe
 
-    with tempfile.TemporaryDirectory() as out:
-        ctx = mp.start_processes(convert_ep_worker.worker, args=(_free_port(), out, str(hf_dir), str(dcp_dir)),
-                                 nprocs=WORLD,
-                                 join=False, start_method="spawn")
-        t0 = time.monotonic()
-        try:
-            while not ctx.join(timeout=0.2):
-                assert time.monotonic() - t0 < 120, "EP import did not finish in 120 s"
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-        results = [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    results = H.run_world("tests.convert_ep_worker:worker", WORLD, str(hf_dir), str(dcp_dir), deadline_s=180)
     for r, res in enumerate(results):
         assert "error" not in res, res.get("error")
         e = E // WORLD

@@ -7,13 +7,10 @@ References are plain-Python float64 loops of the rules in DESIGN.md "Router
 from __future__ import annotations
 
 import math
-import os
 import warnings
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.utils.checkpoint as cp
 from torch import nn
 
@@ -473,49 +470,46 @@ _COUNTS = {  # rank -> (layer 1 counts, layer 2 counts); E = 4
 }
 
 
-def _gloo_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+def _bias_worker(rank: int, world: int) -> dict:
+    """On each of 2 gloo ranks (tests/dist_harness.py ``run_world``): this rank's counts, one bias update."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=30))
+    args = ModelArgs(hidden_size=8, n_routed_experts=4, num_experts_per_tok=1, n_group=1,
+                     topk_group=1, bias_update_speed=0.5)
+    model = TwoLayers(args)
+    for layer, c in zip(model.layers, _COUNTS[rank]):
+        layer.tokens_per_expert.copy_(torch.tensor(c))
+    calls = []
+    real = dist.all_reduce
+
+    def counting_all_reduce(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    dist.all_reduce = counting_all_reduce
     try:
-        args = ModelArgs(hidden_size=8, n_routed_experts=4, num_experts_per_tok=1, n_group=1,
-                         topk_group=1, bias_update_speed=0.5)
-        model = TwoLayers(args)
-        for layer, c in zip(model.layers, _COUNTS[rank]):
-            layer.tokens_per_expert.copy_(torch.tensor(c))
-        calls = []
-        real = dist.all_reduce
-
-        def counting_all_reduce(*a, **k):
-            calls.append(1)
-            return real(*a, **k)
-
-        dist.all_reduce = counting_all_reduce
-        try:
-            stats = update_router_biases(model, group=dist.group.WORLD)
-        finally:
-            dist.all_reduce = real
-        torch.save({"calls": len(calls), "stats": stats,
-                    "bias": [layer.e_score_correction_bias.clone() for layer in model.layers],
-                    "tpe": [layer.tokens_per_expert.clone() for layer in model.layers]},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
+        stats = update_router_biases(model, group=dist.group.WORLD)
     finally:
-        dist.destroy_process_group()
+        dist.all_reduce = real
+    return {"calls": len(calls), "stats": stats,
+            "bias": [layer.e_score_correction_bias.clone() for layer in model.layers],
+            "tpe": [layer.tokens_per_expert.clone() for layer in model.layers]}
 
 
 @pytest.mark.slow
-def test_update_router_biases_sums_counts_over_gloo_ranks(tmp_path):
+def test_update_router_biases_sums_counts_over_gloo_ranks():
     import torch.distributed as dist
+
+    from tests import dist_harness as H
 
     if not dist.is_available():
         pytest.skip("torch.distributed not available")
-    mp.spawn(_gloo_worker, args=(2, str(tmp_path / "rdzv"), str(tmp_path)), nprocs=2, join=True)
+    results = H.run_world("tests.test_routing:_bias_worker", 2)
     for layer_i, key in enumerate(("layer1", "layer2")):
         summed = torch.tensor(_COUNTS[0][layer_i]) + torch.tensor(_COUNTS[1][layer_i])
         expect_bias = 0.5 * torch.sign(summed.mean() - summed)
         for rank in range(2):
-            res = torch.load(tmp_path / f"rank{rank}.pt")
+            res = results[rank]
             own = torch.tensor(_COUNTS[rank][layer_i])
             assert not torch.equal(0.5 * torch.sign(own.mean() - own), expect_bias)  # test can fail
             assert res["calls"] == 1                      # one flattened collective
