@@ -168,7 +168,11 @@ def test_wrong_type_is_a_composition_error_naming_the_field(override, field):
 
 @pytest.mark.parametrize("override,field", [("train.steps=abc", "train.steps"), ("optim.betas=0.9", "optim.betas"),
                                             ("seed=abc", "seed"), ("num_threads=-1", "num_threads=-1"),
-                                            ("num_threads=0", "num_threads=0")])
+                                            ("num_threads=0", "num_threads=0"),
+                                            # the model's own checks and seq_len, from the config alone
+                                            ("model.n_routed_experts=7", "model.n_group=4"),
+                                            ("model.hidden_size=-8", "model.hidden_size"),
+                                            ("train.seq_len=100000", "model.max_position_embeddings")])
 def test_cli_bad_value_exits_2_before_the_config_is_printed(capsys, override, field):
     from dropless.train.__main__ import main
 

@@ -72,7 +72,13 @@ class NonFiniteError(FloatingPointError):
 
 # ----------------------------------------------------------------------------- checks
 def check_train_config(cfg: DictConfig) -> None:
-    """Raise ConfigError for train/optim/logging values that cannot work (before any work)."""
+    """Raise ConfigError for config values that cannot work, from the config alone (before any work).
+
+    Checks the train/optim/logging ranges, the model (:func:`~dropless.train.config.model_args`:
+    every field and their relations, e.g. ``n_group`` dividing ``n_routed_experts``) and
+    ``train.seq_len`` against ``model.max_position_embeddings``. ``dropless-train`` calls it
+    before it prints the resolved config, so the error is the last thing on the terminal.
+    """
     t, o = cfg.train, cfg.optim
 
     def need(ok: bool, field: str, value: Any, why: str) -> None:
@@ -105,6 +111,11 @@ def check_train_config(cfg: DictConfig) -> None:
          "must be offline, online or disabled")
     need(cfg.num_threads is None or int(cfg.num_threads) >= 1, "num_threads", cfg.num_threads,
          "must be >= 1 (CPU threads per process), or null for the cores divided by the local processes")
+    args = model_args(cfg)
+    if int(t.seq_len) > args.max_position_embeddings:
+        raise ConfigError(f"train.seq_len={int(t.seq_len)} > model.max_position_embeddings="
+                          f"{args.max_position_embeddings}: lower train.seq_len or raise "
+                          "model.max_position_embeddings")
 
 
 def resolve_run_dir(cfg: DictConfig, env: DistEnv) -> Path:
@@ -236,10 +247,6 @@ class Trainer:
         t = cfg.train
         self.seq_len, self.batch, self.accum, self.steps = int(t.seq_len), int(t.micro_batch_size), \
             int(t.grad_accum), int(t.steps)
-        if self.seq_len > self.args.max_position_embeddings:
-            raise ConfigError(f"train.seq_len={self.seq_len} > model.max_position_embeddings="
-                              f"{self.args.max_position_embeddings}: lower train.seq_len or raise "
-                              "model.max_position_embeddings")
         self.env = env = init_distributed(cfg, self.args.n_routed_experts)
         check_backend_device(self.args.gemm, env.device)  # e.g. gemm=fp8 on a GPU without FP8 tensor cores
         self.dtype = compute_dtype(t, env.device)
