@@ -109,11 +109,14 @@ class GroupedExperts(nn.Module):
             dtype: compute dtype (autocast's, or the rows' dtype).
             accumulate_wgrad: sum the chunks' weight gradients in place in one buffer per
                 weight (:class:`~dropless.ops.grouped_gemm.WgradAccumulator`) rather than
-                letting autograd add a fresh one per chunk. Ignored without grad mode.
+                letting autograd add a fresh one per chunk. Ignored without grad mode, and
+                while ``torch.compile`` traces the layer (the accumulator is Python state
+                shared by backward nodes, which Dynamo cannot trace: autograd sums the chunks).
         """
         w13, w2 = self.w13, self.w2
         acc = None
-        if accumulate_wgrad and torch.is_grad_enabled() and (w13.requires_grad or w2.requires_grad):
+        if (accumulate_wgrad and torch.is_grad_enabled() and (w13.requires_grad or w2.requires_grad)
+                and not torch.compiler.is_compiling()):
             acc = WgradAccumulator(self.backend)
             w13, w2 = acc.collect(w13, "w13"), acc.collect(w2, "w2")
         w13c, w2c = w13.to(dtype), w2.to(dtype)

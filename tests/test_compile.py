@@ -3,8 +3,9 @@
 CPU: ``backend="aot_eager"`` on the torch paths: output and every gradient bitwise equal to
 eager (the Triton kernels' path, where the kernels are opaque ``torch.library.custom_op`` ops
 with fake implementations, is tested the same way in tests/test_triton_kernels.py). GPU: inductor, bf16,
-against eager within bf16 tolerance. The memory options (recompute, chunks) keep Python state
-across forward and backward and do not compile as one graph.
+against eager within bf16 tolerance. The memory options (recompute, chunks) compile too: while
+tracing, the recompute MLP runs as one autograd node and the chunks' weight gradients are
+summed by autograd (no Python state shared between backward nodes, which Dynamo refuses).
 """
 
 from __future__ import annotations
@@ -40,7 +41,12 @@ def _check_equal(m, x, g, backend="aot_eager"):
     return eager, compiled
 
 
-@pytest.mark.parametrize("kw", [{}, dict(fold_routing_weights=True)])
+MEMORY_OPTIONS = [dict(recompute_fc1=True), dict(recompute_swiglu=True), dict(recompute_gather=True),
+                  dict(num_token_chunks=2), dict(recompute_fc1=True, recompute_gather=True, fold_routing_weights=True,
+                                                 num_token_chunks=3)]
+
+
+@pytest.mark.parametrize("kw", [{}, dict(fold_routing_weights=True)] + MEMORY_OPTIONS)
 def test_moe_layer_compiles_as_one_graph_and_equals_eager(kw):
     torch.manual_seed(0)
     m = _layer(**kw)
@@ -119,6 +125,35 @@ def test_no_custom_function_returns_an_aliased_intermediate(kw, monkeypatch):
     torch.autograd.grad(y, [x] + [p for p in m.parameters() if p.requires_grad], torch.randn_like(y),
                         allow_unused=True)
     assert not bad, bad
+
+
+@pytest.mark.parametrize("kw", MEMORY_OPTIONS)
+def test_traced_one_node_recompute_equals_the_two_nodes(kw, monkeypatch):
+    """What a trace runs (the recompute MLP as one node, no chunk accumulator), run eagerly, against
+    eager's two nodes: output, every gradient and the gradients of x alone / the weights alone
+    bitwise equal, and the same bytes saved for backward (the one node keeps nothing more)."""
+    from dropless.saved_bytes import SavedBytes
+
+    def run(compiling: bool):
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
+        torch.manual_seed(0)
+        m = _layer(**kw)
+        x = torch.randn(2, 12, 32, requires_grad=True)
+        g = torch.randn(2, 12, 32)
+        ps = [p for p in m.parameters() if p.requires_grad]
+        with SavedBytes([x, *ps]) as sb:
+            y = m(x)
+        full = torch.autograd.grad(y, [x, *ps], g)
+        x_only = torch.autograd.grad(m(x), [x], g)
+        w_only = torch.autograd.grad(m(x), [m.experts.w13, m.experts.w2], g)
+        return (y, *full, *x_only, *w_only), sb.total()
+
+    two, saved_two = run(False)
+    one, saved_one = run(True)
+    assert saved_one == saved_two > 0
+    for a, b in zip(two, one):
+        assert torch.equal(a, b)
+    assert two[2].abs().sum() > 0  # the router's gradient is not trivially zero
 
 
 @pytest.mark.gpu

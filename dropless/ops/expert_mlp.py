@@ -5,7 +5,9 @@ The nodes drive the grouped GEMMs (:mod:`dropless.ops.grouped_gemm`), the SwiGLU
 that what backward needs is rebuilt rather than saved (MegaBlocks' memory-optimised MLP
 idea): :class:`_FC1SwiGLU` never saves the SwiGLU output, :class:`_FC2Recompute` rebuilds it
 (and with ``recompute_fc1`` FC1's output too). :class:`RecomputeAhead` moves that rebuild to
-just before the combine's backward. Entry point: :func:`expert_mlp_recompute`.
+just before the combine's backward. Entry point: :func:`expert_mlp_recompute`. Under
+``torch.compile`` the same computation runs as one node (:class:`_ExpertMLPOneNode`): the two
+nodes share Python state that Dynamo cannot trace.
 """
 
 from __future__ import annotations
@@ -128,29 +130,55 @@ class _FC1SwiGLU(torch.autograd.Function):
         if ctx.recompute_fc1:  # FC2's backward (or the ahead hook) left it in the box
             h13 = _rebuild_h13(box, x_in, w13, src, layout, be) if (want_x or want_w13 or want_rw) else None
             box.h13 = None
-        d_row_w = dw13 = dx = None
-        if want_rw:
-            a = swiglu_fwd(h13, layout)
-            # bf16 products summed in fp32: no [M, I] fp32 copies of dh and a (3 × M·I·4 bytes)
-            d_row_w = torch.sum(dh_MI * a, dim=-1, dtype=torch.promote_types(a.dtype, torch.float32)).to(row_w.dtype)
-            del a
         x, box.rows = box.rows, None
-        if not (want_x or want_w13):
-            return None, None, d_row_w, None, None, None, None, None, None, None
-        dh13 = swiglu_bwd(h13, dh_MI.contiguous(), layout, row_w if ctx.has_w else None)
-        del h13
-        if want_w13:
-            # the rows only now, after h13 is freed: they never sit beside h13, dh and dh13 at once
-            if x is None:
-                x = _landed(x_in, src)
-            dw13 = weight_grad(x, dh13, layout, be, w13.dtype, (ctx.wgrad, "w13") if ctx.wgrad is not None else None)
-        del x
-        if want_x:
-            dx = be.gmm(dh13, w13.transpose(1, 2), layout)
-            del dh13
-            if ctx.gather:
-                dx = gather_sum(dx, dest_Nk, None)  # Σ over the k landed copies of each token, fp32
+        dx, dw13, d_row_w = _fc1_swiglu_backward(dh_MI, h13, x, x_in, w13, row_w if ctx.has_w else None, src,
+                                                 dest_Nk, layout, be, want_x, want_w13, want_rw, ctx.wgrad)
         return dx, dw13, d_row_w, None, None, None, None, None, None, None
+
+
+def _fc1_swiglu_backward(dh_MI, h13, x, x_in, w13, row_w, src_M, dest_Nk, layout, be, want_x: bool,
+                         want_w13: bool, want_rw: bool, wgrad):
+    """Backward of (gather) -> FC1 -> SwiGLU (× row weight), given FC1's output ``h13``.
+
+    ``x``: the landed rows when the caller holds them, else None (rebuilt from ``x_in`` /
+    ``src_M`` only for ``dW13``, after ``h13`` is freed). ``row_w``: None when not folded.
+    Returns ``(dx, dW13, d_row_w)`` (None where not wanted; ``dW13`` None after adding it
+    into ``wgrad``); ``dx`` is per source token (``[N, H]``, fp32 sum over k) with ``src_M``.
+    """
+    d_row_w = dw13 = dx = None
+    if want_rw:
+        a = swiglu_fwd(h13, layout)
+        # bf16 products summed in fp32: no [M, I] fp32 copies of dh and a (3 × M·I·4 bytes)
+        d_row_w = torch.sum(dh_MI * a, dim=-1, dtype=torch.promote_types(a.dtype, torch.float32)).to(row_w.dtype)
+        del a
+    if not (want_x or want_w13):
+        return None, None, d_row_w
+    dh13 = swiglu_bwd(h13, dh_MI.contiguous(), layout, row_w)
+    del h13
+    if want_w13:
+        # the rows only now, after h13 is freed: they never sit beside h13, dh and dh13 at once
+        if x is None:
+            x = _landed(x_in, src_M)
+        dw13 = weight_grad(x, dh13, layout, be, w13.dtype, (wgrad, "w13") if wgrad is not None else None)
+    del x
+    if want_x:
+        dx = be.gmm(dh13, w13.transpose(1, 2), layout)
+        del dh13
+        if src_M is not None:
+            dx = gather_sum(dx, dest_Nk, None)  # Σ over the k landed copies of each token, fp32
+    return dx, dw13, d_row_w
+
+
+def _fc2_backward(dy_MH, h13, w2, row_w, layout, be, want_h: bool, want_w2: bool, wgrad):
+    """Backward of FC2 with its input rebuilt from ``h13``: ``(dh, dW2)`` (None where not wanted)."""
+    dw2 = dh = None
+    if want_w2:
+        h = _weighted_(swiglu_fwd(h13, layout), row_w)
+        dw2 = weight_grad(h, dy_MH, layout, be, w2.dtype, (wgrad, "w2") if wgrad is not None else None)
+        del h
+    if want_h:
+        dh = be.gmm(dy_MH, w2.transpose(1, 2), layout)
+    return dh, dw2
 
 
 class _FC2Recompute(torch.autograd.Function):
@@ -182,15 +210,9 @@ class _FC2Recompute(torch.autograd.Function):
         dy_MH = dy_MH.contiguous()
         if not ctx.has_h13:  # rebuilt by the ahead hook already, or here
             h13 = _rebuild_h13(box, x_in, w13, src_M if ctx.gather else None, layout, be)
-        dw2 = dh = None
-        if want_w2:
-            h = _weighted_(swiglu_fwd(h13, layout), row_w if ctx.has_w else None)
-            dw2 = weight_grad(h, dy_MH, layout, be, w2.dtype, (ctx.wgrad, "w2") if ctx.wgrad is not None else None)
-            del h
+        dh, dw2 = _fc2_backward(dy_MH, h13, w2, row_w if ctx.has_w else None, layout, be, want_h, want_w2, ctx.wgrad)
         del h13
-        if want_h:
-            dh = be.gmm(dy_MH, w2.transpose(1, 2), layout)
-        else:  # FC1's backward will not run in this pass: nothing to hand on
+        if not want_h:  # FC1's backward will not run in this pass: nothing to hand on
             box.h13 = box.rows = None
         return dh, dw2, None, None, None, None, None, None, None, None, None
 
@@ -216,6 +238,53 @@ class _FC2Recompute(torch.autograd.Function):
         _rebuild_h13(box, x_in, w13, src_M if ctx.gather else None, ctx.layout, ctx.backend)
 
 
+class _ExpertMLPOneNode(torch.autograd.Function):
+    """The same computation and saved tensors as :class:`_FC1SwiGLU` + :class:`_FC2Recompute`, as one node.
+
+    For ``torch.compile``: the two-node version hands FC1's rebuilt output from one node's
+    backward to the next through a Python object (:class:`_RecomputeBox`), a side effect
+    Dynamo refuses to trace. Here FC2's backward and FC1's run in one backward, so nothing
+    passes between nodes; the cost is that ``dW2`` is returned with ``dW13`` at the end
+    (one weight gradient alive a little longer), and there is no :class:`RecomputeAhead`
+    and no chunk accumulator (autograd sums the chunks' weight gradients).
+    """
+
+    @staticmethod
+    def forward(ctx, x_in, w13, w2, row_w, src_M, dest_Nk, layout, backend, recompute_fc1):
+        h13 = backend.gmm(_landed(x_in, src_M), w13, layout)
+        h = _weighted_(swiglu_fwd(h13, layout), row_w, in_place=False)
+        ctx.layout, ctx.backend, ctx.recompute_fc1 = layout, backend, recompute_fc1
+        ctx.has_w, ctx.gather = row_w is not None, src_M is not None
+        empty = x_in.new_empty(0)
+        ctx.save_for_backward(x_in, w13, w2, row_w if row_w is not None else empty,
+                              empty if recompute_fc1 else h13,
+                              src_M if src_M is not None else empty, dest_Nk if dest_Nk is not None else empty)
+        return backend.gmm(h, w2, layout)
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, dy_MH):
+        x_in, w13, w2, row_w, h13, src_M, dest_Nk = ctx.saved_tensors
+        layout, be = ctx.layout, ctx.backend
+        src = src_M if ctx.gather else None
+        rw = row_w if ctx.has_w else None
+        want_x, want_w13, want_w2 = grad_wanted(ctx, 0), grad_wanted(ctx, 1), grad_wanted(ctx, 2)
+        want_rw = ctx.has_w and grad_wanted(ctx, 3)
+        want_h = want_x or want_w13 or want_rw
+        x = None
+        if ctx.recompute_fc1:
+            x = _landed(x_in, src)
+            h13 = be.gmm(x, w13, layout)
+            if src is not None:  # re-gathered rows are not kept (as in the two-node version)
+                x = None
+        dh, dw2 = _fc2_backward(dy_MH.contiguous(), h13, w2, rw, layout, be, want_h, want_w2, None)
+        dx = dw13 = d_row_w = None
+        if want_h:
+            dx, dw13, d_row_w = _fc1_swiglu_backward(dh, h13, x, x_in, w13, rw, src, dest_Nk, layout, be,
+                                                     want_x, want_w13, want_rw, None)
+        return dx, dw13, dw2, d_row_w, None, None, None, None, None
+
+
 def expert_mlp_recompute(x_in, w13, w2, row_w, layout, backend, recompute_fc1: bool,
                          source: RowSource | None = None, wgrad: WgradAccumulator | None = None,
                          with_ahead: bool = False):
@@ -237,12 +306,21 @@ def expert_mlp_recompute(x_in, w13, w2, row_w, layout, backend, recompute_fc1: b
     Saved for backward: the landed rows ``[M, H]`` (with ``source``: nothing beyond the
     source tokens and the int64 indices ``src_M``, ``dest_Nk``), ``h13 [M, 2I]`` unless
     ``recompute_fc1``, the row weights ``[M]`` if folded; never the SwiGLU output. Two
-    autograd nodes, so that FC2's gradients are released before FC1's backward runs.
+    autograd nodes, so that FC2's gradients are released before FC1's backward runs; one
+    while ``torch.compile`` traces it (no ``ahead``, ``wgrad`` must be None).
+    Raises:
+        ValueError: ``wgrad`` given while compiling.
     """
-    box = _RecomputeBox()
     src_M = dest_Nk = None
     if source is not None:
         x_in, src_M, dest_Nk = source.x_NH, source.src_M, source.dest_Nk
+    if torch.compiler.is_compiling():  # one node: no Python state between backward nodes
+        if wgrad is not None:
+            raise ValueError("expert_mlp_recompute: a WgradAccumulator cannot be traced by torch.compile; "
+                             "GroupedExperts.weights() makes none while compiling")
+        y = _ExpertMLPOneNode.apply(x_in, w13, w2, row_w, src_M, dest_Nk, layout, backend, recompute_fc1)
+        return (y, None) if with_ahead else y
+    box = _RecomputeBox()
     h, h13 = _FC1SwiGLU.apply(x_in, w13, row_w, src_M, dest_Nk, layout, backend, recompute_fc1, box, wgrad)
     y = _FC2Recompute.apply(h, w2, x_in, w13, row_w, h13, src_M, layout, backend, box, wgrad)
     if not with_ahead:
