@@ -338,3 +338,36 @@ def test_double_backward_raises_instead_of_a_wrong_result(kw):
     for loss in (lambda y: y.square().sum(), lambda y: (y * g).sum()):  # the upstream gradient needs grad, or not
         with pytest.raises(RuntimeError, match="second-order gradients"):
             torch.autograd.grad(loss(m(x)), x, create_graph=True)
+
+
+@pytest.mark.parametrize("one_node", [False, True])
+@pytest.mark.parametrize("gather", [False, True])
+def test_rebuilt_fc1_output_is_freed_before_the_fc1_gradient_gemms(monkeypatch, one_node, gather):
+    """recompute_fc1: FC1's rebuilt output h13 [M, 2I] is released once SwiGLU's backward has used it,
+    before the dW13 and dx GEMMs, in the two-node path and in the one node that torch.compile traces
+    (run here eagerly): it never sits beside dh13 and the landed rows' gradient."""
+    import weakref
+
+    from dropless.ops import expert_mlp
+
+    if one_node:
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    h13_refs, freed_at_dw13 = [], []
+    real_bwd, real_wg = expert_mlp.swiglu_bwd, expert_mlp.weight_grad
+
+    def swiglu_bwd(h13, *a, **k):
+        h13_refs.append(weakref.ref(h13))
+        return real_bwd(h13, *a, **k)
+
+    def weight_grad(x, dy, layout, be, dtype, wgrad=None):
+        if dy.shape[1] == 2 * 8:  # dh13 [M, 2I]: FC1's weight gradient (FC2's dy is [M, H = 32])
+            freed_at_dw13.append(h13_refs[-1]() is None)
+        return real_wg(x, dy, layout, be, dtype, wgrad)
+
+    monkeypatch.setattr(expert_mlp, "swiglu_bwd", swiglu_bwd)
+    monkeypatch.setattr(expert_mlp, "weight_grad", weight_grad)
+    got = _layer_run(moe_intermediate_size=8, recompute_fc1=True, recompute_gather=gather)
+    assert freed_at_dw13 == [True], freed_at_dw13
+    monkeypatch.undo()
+    for a, b in zip(got, _layer_run(moe_intermediate_size=8)):
+        assert ((a - b).abs().max() / b.abs().max()).item() < 1e-5

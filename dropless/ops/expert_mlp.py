@@ -130,21 +130,28 @@ class _FC1SwiGLU(torch.autograd.Function):
         if ctx.recompute_fc1:  # FC2's backward (or the ahead hook) left it in the box
             h13 = _rebuild_h13(box, x_in, w13, src, layout, be) if (want_x or want_w13 or want_rw) else None
             box.h13 = None
-        x, box.rows = box.rows, None
-        dx, dw13, d_row_w = _fc1_swiglu_backward(dh_MI, h13, x, x_in, w13, row_w if ctx.has_w else None, src,
+        own = [h13, box.rows]  # handed over: freed inside as soon as they are used
+        box.rows = None
+        del h13
+        dx, dw13, d_row_w = _fc1_swiglu_backward(dh_MI, own, x_in, w13, row_w if ctx.has_w else None, src,
                                                  dest_Nk, layout, be, want_x, want_w13, want_rw, ctx.wgrad)
         return dx, dw13, d_row_w, None, None, None, None, None, None, None
 
 
-def _fc1_swiglu_backward(dh_MI, h13, x, x_in, w13, row_w, src_M, dest_Nk, layout, be, want_x: bool,
+def _fc1_swiglu_backward(dh_MI, own: list, x_in, w13, row_w, src_M, dest_Nk, layout, be, want_x: bool,
                          want_w13: bool, want_rw: bool, wgrad):
     """Backward of (gather) -> FC1 -> SwiGLU (× row weight), given FC1's output ``h13``.
 
-    ``x``: the landed rows when the caller holds them, else None (rebuilt from ``x_in`` /
-    ``src_M`` only for ``dW13``, after ``h13`` is freed). ``row_w``: None when not folded.
-    Returns ``(dx, dW13, d_row_w)`` (None where not wanted; ``dW13`` None after adding it
-    into ``wgrad``); ``dx`` is per source token (``[N, H]``, fp32 sum over k) with ``src_M``.
+    ``own``: ``[h13, x]``, which the caller hands over and holds no other reference to (the
+    list is emptied here): ``h13`` is freed before the weight- and data-gradient GEMMs, and
+    the landed rows ``x`` right after ``dW13`` (None: rebuilt from ``x_in`` / ``src_M``, only
+    for ``dW13``, after ``h13`` is freed), so they never sit beside ``dh13`` and ``dx``.
+    ``row_w``: None when not folded. Returns ``(dx, dW13, d_row_w)`` (None where not wanted;
+    ``dW13`` None after adding it into ``wgrad``); ``dx`` is per source token (``[N, H]``, fp32
+    sum over k) with ``src_M``.
     """
+    h13, x = own
+    own.clear()
     d_row_w = dw13 = dx = None
     if want_rw:
         a = swiglu_fwd(h13, layout)
@@ -278,9 +285,12 @@ class _ExpertMLPOneNode(torch.autograd.Function):
             if src is not None:  # re-gathered rows are not kept (as in the two-node version)
                 x = None
         dh, dw2 = _fc2_backward(dy_MH.contiguous(), h13, w2, rw, layout, be, want_h, want_w2, None)
+        del dy_MH
         dx = dw13 = d_row_w = None
+        own = [h13, x]  # handed over: freed inside as soon as they are used
+        del h13, x
         if want_h:
-            dx, dw13, d_row_w = _fc1_swiglu_backward(dh, h13, x, x_in, w13, rw, src, dest_Nk, layout, be,
+            dx, dw13, d_row_w = _fc1_swiglu_backward(dh, own, x_in, w13, rw, src, dest_Nk, layout, be,
                                                      want_x, want_w13, want_rw, None)
         return dx, dw13, dw2, d_row_w, None, None, None, None, None
 
