@@ -10,10 +10,11 @@ experts' shape).
 
 With ``--gemm fp8`` every measurement runs for bf16 (``torch``), ``fp8`` (its default,
 ``use_fast_accum`` on) and ``fp8_exact`` (``use_fast_accum`` off) in the same process, each line
-tagged ``gemm`` and ``speedup`` over bf16;
+tagged ``gemm`` and ``speedup`` over bf16; ``--gemm deep_gemm --alignments 128`` runs bf16,
+``fp8`` and ``deep_gemm`` (which needs the deep_gemm package and A = 128) the same way;
 ``--profile`` adds the experts' per-kernel CUDA time (one line per kernel, top 15).
 
-Usage: ``python benchmarks/moe_layer.py [--gemm torch|fp8] [--quick] [--profile]``. Needs CUDA.
+Usage: ``python benchmarks/moe_layer.py [--gemm torch|fp8|deep_gemm] [--quick] [--profile]``. Needs CUDA.
 """
 
 from __future__ import annotations
@@ -200,7 +201,7 @@ def main(argv=None) -> int:
         emit(bench="dense_ceiling", shape="8192x8192x8192", tflops=round(dense_ceiling(8192, 8192, 8192), 1))
         emit(bench="dense_ceiling", shape=f"{sum(counts)}x{2 * I}x{H}",
              tflops=round(dense_ceiling(sum(counts), 2 * I, H), 1))
-    gemms = ["torch", "fp8", "fp8_exact"] if a.gemm == "fp8" else [a.gemm]
+    gemms = {"fp8": ["torch", "fp8", "fp8_exact"], "deep_gemm": ["torch", "fp8", "deep_gemm"]}.get(a.gemm, [a.gemm])
     if a.only in (None, "experts"):
         for A in (1, 128):
             base = None

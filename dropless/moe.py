@@ -142,6 +142,9 @@ class MoE(nn.Module):
                                       self.dispatcher.num_local_experts, gemm=args.gemm,
                                       expert_offset=self.dispatcher.expert_offset,
                                       recompute_swiglu=args.recompute_swiglu, recompute_fc1=args.recompute_fc1)
+        check_alignment = getattr(self.experts.backend, "check_alignment", None)
+        if check_alignment is not None:  # e.g. gemm=deep_gemm reads the layout's ends at its own M alignment
+            check_alignment(args.expert_alignment)
         self.shared_experts = (FeedForward(args.hidden_size, args.n_shared_experts * args.moe_intermediate_size)
                                if args.n_shared_experts > 0 else None)
         self.last_stats: dict[str, torch.Tensor] = {}

@@ -83,6 +83,58 @@ def test_triton_quant_small_rows_and_weights_match_reference(k_dim, ue8m0):
         assert torch.equal(b.transpose(1, 2).reshape(-1, w_NK.shape[2]).float(), qr.float())
 
 
+@pytest.mark.parametrize("k_dim", [1024, 7168])
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_triton_quant_1x128_matches_reference(k_dim, swiglu):
+    """The row kernel with one scale per row per 128 columns (gemm=deep_gemm's activations): q and the
+    scales bit for bit equal to the torch reference on live rows (K = 7168: BLOCK_K 8192, the last
+    8 groups masked)."""
+    lay, x, _, live, _ = make([3000, 0, 1000, 77], 128, 2 * k_dim if swiglu else k_dim, 16)
+    x[live] *= torch.logspace(-3, 3, int(live.sum()), device="cuda").unsqueeze(1).bfloat16()
+    q, s = (swiglu_quant_rows if swiglu else quant_rows)(x, lay, group=128)
+    a = x[live].float()
+    if swiglu:
+        a = a[:, :k_dim] * torch.sigmoid(a[:, :k_dim]) * a[:, k_dim:]
+    qr, sr, _ = _quant_torch(a, False, 128)
+    assert s.shape == (x.shape[0], k_dim // 128)
+    if swiglu:  # the kernel's sigmoid and the reference's may differ in the last bit
+        torch.testing.assert_close(s[live], sr, rtol=1e-6, atol=0)
+    else:
+        assert torch.equal(s[live], sr) and torch.equal(q[live].float(), qr.float())
+
+
+def test_deep_gemm_backend_vs_its_cpu_stand_in():
+    """gemm=deep_gemm (needs the deep_gemm package): DeepGEMM's kernel against the stand-in of
+    tests/fake_deep_gemm.py on the same FP8 operands (1e-2: summation order and bf16 output), and
+    the experts forward + backward against bf16 (the FP8 error)."""
+    pytest.importorskip("deep_gemm")
+    from dropless.ops.deep_gemm_backend import DeepGemmBackend
+    from tests import fake_deep_gemm
+
+    real, stand_in = DeepGemmBackend(), DeepGemmBackend(module=fake_deep_gemm, emulate=True)
+    lay, x, w, live, _ = make([2000, 0, 513, 129, 4000], 128, 1024, 2048)
+    xq, xs = real.quant_act(x, lay)
+    b, bs = real.weight(w)
+    y = real.scaled_gmm(xq, xs, b, bs, lay)
+    y_ref = stand_in.scaled_gmm(xq.cpu(), xs.cpu(), b.cpu(), bs.cpu(), ExpertLayout.from_counts(
+        lay.counts.cpu(), alignment=128, capacity=lay.capacity))
+    print("deep_gemm vs stand-in", rel(y[live].cpu(), y_ref[live.cpu()]))
+    assert rel(y[live].cpu(), y_ref[live.cpu()]) < 1e-2
+    ex = GroupedExperts(1024, 512, 5, gemm=real).cuda().bfloat16()
+    ref = GroupedExperts(1024, 512, 5, gemm="torch").cuda().bfloat16()
+    ex.init_weights(1, 2)
+    ref.load_state_dict(ex.state_dict())
+    xs_ = [x.clone().requires_grad_(True) for _ in range(2)]
+    y8, yb = ex(xs_[0], lay), ref(xs_[1], lay)
+    dy = torch.randn_like(y8)
+    y8.backward(dy)
+    yb.backward(dy)
+    errs = [rel(y8[live], yb[live]), rel(xs_[0].grad[live], xs_[1].grad[live]),
+            rel(ex.w13.grad, ref.w13.grad), rel(ex.w2.grad, ref.w2.grad)]
+    print("deep_gemm experts vs bf16 (y, dx, dw13, dw2)", errs)
+    assert all(e < 0.12 for e in errs)
+
+
 @pytest.mark.parametrize("a", [1, 128])
 @pytest.mark.parametrize("fast_accum", [False, True])
 def test_scaled_grouped_mm_vs_emulation_and_fp64(a, fast_accum):

@@ -292,3 +292,36 @@ def test_kernels_stay_inside_the_buffer_when_counts_overflow_the_capacity():
     sw.swiglu_fwd(h13, lay, out=out[:48])
     assert (out[48:] == SENTINEL).all()
     assert rel(out[:48], sw.swiglu_fwd_torch(h13.double())) < TOL
+
+
+@pytest.mark.parametrize("group", [0, 128])
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_fp8_quant_rows_kernel_group_scales_live_rows_only(group, swiglu):
+    """fp8_quant's row kernel, one scale per row (group 0) or per row per 128 columns: scales equal the
+    torch reference on live rows (K = 384: not a power of two, so the kernel's last 128-column
+    groups are masked), a NaN in a padding row ignored and one in a live row flagged (q's values
+    are checked on CUDA: the interpreter's e4m3 conversion does not round to nearest)."""
+    from dropless.ops import fp8_quant as fq
+
+    torch.manual_seed(3)
+    counts, A, K = [70, 0, 5, 129], 16, 384
+    lay = ExpertLayout.from_counts(torch.tensor(counts, device=DEV), alignment=A,
+                                   capacity=sum(-(-c // A) * A for c in counts) + 7)
+    M, live = lay.capacity, lay.live_mask()
+    x = torch.randn(M, 2 * K if swiglu else K, device=DEV, dtype=DT) * 3
+    x[~live] = float("nan")
+    op = fq.swiglu_quant_rows if swiglu else fq.quant_rows
+    q, s = op(x, lay, group=group)
+    assert s.shape == ((M, K // 128) if group else (M,)) and q.shape == (M, K)
+    a = x.float()
+    if swiglu:
+        a = a[:, :K] * torch.sigmoid(a[:, :K]) * a[:, K:]
+    _, sref, _ = fq._quant_torch(torch.where(live.unsqueeze(1), a, 0.0), False, group)
+    assert rel(s[live], sref[live]) < 1e-6
+    x2 = x.clone()
+    x2[torch.nonzero(live)[3, 0], 5] = float("nan")
+    if DEV == "cpu":  # the flag raises through torch._assert_async at once on CPU
+        with pytest.raises(RuntimeError, match="NaN or Inf"):
+            op(x2, lay, group=group)
+    with pytest.raises(ValueError, match="multiple of the 1x128"):
+        op(x[:, :100] if not swiglu else x[:, :200], lay, group=128)

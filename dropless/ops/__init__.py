@@ -17,7 +17,10 @@ Backends (``gemm=…``):
                (``torch._scaled_grouped_mm``, CUDA cc >= 8.9), bf16 weight gradients:
                :mod:`~dropless.ops.fp8_backend`, its quantisation :mod:`~dropless.ops.fp8_quant`,
                its fused SwiGLU-quant + FC2 node :mod:`~dropless.ops.fp8_mlp`.
-    ``deep_gemm``  a configuration error naming the package (no backend yet).
+    ``deep_gemm``  the same FP8 MLP through DeepGEMM's M-grouped contiguous GEMM (1×128
+               activation / 128×128 weight scales, the layout's ``end[]`` as its psum
+               layout; ``expert_alignment`` 128): :mod:`~dropless.ops.deep_gemm_backend`;
+               a configuration error naming the package where ``deep_gemm`` does not import.
 
 The memory-bound ops around the GEMMs, one file each, each holding its Triton kernel, its
 torch reference and the one place that picks between them (:mod:`dropless.ops.select`):

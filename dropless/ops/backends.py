@@ -63,7 +63,8 @@ def check_backend_device(name: str, device: torch.device | str) -> None:
     """Raise ConfigError when backend ``name`` cannot run on ``device`` (call before training starts).
 
     Backends without a device requirement (``torch``, ``loop``) pass; ``fp8`` needs CUDA with
-    compute capability >= 8.9; ``deep_gemm`` needs its package (raised by :func:`get_backend`).
+    compute capability >= 8.9; ``deep_gemm`` needs its package (raised by :func:`get_backend`) and
+    compute capability >= 9.0.
     """
     be = get_backend(name)
     check = getattr(be, "check_device", None)
@@ -91,15 +92,9 @@ def check_backend_shapes(name: str, device: torch.device | str, dtype: torch.dty
 
 
 def _deep_gemm() -> GemmBackend:
-    try:
-        import deep_gemm  # noqa: F401
-    except ImportError as e:
-        raise ConfigError(
-            "gemm=deep_gemm needs the deep_gemm package (DeepSeek's DeepGEMM, github.com/deepseek-ai/DeepGEMM, "
-            f"built for this CUDA and torch), which does not import here ({e}); install it, or use gemm=fp8 "
-            "(torch's FP8 grouped GEMM) or gemm=torch") from e
-    raise ConfigError("gemm=deep_gemm: the deep_gemm package imports, but dropless has no deep_gemm backend yet "
-                      "(its grouped GEMM was never run here); use gemm=fp8 or gemm=torch")
+    from dropless.ops.deep_gemm_backend import DeepGemmBackend
+
+    return DeepGemmBackend()  # ConfigError naming the package when it does not import
 
 
 def _ensure_builtin() -> None:

@@ -35,7 +35,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from dropless.config import ConfigError
 from dropless.layout import ExpertLayout
-from dropless.ops.fp8_quant import dequant_rows, dequant_weight, quant_rows, quant_weight
+from dropless.ops.fp8_quant import dequant_rows, dequant_weight, quant_rows, quant_weight, swiglu_quant_rows
 from dropless.ops.torch_backend import TorchBackend
 
 MIN_CAPABILITY = (8, 9)
@@ -99,6 +99,9 @@ class Fp8Backend:
                 raise ValueError(f"gemm=fp8: {name}={n}: FP8 rows need a multiple of 16 elements (16 bytes); "
                                  "hidden_size and moe_intermediate_size must be multiples of 16, or use gemm=torch")
 
+    def check_layout(self, layout: ExpertLayout) -> None:
+        """Raise ValueError when the GEMM cannot read this layout (any layout here)."""
+
     # ------------------------------------------------------------------ weights
     def alias(self, copy: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         """Record that ``copy`` (e.g. ``param.to(bf16)``) holds ``param``'s values, so the cache keys on ``param``."""
@@ -133,10 +136,29 @@ class Fp8Backend:
         version = (owner._version, owner.data_ptr())
         if hit is not None and hit[0] == version:
             return hit[1], hit[2]
-        b, s = quant_weight(w_eKN, contract_dim=1, ue8m0=self.ue8m0)
+        b, s = self.quant_weight(w_eKN)
         entry[geo] = (version, b, s)
         self.quantisations += 1
         return b, s
+
+    # ------------------------------------------------------------------ operands (a subclass may change the scales)
+    def quant_weight(self, w_eKN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The right operand of ``x @ w_eKN`` and its scales: per output channel (``[e, N]``)."""
+        return quant_weight(w_eKN, contract_dim=1, ue8m0=self.ue8m0)
+
+    def quant_act(self, x_MK: torch.Tensor, layout: ExpertLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """The left operand (live rows) and its scales: one per row (``[M]``)."""
+        return quant_rows(x_MK, layout, self.ue8m0)
+
+    def swiglu_quant_act(self, h13_MI2: torch.Tensor, layout: ExpertLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """``silu(gate) · up`` of ``h13`` as the left operand of FC2, quantised in the same pass."""
+        return swiglu_quant_rows(h13_MI2, layout, self.ue8m0)
+
+    @staticmethod
+    def fold_row_weight(scale: torch.Tensor, row_w_M: torch.Tensor) -> torch.Tensor:
+        """Scales of ``q(a) · row_w``: every scale of row ``r`` times ``row_w[r]`` (exact, no requantisation)."""
+        w = row_w_M.float()
+        return scale * (w if scale.dim() == 1 else w.unsqueeze(1))
 
     def clear_cache(self) -> None:
         """Drop every cached FP8 weight copy (the next use requantises)."""
@@ -158,7 +180,8 @@ class Fp8Backend:
 
     @torch.compiler.disable  # the weight cache is host logic: eager inside a compiled graph (a graph break)
     def gmm(self, x_MK: torch.Tensor, w_eKN: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
-        xq, xs = quant_rows(x_MK, layout, self.ue8m0)
+        self.check_layout(layout)
+        xq, xs = self.quant_act(x_MK, layout)
         b, bs = self.weight(w_eKN)
         return self.scaled_gmm(xq, xs, b, bs, layout, x_MK.dtype)
 

@@ -1,11 +1,12 @@
-"""The routed experts' FC1 -> SwiGLU (× row weight) -> FC2 in FP8 (``gemm=fp8``).
+"""The routed experts' FC1 -> SwiGLU (× row weight) -> FC2 in FP8 (``gemm=fp8``, ``gemm=deep_gemm``).
 
-Forward: the landed rows are quantised rowwise (:func:`~dropless.ops.fp8_quant.quant_rows`),
-FC1 runs in FP8, the SwiGLU output is quantised in the same pass that computes it
-(:func:`~dropless.ops.fp8_quant.swiglu_quant_rows`; a folded routing weight multiplies the
-row's scale, which is exact for rowwise scales), and FC2 runs in FP8. Backward: the incoming
-gradient is quantised rowwise and both data gradients run in FP8; the weight gradients run
-in bf16 (:meth:`~dropless.ops.fp8_backend.Fp8Backend.gmm_wgrad`, or a chunk accumulator).
+Forward: the landed rows are quantised (the backend's ``quant_act``: rowwise for ``fp8``,
+1×128 for ``deep_gemm``; :func:`~dropless.ops.fp8_quant.quant_rows`), FC1 runs in FP8, the
+SwiGLU output is quantised in the same pass that computes it (``swiglu_quant_act``:
+:func:`~dropless.ops.fp8_quant.swiglu_quant_rows`; a folded routing weight multiplies the
+row's scales, which is exact), and FC2 runs in FP8. Backward: the incoming gradient is
+quantised the same way and both data gradients run in FP8; the weight gradients run in bf16
+(:meth:`~dropless.ops.fp8_backend.Fp8Backend.gmm_wgrad`, or a chunk accumulator).
 
 Two autograd nodes: FC1 (the generic grouped GEMM on the FP8 backend; saves the landed rows
 ``[M, H]``, bf16, for ``dW13``) and SwiGLU-quant + FC2 (saves ``h13 [M, 2I]`` for the SwiGLU
@@ -22,7 +23,6 @@ import torch
 from dropless.layout import ExpertLayout
 from dropless.ops.backward import first_order_only, grad_wanted
 from dropless.ops.fp8_backend import Fp8Backend
-from dropless.ops.fp8_quant import quant_rows, swiglu_quant_rows
 from dropless.ops.grouped_gemm import WgradAccumulator, grouped_mm, weight_grad
 from dropless.ops.swiglu import swiglu_bwd, swiglu_fwd
 
@@ -33,9 +33,9 @@ class _Fp8SwiGLUFC2(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h13, w2, row_w, layout, backend, wgrad):
         be: Fp8Backend = backend
-        hq, hs = swiglu_quant_rows(h13, layout, be.ue8m0)
-        if row_w is not None:  # rowwise scales: q(a)·(s·w) == a·w exactly up to q's rounding
-            hs = hs * row_w.to(h13.dtype).float()
+        hq, hs = be.swiglu_quant_act(h13, layout)
+        if row_w is not None:  # per-row scales: q(a)·(s·w) == a·w exactly up to q's rounding
+            hs = be.fold_row_weight(hs, row_w.to(h13.dtype))
         y = be.scaled_gmm(hq, hs, *be.weight(w2), layout, h13.dtype)
         ctx.layout, ctx.backend, ctx.wgrad, ctx.has_w = layout, be, wgrad, row_w is not None
         ctx.save_for_backward(h13, w2, row_w if row_w is not None else h13.new_empty(0))
@@ -52,7 +52,7 @@ class _Fp8SwiGLUFC2(torch.autograd.Function):
         dy_MH = dy_MH.contiguous()
         dh13 = dw2 = d_row_w = a = None
         if want_h or want_rw:
-            dyq, dys = quant_rows(dy_MH, layout, be.ue8m0)
+            dyq, dys = be.quant_act(dy_MH, layout)
             dh = be.scaled_gmm(dyq, dys, *be.weight(w2.transpose(1, 2)), layout, dy_MH.dtype)  # d(a · w)
             del dyq, dys
             if want_rw:

@@ -1,15 +1,18 @@
-"""Rowwise FP8 (e4m3) quantisation over the live rows of a layout, plain or fused with SwiGLU.
+"""FP8 (e4m3) quantisation of rows (one scale per row, or per row per 128 columns) over the live rows of a layout.
 
 Ops (each picks its Triton kernel or its torch reference in one place, :func:`dropless.ops.select.use_triton`):
 
 * :func:`quant_rows` — ``x [M, K]`` -> ``(q [M, K] e4m3, scale [M] fp32)`` with
   ``x[r] ≈ q[r] · scale[r]``: one scale per row (the rowwise operand of
-  ``torch._scaled_grouped_mm``).
+  ``torch._scaled_grouped_mm``); with ``group=128``, ``scale [M, K/128]``, one per row per
+  128 columns (the 1×128 activation operand of DeepGEMM's grouped GEMM).
 * :func:`swiglu_quant_rows` — ``h13 [M, 2I]`` (gate = first ``I`` columns) ->
   ``(q [M, I], scale [M])`` of ``silu(gate) · up`` in one pass; the SwiGLU is computed
   in fp32 and quantised from fp32 (never rounded to bf16 first).
 * :func:`quant_weight` — a per-output-channel e4m3 copy of an expert weight, laid out as
   the scaled grouped GEMM reads its right operand (column-major ``[e, K, N]``).
+* :func:`quant_weight_blocks` — a 128×128-block e4m3 copy ``[e, N, K]`` (K-major) with
+  ``scale [e, N/128, K/128]`` (DeepGEMM's weight operand).
 
 Scales: ``scale = max(amax, 1e-12) / 448`` (448 = largest finite e4m3), so ``|q| <= 448``;
 with ``ue8m0`` the power-of-two ceiling of that (exactly representable in UE8M0).
@@ -43,8 +46,9 @@ if select.HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _quant_block(x_ptr, q_ptr, s_ptr, flag_ptr, r0, hi, K, stride_x, stride_q,
-                     SWIGLU: tl.constexpr, UE8M0: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _quant_block(x_ptr, q_ptr, s_ptr, flag_ptr, r0, hi, K, stride_x, stride_q, stride_s,
+                     SWIGLU: tl.constexpr, UE8M0: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
         rows = r0 + tl.arange(0, BLOCK_M)
         rmask = rows < hi
         r64 = rows.to(tl.int64)[:, None]
@@ -59,19 +63,29 @@ if select.HAS_TRITON:
             a = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
         # NaN fails every comparison, Inf fails this one: count the non-finite elements
         bad = tl.sum(tl.sum(tl.where(mask & ~(tl.abs(a) <= 3.4028234663852886e38), 1, 0), axis=1), axis=0)
-        amax = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-12)
-        scale = amax / 448.0
-        if UE8M0:
-            scale = tl.exp2(tl.ceil(tl.log2(scale)))
-        q = tl.clamp(a / scale[:, None], -448.0, 448.0)
+        if GROUP == 0:  # one scale per row
+            amax = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-12)
+            scale = amax / 448.0
+            if UE8M0:
+                scale = tl.exp2(tl.ceil(tl.log2(scale)))
+            q = tl.clamp(a / scale[:, None], -448.0, 448.0)
+            tl.store(s_ptr + rows, scale, mask=rmask)
+        else:  # one scale per row per GROUP columns (K a multiple of GROUP; BLOCK_K of them)
+            a3 = tl.reshape(a, (BLOCK_M, BLOCK_K // GROUP, GROUP))
+            amax = tl.maximum(tl.max(tl.abs(a3), axis=2), 1e-12)
+            scale = amax / 448.0
+            if UE8M0:
+                scale = tl.exp2(tl.ceil(tl.log2(scale)))
+            q = tl.reshape(tl.clamp(a3 / scale[:, :, None], -448.0, 448.0), (BLOCK_M, BLOCK_K))
+            grp = tl.arange(0, BLOCK_K // GROUP)[None, :]
+            tl.store(s_ptr + r64 * stride_s + grp, scale, mask=rmask[:, None] & (grp * GROUP < K))
         tl.store(q_ptr + r64 * stride_q + cols, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
                  mask=mask)
-        tl.store(s_ptr + rows, scale, mask=rmask)
         tl.atomic_max(flag_ptr, bad, mask=bad > 0)
 
     @triton.jit
-    def _quant_kernel(x_ptr, q_ptr, s_ptr, flag_ptr, start_ptr, end_ptr, M, K, stride_x, stride_q,
-                      HAS_LAYOUT: tl.constexpr, SWIGLU: tl.constexpr, UE8M0: tl.constexpr,
+    def _quant_kernel(x_ptr, q_ptr, s_ptr, flag_ptr, start_ptr, end_ptr, M, K, stride_x, stride_q, stride_s,
+                      HAS_LAYOUT: tl.constexpr, SWIGLU: tl.constexpr, UE8M0: tl.constexpr, GROUP: tl.constexpr,
                       INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
@@ -85,17 +99,17 @@ if select.HAS_TRITON:
         r0 = lo + pid * BLOCK_M
         if INTERPRET:  # the interpreter's scalars are 1-element arrays, which range() rejects
             while r0 < hi:
-                _quant_block(x_ptr, q_ptr, s_ptr, flag_ptr, r0, hi, K, stride_x, stride_q, SWIGLU, UE8M0,
-                             BLOCK_M, BLOCK_K)
+                _quant_block(x_ptr, q_ptr, s_ptr, flag_ptr, r0, hi, K, stride_x, stride_q, stride_s, SWIGLU,
+                             UE8M0, GROUP, BLOCK_M, BLOCK_K)
                 r0 += nprog * BLOCK_M
         else:
             for r in range(r0, hi, nprog * BLOCK_M):
-                _quant_block(x_ptr, q_ptr, s_ptr, flag_ptr, r, hi, K, stride_x, stride_q, SWIGLU, UE8M0,
-                             BLOCK_M, BLOCK_K)
+                _quant_block(x_ptr, q_ptr, s_ptr, flag_ptr, r, hi, K, stride_x, stride_q, stride_s, SWIGLU,
+                             UE8M0, GROUP, BLOCK_M, BLOCK_K)
 
 
 def _launch(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, flag: torch.Tensor, layout: ExpertLayout | None,
-            k: int, swiglu: bool, ue8m0: bool) -> None:
+            k: int, swiglu: bool, ue8m0: bool, group: int) -> None:
     m = x.shape[0]
     block_k = triton.next_power_of_2(k)
     # 8-16 KiB of input per block: at K = 1024 a 4-row block left the loop latency-bound
@@ -109,24 +123,33 @@ def _launch(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, flag: torch.Tenso
     else:
         grid = (max(1, min(-(-m // block_m), sms * 8)), 1)
         start = end = flag
-    _quant_kernel[grid](x, q, s, flag, start, end, m, k, x.stride(0), q.stride(0), HAS_LAYOUT=layout is not None,
-                        SWIGLU=swiglu, UE8M0=ue8m0, INTERPRET=select.interpreting(), BLOCK_M=block_m,
-                        BLOCK_K=block_k, num_warps=num_warps)
+    _quant_kernel[grid](x, q, s, flag, start, end, m, k, x.stride(0), q.stride(0), s.stride(0),
+                        HAS_LAYOUT=layout is not None, SWIGLU=swiglu, UE8M0=ue8m0, GROUP=group,
+                        INTERPRET=select.interpreting(), BLOCK_M=block_m, BLOCK_K=block_k, num_warps=num_warps)
 
 
-def _quant_torch(a: torch.Tensor, ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Reference: ``(q, scale, number of non-finite elements)`` of fp32 ``a [M, K]``, every row."""
+def _quant_torch(a: torch.Tensor, ue8m0: bool, group: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference: ``(q, scale, number of non-finite elements)`` of fp32 ``a [M, K]``, every row.
+
+    ``group`` 0: ``scale [M]``; else ``scale [M, K/group]`` (``K`` a multiple of ``group``).
+    """
     bad = (~torch.isfinite(a)).sum()
-    scale = a.abs().amax(-1).clamp_min(SCALE_EPS) / FP8_MAX
+    m, k = a.shape
+    a3 = a.view(m, 1, k) if group == 0 else a.view(m, k // group, group)
+    scale = a3.abs().amax(-1).clamp_min(SCALE_EPS) / FP8_MAX
     if ue8m0:
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
-    q = (a / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, scale, bad
+    q = (a3 / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(m, k)
+    return q, (scale.view(m) if group == 0 else scale), bad
 
 
-def _check(name: str, x: torch.Tensor, layout: ExpertLayout | None) -> None:
+def _check(name: str, x: torch.Tensor, layout: ExpertLayout | None, k: int | None = None, group: int = 0) -> None:
     if x.dim() != 2:
         raise ValueError(f"{name}: need a 2-D [M, K] input, got {tuple(x.shape)}")
+    if group not in (0, 128):
+        raise ValueError(f"{name}: group={group}: 0 (one scale per row) or 128 (one per row per 128 columns)")
+    if group and k is not None and k % group:
+        raise ValueError(f"{name}: {k} columns are not a multiple of the 1x{group} scale groups")
     if layout is not None and x.shape[0] != layout.capacity:
         raise ValueError(f"{name}: {x.shape[0]} rows but the layout's capacity M is {layout.capacity}; "
                          "pass the whole landed buffer")
@@ -135,18 +158,18 @@ def _check(name: str, x: torch.Tensor, layout: ExpertLayout | None) -> None:
 
 
 def _rows_op(name: str, x: torch.Tensor, layout: ExpertLayout | None, swiglu: bool, ue8m0: bool,
-             check_finite: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    _check(name, x, layout)
-    m = x.shape[0]
-    k = x.shape[1] // 2 if swiglu else x.shape[1]
+             check_finite: bool, group: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    m = x.shape[0] if x.dim() == 2 else 0
+    k = (x.shape[1] // 2 if swiglu else x.shape[1]) if x.dim() == 2 else None
+    _check(name, x, layout, k, group)
     if select.use_triton(x):
         if x.stride(1) != 1:
             x = x.contiguous()
         q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
-        s = torch.empty(m, dtype=torch.float32, device=x.device)
+        s = torch.empty((m, k // group) if group else (m,), dtype=torch.float32, device=x.device)
         flag = torch.zeros(1, dtype=torch.int32, device=x.device)
         if m and k:
-            _launch(x, q, s, flag, layout, k, swiglu, ue8m0)
+            _launch(x, q, s, flag, layout, k, swiglu, ue8m0, group)
         bad = flag[0]
     else:
         a = x.float()
@@ -155,40 +178,46 @@ def _rows_op(name: str, x: torch.Tensor, layout: ExpertLayout | None, swiglu: bo
             a = g * torch.sigmoid(g) * u
         if layout is not None:  # the reference checks live rows only, as the kernel does
             a = torch.where(layout.live_mask().unsqueeze(1), a, torch.zeros((), dtype=a.dtype, device=a.device))
-        q, s, bad = _quant_torch(a, ue8m0)
+        q, s, bad = _quant_torch(a, ue8m0, group)
     if check_finite:
         torch._assert_async(bad == 0, NONFINITE_MSG)
     return q, s
 
 
 def quant_rows(x_MK: torch.Tensor, layout: ExpertLayout | None = None, ue8m0: bool = False,
-               check_finite: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rowwise e4m3 quantisation of ``x_MK``.
+               check_finite: bool = True, group: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 quantisation of the rows of ``x_MK``: one scale per row, or per row per 128 columns.
 
     Args:
         x_MK: ``[M, K]`` fp32/bf16/fp16 (padding rows may hold anything, NaN included).
         layout: with it, live rows only (Triton path: padding rows of the results unwritten).
         ue8m0: power-of-two scales.
         check_finite: raise (device-side, :func:`torch._assert_async`) when a live row holds NaN/Inf.
+        group: 0 for one scale per row; 128 for one per row per 128 columns (``K`` a multiple
+            of 128; the 1×128 layout).
     Returns:
-        ``q [M, K]`` float8_e4m3fn (row-major) and ``scale [M]`` fp32 with ``x[r] ≈ q[r] · scale[r]``.
+        ``q [M, K]`` float8_e4m3fn (row-major) and ``scale`` fp32: ``[M]`` with
+        ``x[r] ≈ q[r] · scale[r]``, or ``[M, K/128]`` with
+        ``x[r, c] ≈ q[r, c] · scale[r, c // 128]``.
     Raises:
-        ValueError: not 2-D, ``M`` not the layout's capacity, or an unsupported dtype.
+        ValueError: not 2-D, ``M`` not the layout's capacity, an unsupported dtype, a group
+            other than 0/128, or ``K`` not a multiple of the group.
         RuntimeError: (asynchronously on CUDA) a live row is not finite.
     """
-    return _rows_op("quant_rows", x_MK, layout, False, ue8m0, check_finite)
+    return _rows_op("quant_rows", x_MK, layout, False, ue8m0, check_finite, group)
 
 
 def swiglu_quant_rows(h13_MI2: torch.Tensor, layout: ExpertLayout | None = None, ue8m0: bool = False,
-                      check_finite: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """``silu(gate) · up`` of ``h13 [M, 2I]`` quantised rowwise to e4m3 in one pass.
+                      check_finite: bool = True, group: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``silu(gate) · up`` of ``h13 [M, 2I]`` quantised to e4m3 in one pass.
 
-    Returns ``q [M, I]`` float8_e4m3fn and ``scale [M]`` fp32; otherwise as :func:`quant_rows`
-    (the non-finite check applies to the SwiGLU output).
+    Returns ``q [M, I]`` float8_e4m3fn and ``scale`` fp32 (``[M]``, or ``[M, I/128]`` with
+    ``group=128``); otherwise as :func:`quant_rows` (the non-finite check applies to the
+    SwiGLU output).
     """
     if h13_MI2.dim() == 2 and h13_MI2.shape[1] % 2:
         raise ValueError(f"swiglu_quant_rows: h13 must be [M, 2I] (gate || up), got {tuple(h13_MI2.shape)}")
-    return _rows_op("swiglu_quant_rows", h13_MI2, layout, True, ue8m0, check_finite)
+    return _rows_op("swiglu_quant_rows", h13_MI2, layout, True, ue8m0, check_finite, group)
 
 
 def quant_weight(w_eKN: torch.Tensor, contract_dim: int = 1, ue8m0: bool = False
@@ -223,9 +252,57 @@ def quant_weight(w_eKN: torch.Tensor, contract_dim: int = 1, ue8m0: bool = False
     return q.view(e, n, k).transpose(1, 2), scale
 
 
+BLOCK = 128  # DeepGEMM's weight block (128 x 128)
+
+
+def quant_weight_blocks(w_eKN: torch.Tensor, contract_dim: int = 1, ue8m0: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """128×128-block e4m3 copy of an expert weight, as DeepGEMM's grouped GEMM reads its right operand.
+
+    Args:
+        w_eKN: ``[e, A, B]`` weight (any float dtype).
+        contract_dim: the dimension the GEMM contracts over (1: ``x @ w``; 2: ``dy @ wᵀ``).
+        ue8m0: power-of-two scales.
+    Returns:
+        ``(b, scale)``: ``b [e, N, K]`` e4m3, contiguous (K-major: the ``nt`` operand), and
+        ``scale [e, N/128, K/128]`` fp32 with ``w[n, k] ≈ b[n, k] · scale[n // 128, k // 128]``
+        (``w`` oriented ``[e, N, K]``). Raises (device-side) when a scale is not finite.
+    Raises:
+        ValueError: not 3-D, or ``N`` or ``K`` not a multiple of 128.
+    """
+    if w_eKN.dim() != 3 or contract_dim not in (1, 2):
+        raise ValueError(f"quant_weight_blocks: need w [e, K, N] and contract_dim 1 or 2, got {tuple(w_eKN.shape)}, "
+                         f"{contract_dim}")
+    w = w_eKN.detach()
+    w_NK = w.transpose(1, 2) if contract_dim == 1 else w
+    e, n, k = w_NK.shape
+    if n % BLOCK or k % BLOCK:
+        raise ValueError(f"quant_weight_blocks: the weight's [N, K] = [{n}, {k}] is not a multiple of "
+                         f"{BLOCK}x{BLOCK} blocks")
+    # one fp32 copy, [e, N, K] contiguous (w_NK may be a transposed view)
+    blocks = torch.empty((e, n, k), dtype=torch.float32, device=w.device).copy_(w_NK)
+    blocks = blocks.view(e, n // BLOCK, BLOCK, k // BLOCK, BLOCK)
+    scale = blocks.abs().amax(dim=(2, 4)).clamp_min(SCALE_EPS) / FP8_MAX
+    if ue8m0:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    q = (blocks / scale[:, :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).reshape(e, n, k)
+    torch._assert_async(torch.isfinite(scale).all(), "dropless gemm=deep_gemm: an expert weight holds NaN or Inf")
+    return q, scale
+
+
+def dequant_weight_blocks(b_eNK: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[e, N, K]`` of :func:`quant_weight_blocks`' operand (reference / emulation)."""
+    return (b_eNK.float().unflatten(1, (scale.shape[1], -1)).unflatten(3, (scale.shape[2], -1))
+            * scale[:, :, None, :, None]).flatten(3).flatten(1, 2)
+
+
 def dequant_rows(q_MK: torch.Tensor, scale_M: torch.Tensor) -> torch.Tensor:
-    """fp32 ``q · scale`` of a rowwise-quantised ``[M, K]`` (reference / emulation)."""
-    return q_MK.float() * scale_M.unsqueeze(1)
+    """fp32 ``q · scale`` of :func:`quant_rows`' ``[M, K]`` (scale ``[M]`` or ``[M, K/G]``; reference / emulation)."""
+    if scale_M.dim() == 1:
+        return q_MK.float() * scale_M.unsqueeze(1)
+    m, k = q_MK.shape
+    g = k // scale_M.shape[1]
+    return (q_MK.float().view(m, -1, g) * scale_M.unsqueeze(-1)).view(m, k)
 
 
 def dequant_weight(b_eKN: torch.Tensor, scale_eN: torch.Tensor) -> torch.Tensor:
