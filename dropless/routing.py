@@ -53,6 +53,9 @@ from dropless.config import ConfigError, ModelArgs
 __all__ = ["Router", "RouterOutput", "update_router_biases", "summed_router_counts", "apply_router_bias_updates",
            "in_backward_recompute"]
 
+#: In the message of the non-finite logits error (``dropless-train`` maps it to exit status 3).
+NONFINITE_LOGITS = "non-finite router logits"
+
 # Guard of the top-k normalisation denominator (as DeepSeek's MoEGate): only
 # matters if every chosen score underflows to 0.
 _NORM_EPS = 1e-20
@@ -185,6 +188,9 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.n_experts, self.dim))
         self.register_buffer("e_score_correction_bias", torch.zeros(self.n_experts), persistent=True)
         self.register_buffer("tokens_per_expert", torch.zeros(self.n_experts, dtype=torch.int64), persistent=True)
+        #: raise on non-finite logits (True); False lets them through, for a caller that checks the
+        #: loss itself and skips the step (the trainer's ``train.nonfinite=skip``)
+        self.check_finite = True
         # last forward's device tensors, read by stats() (not model state)
         self._last_counts_E: torch.Tensor | None = None
         self._last_aux_loss: torch.Tensor | None = None
@@ -297,7 +303,7 @@ class Router(nn.Module):
                 (before any state changes).
             RuntimeError: non-finite router logits (``torch._assert_async``:
                 raised at once on CPU, a device-side assert on GPU), before
-                ``tokens_per_expert`` is touched.
+                ``tokens_per_expert`` is touched; not with ``check_finite = False``.
         """
         seq_len = self._check_inputs(x_TH, seq_len, token_mask_T)
         T = x_TH.shape[0]
@@ -305,12 +311,13 @@ class Router(nn.Module):
 
         with torch.autocast(device_type=x_TH.device.type, enabled=False):  # fp32 logits
             logits_TE = _Fp32Logits.apply(x_TH, self.weight)
-        torch._assert_async(
-            torch.isfinite(logits_TE.detach()).all(),  # detached: abs() inside isfinite would record a node
-            f"Router ({self.layer_name}): non-finite router logits (NaN/Inf) — the "
-            "input hidden states or the gate weight hold NaN/Inf; check the previous "
-            "layer's output, the learning rate and the loss scale",
-        )
+        if self.check_finite:
+            torch._assert_async(
+                torch.isfinite(logits_TE.detach()).all(),  # detached: abs() inside isfinite would record a node
+                f"Router ({self.layer_name}): {NONFINITE_LOGITS} (NaN/Inf) — the "
+                "input hidden states or the gate weight hold NaN/Inf; check the previous "
+                "layer's output, the learning rate and the loss scale",
+            )
         if self.scoring_func == "sigmoid":
             scores_TE = logits_TE.sigmoid()
         else:

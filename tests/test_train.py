@@ -209,3 +209,42 @@ def test_resume_from_another_model_config_fails_clearly(tmp_path):
 
     with pytest.raises(ConfigError, match="shared_experts.*saved by a different model"):
         run([f"run_dir={rd}", "resume=true", "train.steps=2", "train.val_every=0", "logging.mode=disabled"])
+
+
+def test_resume_after_a_crash_logs_each_step_once(tmp_path):
+    """A run killed after its step-3 checkpoint had logged steps 4-6 already; resuming trains them again
+    and metrics.jsonl ends with one record per step (the later records of the dead start dropped), and
+    equal to the uninterrupted run's."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    common = ["train.steps=6", "train.val_every=0", "train.ckpt_every=3", "train.ckpt_keep=0", "logging.mode=disabled"]
+    run([f"run_dir={a}"] + common)
+    shutil.copytree(a, b)
+    shutil.rmtree(b / "checkpoints" / "step_00000006")   # the crash: the last checkpoint never written
+    with (b / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 7, "loss": 1.0')              # and a line cut short by the kill
+    _, tr = run([f"run_dir={b}", "resume=true"] + common)
+    assert tr.resumed_from == 3
+    steps = [r["step"] for r in records(b)]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in records(b)] == [r["loss"] for r in records(a)]
+
+
+def test_new_start_in_a_run_dir_without_checkpoint_moves_old_metrics_aside(tmp_path, capsys):
+    run([f"run_dir={tmp_path}", "train.steps=2", "train.val_every=0", "train.ckpt_every=0", "logging.mode=disabled"])
+    for d in (tmp_path / "checkpoints").iterdir():      # a run that died before its first checkpoint
+        shutil.rmtree(d)
+    old = (tmp_path / "metrics.jsonl").read_text()
+    run([f"run_dir={tmp_path}", "train.steps=2", "train.val_every=0", "logging.mode=disabled"])
+    assert [r["step"] for r in records(tmp_path)] == [1, 2]
+    assert (tmp_path / "metrics.jsonl.old").read_text() == old
+    assert "moved to metrics.jsonl.old" in capsys.readouterr().out
+
+
+def test_resume_with_another_model_shape_names_the_tensors(tmp_path):
+    rd = tmp_path / "run"
+    run([f"run_dir={rd}", "train.steps=1", "train.val_every=0", "logging.mode=disabled"])
+    from dropless.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"tok_embeddings.weight: checkpoint \[256, 128\], model \[256, 64\]"):
+        run([f"run_dir={rd}", "resume=true", "train.steps=2", "train.val_every=0", "logging.mode=disabled",
+             "model.hidden_size=64"])

@@ -139,3 +139,20 @@ def test_resuming_a_finished_run_says_so(tmp_path, capsys):
     assert summary["steps"] == 2 and tr.resumed_from == 2
     assert "already finished: its newest checkpoint is at step 2 and train.steps=2" in out
     assert "nothing to train" in out and "val_every=0" not in out
+
+
+def test_cli_divergence_exits_3_and_skip_says_so(tmp_path, capsys):
+    """dropless-train with a learning rate that blows the weights up: exit 3 with the step named (no
+    traceback); with train.nonfinite=skip the router lets the non-finite logits through, each
+    skipped step is printed and the final line counts them."""
+    from dropless.train.__main__ import main
+
+    common = ["optim.lr=1e12", "optim.warmup_steps=1", "train.steps=4", "logging.mode=disabled", "train.val_every=0",
+              "logging.progress=false", "train.ckpt_every=0", "num_threads=1"]
+    assert main(common + [f"run_dir={tmp_path / 'a'}"]) == 3
+    out, err = capsys.readouterr()
+    # the router's logits go non-finite first here (the router's own check), the step named either way
+    assert "step 2: " in err and "non-finite" in err and "Traceback" not in err
+    assert main(common + [f"run_dir={tmp_path / 'b'}", "train.nonfinite=skip"]) == 0
+    out, err = capsys.readouterr()
+    assert "optimizer step skipped (train.nonfinite=skip" in out and "optimizer steps skipped: non-finite" in out

@@ -14,7 +14,9 @@ Usage:
 
 --cfg prints the resolved config and exits. Exit status: 0 done, 1 a peer rank died or
 stopped taking part (the message names train.dist_timeout_s, within which it comes), 2 bad
-config or data (the message names the field), 130 stopped by Ctrl-C after saving a checkpoint.
+config or data (the message names the field), 3 training diverged (a non-finite loss or
+gradient norm with train.nonfinite=error; the message names the step), 130 stopped by Ctrl-C
+after saving a checkpoint.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from omegaconf import OmegaConf
 
     from dropless.config import ConfigError
+    from dropless.routing import NONFINITE_LOGITS
     from dropless.train.config import compose
     from dropless.train.dist import collective_failure, elastic_restart
 
@@ -60,21 +63,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         if show_cfg:
             print(OmegaConf.to_yaml(cfg, resolve=True), end="")
             return 0
-        from dropless.train.trainer import Trainer, check_train_config
+        from dropless.train.trainer import NonFiniteError, Trainer, check_train_config
 
-        check_train_config(cfg)  # ranges, before the config is printed
-        if rank == 0:
+        check_train_config(cfg)  # ranges and the model, from the config alone
+        if rank == 0 and restarts:
+            print(f"[dropless] torchrun restart {restarts}: resuming from the newest complete checkpoint", flush=True)
+        trainer = Trainer(cfg)  # every other check (device, mesh, backend, data, run dir) before a step
+        if rank == 0:  # after the checks: a bad value's error is the last thing on the terminal
             print("[dropless] resolved config:\n" + OmegaConf.to_yaml(cfg, resolve=True), flush=True)
-            if restarts:
-                print(f"[dropless] torchrun restart {restarts}: resuming from the newest complete checkpoint",
-                      flush=True)
-        trainer = Trainer(cfg)
     except ConfigError as e:
         print(f"dropless-train: error: {e}", file=sys.stderr, flush=True)
         return 2
     try:
         summary = trainer.train()
+    except NonFiniteError as e:
+        print(f"dropless-train: error: {e}", file=sys.stderr, flush=True)
+        return 3
     except RuntimeError as e:
+        if NONFINITE_LOGITS in str(e):  # the router's check (on CPU; on CUDA a device-side assert)
+            print(f"dropless-train: error: step {trainer.step + 1}: {str(e).strip()}; or set "
+                  "train.nonfinite=skip to skip such steps", file=sys.stderr, flush=True)
+            return 3
         msg = collective_failure(e, float(cfg.train.get("dist_timeout_s", 600)), trainer.env.rank,
                                  trainer.env.world_size)
         if msg is not None:

@@ -227,7 +227,18 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, t
 def _check_complete(path: Path, state: dict) -> None:
     """Raise ConfigError if the checkpoint lacks a weight, optimizer moment or trainer field that
     ``state`` expects: the partial load (needed for other ranks' RNG states) would skip it silently."""
-    saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = set(meta)
+    # a changed model shape (model.hidden_size=..., n_routed_experts=...): say which, before DCP's size error
+    differ = [(k, tuple(meta[f"model.{k}"].size), tuple(t.shape)) for k, t in state["model"].items()
+              if isinstance(t, torch.Tensor) and hasattr(meta.get(f"model.{k}"), "size")
+              and tuple(meta[f"model.{k}"].size) != tuple(t.shape)]
+    if differ:
+        rows = "; ".join(f"{k}: checkpoint {list(a)}, model {list(b)}" for k, a, b in differ[:4])
+        more = f" (and {len(differ) - 4} more)" if len(differ) > 4 else ""
+        raise ConfigError(f"{path}: the checkpoint's weights have other shapes than this model's: {rows}{more}. "
+                          "Resume with the model.* settings the run was saved with (its config.yaml in the run "
+                          "directory), or start a new run_dir")
     want = [f"model.{k}" for k in state["model"]] + [f"trainer.{k}" for k in state["trainer"]]
     for fqn, moments in state["optim"].get("state", {}).items():
         want += [f"optim.state.{fqn}.{name}" for name in moments]

@@ -127,6 +127,12 @@ def compose(overrides: Sequence[str] = (), config_name: str = "config") -> DictC
             f"overrides {added} add new keys: every key dropless reads already exists in configs/, "
             "so a '+key=value' would be ignored. Drop the '+' and check the spelling "
             "(`dropless-train --cfg` prints the resolved config).")
+    for o in ov:  # each group's typed schema is registered beside its options, so Hydra lists it as one
+        key, _, value = o.partition("=")
+        if key in _GROUPS and value == "schema":
+            options = sorted(f.stem for f in (cdir / key).glob("*.yaml"))
+            raise ConfigError(f"{key}=schema: 'schema' is the typed schema of the {key} group, not an option; "
+                              f"pick one of {options} ({key}=NAME)")
     gh = GlobalHydra.instance()
     was = gh.is_initialized()
     if was:  # compose inside someone else's Hydra context: use our own, then give it back
@@ -146,6 +152,9 @@ def compose(overrides: Sequence[str] = (), config_name: str = "config") -> DictC
         raise ConfigError(_composition_message(failure, overrides)) from failure
     OmegaConf.set_struct(cfg, True)
     return cfg
+
+
+_GROUPS = ("model", "dispatcher", "gemm", "optim", "data", "logging")
 
 
 def _config_keys() -> list[str]:

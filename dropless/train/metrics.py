@@ -122,15 +122,20 @@ class MetricsLogger:
             ``entity``, ``name``).
         config: the resolved config, stored with the wandb run.
         enabled: False on ranks other than 0.
-        resume: reuse the wandb run id stored in ``<run_dir>/wandb_run_id`` (and append to
-            ``metrics.jsonl``, which is always opened for appending).
+        resume: reuse the wandb run id stored in ``<run_dir>/wandb_run_id``.
+        start_step: the step training continues from (the resumed checkpoint's; 0 for a new
+            run). An existing ``metrics.jsonl`` keeps its records up to that step and loses
+            the later ones, whose steps are trained again (a run killed after its last
+            checkpoint, a torchrun restart); a new run (0) moves an old file aside to
+            ``metrics.jsonl.old``. :attr:`note` says what was done (None: nothing).
     Raises:
         ValueError: ``logging.mode`` is not offline/online/disabled.
     """
 
     def __init__(self, run_dir: Path, logging_cfg: Mapping[str, Any], config: Mapping[str, Any] | None = None,
-                 enabled: bool = True, resume: bool = False):
+                 enabled: bool = True, resume: bool = False, start_step: int = 0):
         self.enabled = enabled
+        self.note: str | None = None
         self.wandb_run = None
         self._wandb = None
         mode = str(logging_cfg.get("mode", "offline"))
@@ -142,6 +147,7 @@ class MetricsLogger:
             return
         run_dir = Path(run_dir)
         self.path = run_dir / "metrics.jsonl"
+        self._trim(int(start_step))
         self._f = open(self.path, "a", buffering=1)
         if mode == "disabled":
             return
@@ -159,6 +165,32 @@ class MetricsLogger:
             settings=wandb.Settings(console="off", silent=True),
         )
         id_file.write_text(self.wandb_run.id)
+
+    def _trim(self, start_step: int) -> None:
+        if not self.path.exists() or self.path.stat().st_size == 0:
+            return
+        if start_step == 0:
+            old = self.path.with_name("metrics.jsonl.old")
+            os.replace(self.path, old)
+            self.note = f"metrics.jsonl of an earlier start (no checkpoint) moved to {old.name}"
+            return
+        kept, dropped = [], 0
+        for line in self.path.read_text().splitlines():
+            try:
+                step = int(json.loads(line).get("step", 0))
+            except (ValueError, AttributeError):  # a line cut short by a kill
+                dropped += 1
+                continue
+            if step <= start_step:
+                kept.append(line)
+            else:
+                dropped += 1
+        if dropped:
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, self.path)
+            self.note = (f"metrics.jsonl: dropped {dropped} record(s) after step {start_step} (the checkpoint "
+                         "resumed from); those steps are trained again")
 
     def log(self, step: int, record: Mapping[str, Any], hist_counts: Mapping[str, Any] | None = None) -> None:
         """Append ``{"step": step, **record}`` to metrics.jsonl and log ``record`` to wandb.

@@ -89,6 +89,7 @@ def check_train_config(cfg: DictConfig) -> None:
         need(int(t[name]) > 0, f"train.{name}", t[name], "must be a positive integer")
     for name in ("val_every", "ckpt_every"):
         need(int(t[name]) >= 0, f"train.{name}", t[name], "must be >= 0 (0: never / only at the end)")
+    need(int(t.ckpt_keep) >= 0, "train.ckpt_keep", t.ckpt_keep, "must be >= 0 (the newest N checkpoints kept; 0: all)")
     need(str(t.dtype) in ("auto", "bf16", "fp32"), "train.dtype", t.dtype, "must be auto, bf16 or fp32")
     need(str(t.nonfinite) in ("error", "skip"), "train.nonfinite", t.nonfinite,
          "must be error (stop, naming the step) or skip (skip the optimizer step)")
@@ -143,6 +144,8 @@ def resolve_run_dir(cfg: DictConfig, env: DistEnv) -> Path:
             dist.broadcast_object_list(box, src=0)
             name = box[0]
         run_dir = Path(name)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"run_dir={str(run_dir)!r} is a file, not a directory; give a directory path")
     if not cfg.resume:
         found = ckpt.latest_checkpoint(run_dir)
         if found is not None:
@@ -262,7 +265,11 @@ class Trainer:
         self.val_batches = val_windows(self.tokens.val, self.seq_len, self.batch, int(t.val_batches),
                                        env.rank, env.world_size)
         if self.main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ConfigError(f"run_dir={str(self.run_dir)!r} cannot be created ({e.strerror}); give a writable "
+                                  "directory") from e
             (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         env.barrier()
 
@@ -309,6 +316,9 @@ class Trainer:
         self._t_mark: float | None = None
         self.history: list[dict] = []
         self.resumed_from: int | None = None
+        skip = str(t.nonfinite) == "skip"
+        for r in self.balancer.routers:  # skip: a non-finite step is skipped by the loss check, not raised
+            r.check_finite = not skip
         if cfg.resume:
             found = ckpt.latest_checkpoint(self.run_dir)
             if found is not None:
@@ -330,7 +340,9 @@ class Trainer:
                 self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
                 self.resumed_from = self.step
         self.metrics = MetricsLogger(self.run_dir, cfg.logging, OmegaConf.to_container(cfg, resolve=True),
-                                     enabled=self.main, resume=bool(cfg.resume))
+                                     enabled=self.main, resume=bool(cfg.resume), start_step=self.step)
+        if self.metrics.note:
+            self.print(f"[dropless] {self.metrics.note}")
 
     # ------------------------------------------------------------------ helpers
     def _trainer_state(self) -> dict[str, int]:
@@ -434,6 +446,8 @@ class Trainer:
         else:
             self.balancer.discard()
             self.skipped_steps += 1
+            self.print(f"[dropless] step {self.step + 1}: non-finite loss ({loss_v}) or gradient norm ({gnorm_v}); "
+                       f"optimizer step skipped (train.nonfinite=skip; {self.skipped_steps} skipped so far)")
         for p in self.fsdp_params:
             p.grad = None
         self.scheduler.step()
@@ -573,7 +587,8 @@ class Trainer:
                 v = f"{last_val:.4f}"
             else:
                 v = f"{first_val:.4f} -> {last_val:.4f}"
-            self.print(f"[dropless] done: {self.step} steps in {wall:.1f}s; val_loss {v}; metrics "
+            skipped = f" ({self.skipped_steps} optimizer steps skipped: non-finite)" if self.skipped_steps else ""
+            self.print(f"[dropless] done: {self.step} steps in {wall:.1f}s{skipped}; val_loss {v}; metrics "
                        f"{self.run_dir / 'metrics.jsonl'}")
         return summary
 
