@@ -26,6 +26,7 @@ Errors: :class:`FileNotFoundError` for a checkpoint directory without its comple
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import re
@@ -203,6 +204,10 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, t
                                 "interrupted); pick one from list_checkpoints(run_dir) / latest_checkpoint(run_dir)")
     state, pairs = _state(model, optimizer, trainer, env, expert_fqns)
     _check_complete(path, state)
+    # this run's param groups, not the saved ones: their hyperparameters come from the config (the
+    # trainer sets lr from the scheduler), and their split into groups depends on the dispatcher
+    # (FSDP2's DTensor experts get groups of their own), so a run saved under a2a resumes under fsdp
+    groups_now = copy.deepcopy(state["optim"].get("param_groups"))
     ctx = _quiet()
     try:
         dcp.load(state, checkpoint_id=str(path),
@@ -215,6 +220,8 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, t
             if local.data_ptr() != t.data_ptr():
                 t.copy_(local)
     model_sd, optim_sd = state["model"], state["optim"]
+    if groups_now is not None:
+        optim_sd["param_groups"] = groups_now
     if pairs:  # set_state_dict wants the plain local tensors, now holding the loaded values
         model_sd, optim_sd = get_state_dict(model, optimizer)
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
