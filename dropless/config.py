@@ -31,6 +31,11 @@ _YARN_KEYS = ("type", "rope_type", "factor", "original_max_position_embeddings",
               "mscale", "mscale_all_dim")
 
 
+#: The field annotations ModelArgs.validate type-checks (``from __future__ import annotations``: strings).
+_FIELD_KINDS = {"int": int, "int|None": int, "float": float, "float|None": float, "bool": bool, "str": str,
+                "str|None": str}
+
+
 @dataclass(frozen=True)
 class Yarn:
     """YaRN RoPE scaling read from ``rope_scaling`` (:meth:`ModelArgs.yarn`); see
@@ -144,6 +149,19 @@ class ModelArgs:
 
         def bad(name: str, why: str) -> None:
             raise ConfigError(f"{name}={getattr(self, name)!r}{where}: {why}")
+
+        for f in fields(self):  # types first (Python callers and --set bypass the Hydra schema)
+            v, kind = getattr(self, f.name), _FIELD_KINDS.get(str(f.type).replace(" ", ""))
+            if v is None and str(f.type).replace(" ", "").endswith("|None"):
+                continue
+            if kind is int and (isinstance(v, bool) or not isinstance(v, int)):
+                bad(f.name, "must be an integer")
+            if kind is float and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                bad(f.name, "must be a number")
+            if kind is bool and not isinstance(v, bool):
+                bad(f.name, "must be true or false")
+            if kind is str and not isinstance(v, str):
+                bad(f.name, "must be a string")
 
         for name in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
                      "num_hidden_layers", "num_attention_heads", "n_routed_experts",

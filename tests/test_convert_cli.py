@@ -37,6 +37,14 @@ def test_bad_input_exits_2_with_a_message(tmp_path, capsys):
     assert main(["dcp-to-hf", str(tmp_path), str(tmp_path / "dst")]) == 2
     assert "not a complete DCP checkpoint" in capsys.readouterr().err
     assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30 and parse_size("1000") == 1000
+    src = tmp_path / "src"
+    make_hf_dir(src)
+    for bad, field in (("hidden_size=abc", "hidden_size='abc': must be an integer"),
+                       ("norm_topk_prob=3", "norm_topk_prob=3: must be true or false"),
+                       ("routed_scaling_factor=fast", "routed_scaling_factor='fast': must be a number")):
+        assert main(["hf-to-dcp", str(src), str(tmp_path / "dst"), "--set", bad]) == 2
+        err = capsys.readouterr().err
+        assert field in err and "Traceback" not in err, err
 
 
 def _model_overrides(args: ModelArgs) -> list[str]:
