@@ -27,6 +27,8 @@ def test_hf_to_dcp_to_hf_is_bitwise(tmp_path, capsys):
     a, b = read_all(src), read_all(out)
     assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a)
     assert len(list(out.glob("model-*-of-*.safetensors"))) > 2 and (out / "tokenizer.json").is_file()
+    mode = (out / "config.json").stat().st_mode & 0o777
+    assert all(f.stat().st_mode & 0o777 == mode for f in out.glob("model-*.safetensors"))  # not safetensors' 0600
     assert args_from_hf_config(read_hf_config(out))[0] == saved
     assert "wrote" in capsys.readouterr().out
 

@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--config", default=None, help="model_args.json, a run's config.yaml or a config.json")
     b.add_argument("--dtype", default=None, choices=sorted(_DTYPES), help="dtype of the written weights "
                    "(default: the checkpoint's)")
-    b.add_argument("--max-shard-size", default="5GB")
+    b.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (bytes, or 5GB, 500MB, 2GiB; "
+                   "default 5GB)")
     b.add_argument("--copy-tokenizer", default=None, metavar="HF_DIR",
                    help="copy tokenizer and generation files from this Hugging Face directory")
     ns = p.parse_args(argv)

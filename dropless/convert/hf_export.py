@@ -177,6 +177,9 @@ def export_hf(source: TensorSource | Mapping[str, torch.Tensor], args: ModelArgs
         cache: dict[str, torch.Tensor] = {}
         cache_layer: object = object()
         weight_map: dict[str, str] = {}
+        umask = os.umask(0)
+        os.umask(umask)
+        file_mode = 0o666 & ~umask
         for s, members in enumerate(shards):
             out: dict[str, torch.Tensor] = {}
             for i in members:
@@ -189,6 +192,7 @@ def export_hf(source: TensorSource | Mapping[str, torch.Tensor], args: ModelArgs
                 out[t.name] = hf_tensor_from(t, cache[t.ours], I).to(out_dtype(t))
                 weight_map[t.name] = names[s]
             save_file(out, str(tmp / names[s]), metadata={"format": "pt"})
+            os.chmod(tmp / names[s], file_mode)  # safetensors writes 0600; the other files get the umask's mode
             del out
         cache.clear()
         with open(tmp / INDEX_NAME, "w") as f:
