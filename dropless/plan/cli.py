@@ -53,10 +53,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--alignment", type=int, default=None,
                    help="expert alignment A (default: the model's expert_alignment)")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--fp8-dispatch", dest="fp8_dispatch", action="store_true", default=True,
-                   help="a2a dispatch in fp8, 1 B per element (default)")
+    g.add_argument("--fp8-dispatch", dest="fp8_dispatch", action="store_true", default=False,
+                   help="a2a dispatch in fp8, 1 B per element (DeepSeek-V3's; dropless's dispatchers move bf16)")
     g.add_argument("--bf16-dispatch", dest="fp8_dispatch", action="store_false",
-                   help="a2a dispatch in bf16, 2 B per element")
+                   help="a2a dispatch in bf16, 2 B per element (default: what dropless's dispatchers move)")
     p.add_argument("--ep", type=int, default=None, help="EP size (overrides dispatcher.ep_size)")
     p.add_argument("--tokens-per-rank", type=int, default=None,
                    help="T (default: train.micro_batch_size x train.seq_len)")

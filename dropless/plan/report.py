@@ -93,7 +93,7 @@ class RankShape:
 
 def plan(shape: RankShape, counts: Sequence[int] | None = None,
          capacity_factors: Sequence[float] = (1.0, 1.5), tile: int = 128,
-         fp8_dispatch: bool = True, decode_sequences: Sequence[int] = (4, 16, 64, 512),
+         fp8_dispatch: bool = False, decode_sequences: Sequence[int] = (4, 16, 64, 512),
          args: ModelArgs | None = None, seq_len: int | None = None) -> dict[str, Any]:
     """The whole per-rank, per-MoE-layer plan as a JSON-ready dict.
 
@@ -103,7 +103,8 @@ def plan(shape: RankShape, counts: Sequence[int] | None = None,
             that need a real distribution; None = use the mean ``T·k``.
         capacity_factors: factors for the capacity table / FLOPs.
         tile: tile height for the unpadded-tile overhead and the decode granularity.
-        fp8_dispatch: a2a dispatch in fp8 (1 B) rather than bf16 (2 B); combine is bf16.
+        fp8_dispatch: a2a dispatch in fp8 (1 B, DeepSeek-V3's) rather than bf16 (2 B, what dropless's
+            dispatchers move); combine is bf16.
         decode_sequences: decode batch sizes for the §10 table.
         args: the full model, for the totals (parameters, FLOPs per token).
         seq_len: sequence length for FLOPs per token (needs ``args``).
