@@ -248,3 +248,13 @@ def test_resume_with_another_model_shape_names_the_tensors(tmp_path):
     with pytest.raises(ConfigError, match=r"tok_embeddings.weight: checkpoint \[256, 128\], model \[256, 64\]"):
         run([f"run_dir={rd}", "resume=true", "train.steps=2", "train.val_every=0", "logging.mode=disabled",
              "model.hidden_size=64"])
+
+
+def test_resume_reports_what_differs_from_the_runs_config(tmp_path, capsys):
+    common = [f"run_dir={tmp_path}", "train.val_every=0", "logging.mode=disabled"]
+    run(common + ["train.steps=1"])
+    capsys.readouterr()
+    run(common + ["train.steps=2", "resume=true", "optim.lr=1e-3"])
+    out = capsys.readouterr().out
+    assert "differs from the run's config.yaml" in out and "optim.lr: 0.003 -> 0.001" in out
+    assert "train.steps: 1 -> 2" in out and "resume:" not in out.split("differs")[1].split("\n")[0]

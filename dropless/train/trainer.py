@@ -154,6 +154,24 @@ def resolve_run_dir(cfg: DictConfig, env: DistEnv) -> Path:
     return run_dir.resolve()
 
 
+def config_changes(old: DictConfig, new: DictConfig) -> list[str]:
+    """``key: old -> new`` for every leaf that differs between two configs (resolved; ``resume`` ignored)."""
+    a = OmegaConf.to_container(old, resolve=True)
+    b = OmegaConf.to_container(new, resolve=True)
+
+    def leaves(d: Any, prefix: str = "") -> dict[str, Any]:
+        if not isinstance(d, dict):
+            return {prefix[:-1]: d}
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(leaves(v, f"{prefix}{k}."))
+        return out
+
+    la, lb = leaves(a), leaves(b)
+    return [f"{k}: {la.get(k, '(none)')} -> {lb.get(k, '(none)')}" for k in sorted(set(la) | set(lb))
+            if k != "resume" and la.get(k) != lb.get(k)]
+
+
 def set_deterministic(seed: int) -> None:
     """``deterministic=true``: deterministic kernels only, and seeded RNGs.
 
@@ -270,7 +288,14 @@ class Trainer:
             except OSError as e:
                 raise ConfigError(f"run_dir={str(self.run_dir)!r} cannot be created ({e.strerror}); give a writable "
                                   "directory") from e
-            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+            cfg_file = self.run_dir / "config.yaml"
+            if cfg.resume and cfg_file.exists():
+                changed = config_changes(OmegaConf.load(cfg_file), cfg)
+                if changed:
+                    more = f" (and {len(changed) - 8} more)" if len(changed) > 8 else ""
+                    self.print("[dropless] resume: this config differs from the run's config.yaml (this one is used "
+                               "and saved): " + ", ".join(changed[:8]) + more)
+            cfg_file.write_text(OmegaConf.to_yaml(cfg, resolve=True))
         env.barrier()
 
         if t.compile:
