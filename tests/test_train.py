@@ -238,6 +238,12 @@ def test_new_start_in_a_run_dir_without_checkpoint_moves_old_metrics_aside(tmp_p
     assert [r["step"] for r in records(tmp_path)] == [1, 2]
     assert (tmp_path / "metrics.jsonl.old").read_text() == old
     assert "moved to metrics.jsonl.old" in capsys.readouterr().out
+    second = (tmp_path / "metrics.jsonl").read_text()
+    for d in (tmp_path / "checkpoints").iterdir():
+        shutil.rmtree(d)
+    run([f"run_dir={tmp_path}", "train.steps=2", "train.val_every=0", "logging.mode=disabled"])
+    assert (tmp_path / "metrics.jsonl.old").read_text() == old                 # never overwritten
+    assert (tmp_path / "metrics.jsonl.old2").read_text() == second
 
 
 def test_resume_with_another_model_shape_names_the_tensors(tmp_path):
@@ -245,9 +251,11 @@ def test_resume_with_another_model_shape_names_the_tensors(tmp_path):
     run([f"run_dir={rd}", "train.steps=1", "train.val_every=0", "logging.mode=disabled"])
     from dropless.config import ConfigError
 
+    saved = (rd / "config.yaml").read_text()
     with pytest.raises(ConfigError, match=r"tok_embeddings.weight: checkpoint \[256, 128\], model \[256, 64\]"):
         run([f"run_dir={rd}", "resume=true", "train.steps=2", "train.val_every=0", "logging.mode=disabled",
              "model.hidden_size=64"])
+    assert (rd / "config.yaml").read_text() == saved   # a refused resume leaves the run's config as it was
 
 
 def test_resume_reports_what_differs_from_the_runs_config(tmp_path, capsys):

@@ -127,7 +127,7 @@ class MetricsLogger:
             run). An existing ``metrics.jsonl`` keeps its records up to that step and loses
             the later ones, whose steps are trained again (a run killed after its last
             checkpoint, a torchrun restart); a new run (0) moves an old file aside to
-            ``metrics.jsonl.old``. :attr:`note` says what was done (None: nothing).
+            ``metrics.jsonl.old`` (``.old2``, ... when that exists). :attr:`note` says what was done (None: nothing).
     Raises:
         ValueError: ``logging.mode`` is not offline/online/disabled.
     """
@@ -170,7 +170,10 @@ class MetricsLogger:
         if not self.path.exists() or self.path.stat().st_size == 0:
             return
         if start_step == 0:
-            old = self.path.with_name("metrics.jsonl.old")
+            old, i = self.path.with_name("metrics.jsonl.old"), 1
+            while old.exists():  # never overwrite an earlier one
+                i += 1
+                old = self.path.with_name(f"metrics.jsonl.old{i}")
             os.replace(self.path, old)
             self.note = f"metrics.jsonl of an earlier start (no checkpoint) moved to {old.name}"
             return

@@ -288,14 +288,8 @@ class Trainer:
             except OSError as e:
                 raise ConfigError(f"run_dir={str(self.run_dir)!r} cannot be created ({e.strerror}); give a writable "
                                   "directory") from e
-            cfg_file = self.run_dir / "config.yaml"
-            if cfg.resume and cfg_file.exists():
-                changed = config_changes(OmegaConf.load(cfg_file), cfg)
-                if changed:
-                    more = f" (and {len(changed) - 8} more)" if len(changed) > 8 else ""
-                    self.print("[dropless] resume: this config differs from the run's config.yaml (this one is used "
-                               "and saved): " + ", ".join(changed[:8]) + more)
-            cfg_file.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+            if not os.access(self.run_dir, os.W_OK):
+                raise ConfigError(f"run_dir={str(self.run_dir)!r} is not writable; give a writable directory")
         env.barrier()
 
         if t.compile:
@@ -364,10 +358,23 @@ class Trainer:
                     g["lr"] = base * lam(self.scheduler.last_epoch)
                 self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
                 self.resumed_from = self.step
+        if self.main:  # only once the run is sure to start (a refused resume leaves the run's own config.yaml)
+            self._save_config()
         self.metrics = MetricsLogger(self.run_dir, cfg.logging, OmegaConf.to_container(cfg, resolve=True),
                                      enabled=self.main, resume=bool(cfg.resume), start_step=self.step)
         if self.metrics.note:
             self.print(f"[dropless] {self.metrics.note}")
+
+    def _save_config(self) -> None:
+        """Write ``config.yaml``; on a resume, first say which values differ from the saved one."""
+        cfg_file = self.run_dir / "config.yaml"
+        if self.cfg.resume and cfg_file.exists():
+            changed = config_changes(OmegaConf.load(cfg_file), self.cfg)
+            if changed:
+                more = f" (and {len(changed) - 8} more)" if len(changed) > 8 else ""
+                self.print("[dropless] resume: this config differs from the run's config.yaml (this one is used "
+                           "and saved): " + ", ".join(changed[:8]) + more)
+        cfg_file.write_text(OmegaConf.to_yaml(self.cfg, resolve=True))
 
     # ------------------------------------------------------------------ helpers
     def _trainer_state(self) -> dict[str, int]:
@@ -613,7 +620,9 @@ class Trainer:
             else:
                 v = f"{first_val:.4f} -> {last_val:.4f}"
             skipped = f" ({self.skipped_steps} optimizer steps skipped: non-finite)" if self.skipped_steps else ""
-            self.print(f"[dropless] done: {self.step} steps in {wall:.1f}s{skipped}; val_loss {v}; metrics "
+            done = (f"steps {self.resumed_from} -> {self.step} ({self.step - self.resumed_from} trained)"
+                    if self.resumed_from else f"{self.step} steps")
+            self.print(f"[dropless] done: {done} in {wall:.1f}s{skipped}; val_loss {v}; metrics "
                        f"{self.run_dir / 'metrics.jsonl'}")
         return summary
 
