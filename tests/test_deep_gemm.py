@@ -23,7 +23,7 @@ from dropless.ops.deep_gemm_backend import DeepGemmBackend
 from dropless.ops.fp8_quant import dequant_weight_blocks, quant_weight_blocks
 from tests import fake_deep_gemm
 from tests.conftest import py_layout
-from tests.test_fp8 import FP8_GEMM_TOL, FP8_MLP_TOL, experts_ref, rel
+from tests.test_fp8 import FP8_GEMM_TOL, FP8_MLP_TOL, assert_moe_layer_matches_torch, experts_ref, rel
 
 NAN = float("nan")
 
@@ -112,21 +112,7 @@ MOE = dict(hidden_size=128, moe_intermediate_size=128, n_routed_experts=8, num_e
 
 
 def test_moe_layer_matches_torch(backend):
-    m8 = MoE(ModelArgs(**MOE, gemm="deep_gemm_cpu"), layer_id=1)
-    mt = MoE(ModelArgs(**MOE, gemm="torch"), layer_id=1)
-    m8.init_weights(3)
-    mt.load_state_dict(m8.state_dict())
-    x = torch.randn(2, 48, 128, generator=torch.Generator().manual_seed(4))
-    x8, xt = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
-    y8, yt = m8(x8), mt(xt)
-    assert 0.001 < rel(y8, yt) < FP8_MLP_TOL
-    dy = torch.randn(y8.shape, generator=torch.Generator().manual_seed(5))
-    y8.backward(dy)
-    yt.backward(dy)
-    assert rel(x8.grad, xt.grad) < 1.2 * FP8_MLP_TOL
-    for (n, p), q in zip(m8.named_parameters(), mt.parameters()):
-        if q.grad is not None:
-            assert p.grad is not None and rel(p.grad, q.grad) < 1.2 * FP8_MLP_TOL, n
+    assert_moe_layer_matches_torch(MOE, MoE(ModelArgs(**MOE, gemm="deep_gemm_cpu"), layer_id=1))
     assert backend.quantisations == 4  # w13 and w2, forward and data-gradient copies, once each
 
 

@@ -260,17 +260,13 @@ MOE_SMALL = dict(hidden_size=64, moe_intermediate_size=128, n_routed_experts=8, 
                  topk_group=2, n_shared_experts=1, expert_alignment=16)
 
 
-@pytest.mark.parametrize("extra", [dict(), dict(num_token_chunks=2), dict(recompute_gather=True),
-                                   dict(recompute_fc1=True, num_token_chunks=2), dict(fold_routing_weights=True)])
-def test_moe_layer_fp8_matches_torch(extra):
-    """The whole MoE layer with gemm=fp8 (emulated) against gemm=torch fp32: outputs and every gradient."""
-    args = dict(MOE_SMALL, **extra)
-    m8 = MoE(ModelArgs(**args, gemm="fp8"), layer_id=1)
-    m8.experts.backend = Fp8Backend(emulate=True)
+def assert_moe_layer_matches_torch(args: dict, m8: MoE) -> None:
+    """``m8`` (an MoE layer of ``args`` on an FP8 backend) against gemm=torch fp32 with the same weights:
+    outputs within the FP8 bound (and not equal: FP8 really ran), the input's and every parameter's gradient."""
     mt = MoE(ModelArgs(**args, gemm="torch"), layer_id=1)
     m8.init_weights(3)
     mt.load_state_dict(m8.state_dict())
-    x = torch.randn(2, 48, 64, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(2, 48, args["hidden_size"], generator=torch.Generator().manual_seed(4))
     x8, xt = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     y8, yt = m8(x8), mt(xt)
     assert 0.001 < rel(y8, yt) < FP8_MLP_TOL
@@ -281,6 +277,16 @@ def test_moe_layer_fp8_matches_torch(extra):
     for (n, p), q in zip(m8.named_parameters(), mt.parameters()):
         if q.grad is not None:
             assert p.grad is not None and rel(p.grad, q.grad) < 1.2 * FP8_MLP_TOL, n
+
+
+@pytest.mark.parametrize("extra", [dict(), dict(num_token_chunks=2), dict(recompute_gather=True),
+                                   dict(recompute_fc1=True, num_token_chunks=2), dict(fold_routing_weights=True)])
+def test_moe_layer_fp8_matches_torch(extra):
+    """The whole MoE layer with gemm=fp8 (emulated) against gemm=torch fp32: outputs and every gradient."""
+    args = dict(MOE_SMALL, **extra)
+    m8 = MoE(ModelArgs(**args, gemm="fp8"), layer_id=1)
+    m8.experts.backend = Fp8Backend(emulate=True)
+    assert_moe_layer_matches_torch(args, m8)
 
 
 def test_fp8_weights_quantised_once_for_chunks_and_microbatches():
