@@ -12,7 +12,8 @@ One optimizer step (:meth:`Trainer.train_step`)::
     ONE host sync: loss, aux loss, grad norm, dropped rows, per-expert counts, stop flag
     non-finite loss or grad norm: train.nonfinite=error raises NonFiniteError naming the
         step; skip leaves the weights, masters and moments untouched (skipped_steps += 1)
-    clip (device), optimizer.step (fused AdamW on CUDA, foreach on CPU, fp32 masters)
+    clip (device; skipped when the host norm is within optim.grad_clip),
+        optimizer.step (fused AdamW on CUDA, foreach on CPU, fp32 masters)
         + step post-hook: router biases += γ·sign(mean − load) (dropless.train.optim)
     refresh the bf16 compute weights from the masters; lr scheduler step
 
@@ -467,8 +468,9 @@ class Trainer:
         self._stop_agreed = stop_v > 0
         finite = math.isfinite(loss_v) and math.isfinite(gnorm_v)
         if finite:
-            clip = self.cfg.optim.grad_clip
-            clip_(self.grads.flats + fsdp_grads, gnorm, float(clip) if clip else None)
+            clip = float(self.cfg.optim.grad_clip) if self.cfg.optim.grad_clip else None
+            if clip is not None and gnorm_v > clip:  # the host norm is read already: no pass over the grads at 1.0
+                clip_(self.grads.flats + fsdp_grads, gnorm, clip)
             self.optimizer.step()                   # + RouterBiasUpdate (step post-hook)
             self.masters.refresh()
         elif str(self.cfg.train.nonfinite) == "error":
