@@ -75,6 +75,7 @@ CASES = [
     (29, 64, 6, 8, 3, "group_limited_greedy"),   # DeepSeek-V2's group score
     (13, 64, 6, 8, 4, "greedy"),                 # groups ignored
     (7, 16, 16, 4, 4, "noaux_tc"),               # k = every expert
+    (9, 8, 1, 8, 4, "group_limited_greedy"),     # groups of one expert, k = 1
     (0, 64, 6, 8, 4, "noaux_tc"),                # no tokens
 ]
 

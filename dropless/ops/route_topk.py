@@ -37,7 +37,7 @@ import torch
 
 from dropless.ops import select
 
-__all__ = ["group_limited_topk", "group_limited_topk_torch", "METHODS"]
+__all__ = ["group_limited_topk", "group_limited_topk_torch", "kernel_shape", "METHODS"]
 
 METHODS = ("noaux_tc", "group_limited_greedy", "greedy")
 _METHOD_ID = {"noaux_tc": 0, "group_limited_greedy": 1, "greedy": 2}
@@ -96,13 +96,14 @@ if select.HAS_TRITON:
             else:  # group_limited_greedy: the top-1
                 gs = _value(k1)
             g2 = g[None, :] + tl.zeros([BLOCK_T, GP], dtype=tl.int32)
-            gkey = tl.where(g2 < G, _key(gs, g2), tl.full([BLOCK_T, GP], -9223372036854775808, tl.int64))
+            gone_g = tl.full([BLOCK_T, GP], -9223372036854775808, tl.int64)
+            gkey = tl.where(g2 < G, _key(gs, g2), gone_g)
             keep = g2 < 0
             for _ in tl.static_range(KG):
                 best = tl.max(gkey, axis=1)
                 hit = gkey == best[:, None]
                 keep = keep | hit
-                gkey = tl.where(hit, -9223372036854775808, gkey)
+                gkey = tl.where(hit, gone_g, gkey)
             masked = _key(tl.full([BLOCK_T, GP, GEP], float("-inf"), tl.float32), e3)
             key = tl.where(emask[None, :, :], tl.where(keep[:, :, None], key, masked), gone)
         c = tl.arange(0, KP)
@@ -114,21 +115,29 @@ if select.HAS_TRITON:
         tl.store(out_ptr + rows.to(tl.int64)[:, None] * K + c[None, :], out, mask=rmask[:, None] & (c[None, :] < K))
 
 
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def kernel_shape(E: int, n_group: int, method: str) -> tuple[int, int, int, int]:
+    """``(groups, padded groups, padded experts per group, rows per program)`` of the kernel's launch
+    (rows per program from :data:`ELEMS_PER_PROGRAM`; ``groups`` is 1 without group-limited selection)."""
+    g = n_group if n_group > 1 and method != "greedy" else 1
+    gp, gep = _pow2(g), _pow2(E // g)
+    return g, gp, gep, max(1, min(64, ELEMS_PER_PROGRAM // (gp * gep)))
+
+
 # ---------------------------------------------------------------------------- the Triton launch, as an opaque op
 # (mutating its output, with a no-op fake) so that torch.compile traces around it with fullgraph=True
 def _route_topk_launch(scores: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, n_group: int,
-                       topk_group: int, method: int) -> None:
+                       topk_group: int, method: str) -> None:
     t, e = scores.shape
     k = out.shape[1]
-    grouped = n_group > 1 and method != _METHOD_ID["greedy"]
-    g = n_group if grouped else 1
-    ge = e // g
-    gp, gep = triton.next_power_of_2(g), triton.next_power_of_2(ge)
-    block_t = max(1, min(64, ELEMS_PER_PROGRAM // (gp * gep)))
+    g, gp, gep, block_t = kernel_shape(e, n_group, method)
     _route_topk_kernel[(triton.cdiv(t, block_t),)](
         scores, bias if bias is not None else scores, out, t, scores.stride(0), HAS_BIAS=bias is not None, K=k,
-        KP=triton.next_power_of_2(k), G=g, GP=gp, GE=ge, GEP=gep, KG=topk_group if grouped else 1, METHOD=method,
-        GROUPED=grouped, BLOCK_T=block_t, num_warps=NUM_WARPS)
+        KP=_pow2(k), G=g, GP=gp, GE=e // g, GEP=gep, KG=topk_group if g > 1 else 1, METHOD=_METHOD_ID[method],
+        GROUPED=g > 1, BLOCK_T=block_t, num_warps=NUM_WARPS)
 
 
 _route_topk_op = torch.library.custom_op("dropless::route_topk", _route_topk_launch, mutates_args=("out",))
@@ -210,10 +219,8 @@ def group_limited_topk(scores_TE: torch.Tensor, k: int, n_group: int = 1, topk_g
     """
     _check(scores_TE, k, n_group, topk_group, method, bias_E)
     T, E = scores_TE.shape
-    kernel = select.use_triton(scores_TE)
-    if kernel:
-        g = n_group if n_group > 1 and method != "greedy" else 1
-        kernel = triton.next_power_of_2(g) * triton.next_power_of_2(E // g) <= MAX_KERNEL_EXPERTS
+    _, gp, gep, _ = kernel_shape(E, n_group, method)
+    kernel = select.use_triton(scores_TE) and gp * gep <= MAX_KERNEL_EXPERTS
     if not kernel:
         return group_limited_topk_torch(scores_TE, k, n_group, topk_group, method, bias_E)
     out = torch.empty(T, k, dtype=torch.int64, device=scores_TE.device)
@@ -221,6 +228,5 @@ def group_limited_topk(scores_TE: torch.Tensor, k: int, n_group: int = 1, topk_g
         return out
     scores = scores_TE if scores_TE.stride(1) == 1 else scores_TE.contiguous()
     launch = _route_topk_op if torch.compiler.is_compiling() else _route_topk_launch
-    launch(scores, bias_E.contiguous() if bias_E is not None else None, out, n_group, topk_group,
-           _METHOD_ID[method])
+    launch(scores, bias_E.contiguous() if bias_E is not None else None, out, n_group, topk_group, method)
     return out
