@@ -12,15 +12,17 @@ place (:func:`dropless.ops.select.use_triton`). For each token ``t`` (row of ``s
 * ``method = "greedy"``, or ``n_group = 1``: the plain top-k of the biased scores.
 
 The chosen ids come in descending order of biased score, as ``torch.topk(..., sorted=True)``
-gives them (the router's combine sums its ``k`` terms in this order, and the capacity-factor
-baseline drops the last choices first).
+gives them: :class:`~dropless.routing.RouterOutput` promises that order, and the fp32 sums over the
+``k`` choices (the weights' normalisation, the combine) run in it, so their rounding depends on it.
+(The dispatch sort, the counts, the aux loss and the capacity-factor baseline do not: a token meets
+an expert at most once.)
 
 Ties: the Triton kernel breaks every tie (between experts and between groups) for the lowest
 index, and orders equal scores by ascending index; ``-0.0`` equals ``0.0``; NaN ranks above
 ``+inf`` (as in ``torch.topk``; the router refuses non-finite logits unless told not to). The torch
-reference uses ``torch.topk``, whose order among equal values is unspecified (it differs between
-CPU and CUDA), so the two paths agree exactly where no tie decides a choice; where one does,
-both choices are valid top-k selections.
+reference uses ``torch.topk``, whose order among equal values is unspecified (it may differ between
+devices and versions), so the two paths agree exactly where no tie decides a choice; where one
+does, each path's choice is a valid selection by the rule above.
 
 The kernel: each program takes ``BLOCK_T`` rows and holds them as ``[BLOCK_T, G, E / G]`` (each
 extent padded to a power of two, padding below every real value). Every score becomes one int64
