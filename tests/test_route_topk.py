@@ -151,6 +151,23 @@ def test_kernel_tie_rule_by_hand(kernel_path):
 
 
 @needs_kernel
+def test_kernel_strided_scores_and_the_wide_fallback(kernel_path, monkeypatch):
+    """Scores with strided columns are made contiguous for the kernel; an E whose padded extent passes
+    MAX_KERNEL_EXPERTS takes the reference without launching."""
+    scores, bias = _random(33, 64, seed=3)
+    strided = scores.t().contiguous().t()
+    ref = rt.group_limited_topk_torch(scores, 6, 8, 4, "noaux_tc", bias)
+    assert torch.equal(rt.group_limited_topk(strided, 6, 8, 4, "noaux_tc", bias_E=bias), ref)
+
+    def no_launch(*args):
+        raise AssertionError("launched")
+
+    monkeypatch.setattr(rt, "_route_topk_launch", no_launch)
+    monkeypatch.setattr(rt, "MAX_KERNEL_EXPERTS", 32)
+    assert torch.equal(rt.group_limited_topk(scores, 6, 8, 4, "noaux_tc", bias_E=bias), ref)
+
+
+@needs_kernel
 def test_router_on_the_kernel_path_equals_the_torch_path(monkeypatch):
     """Router.forward with the kernel (CUDA, or forced under the interpreter) and with the reference."""
     from dropless import ModelArgs
