@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dropless.config import ConfigError, ModelArgs
+from dropless.ops.route_topk import group_limited_topk
 
 __all__ = ["Router", "RouterOutput", "update_router_biases", "summed_router_counts", "apply_router_bias_updates",
            "in_backward_recompute"]
@@ -266,22 +267,10 @@ class Router(nn.Module):
 
     # -------------------------------------------------------------- forward
     def _select(self, scores_TE: torch.Tensor) -> torch.Tensor:
-        """Biased, group-limited top-k. Returns int64 [T, k]. No grad."""
+        """Biased, group-limited top-k (:func:`~dropless.ops.route_topk.group_limited_topk`). int64 [T, k]. No grad."""
         with torch.no_grad():
-            biased_TE = scores_TE.detach() + self.e_score_correction_bias.to(scores_TE.dtype)
-            if self.n_group > 1 and self.topk_method != "greedy":
-                T = biased_TE.shape[0]
-                per_group = self.n_experts // self.n_group
-                biased_TGe = biased_TE.view(T, self.n_group, per_group)
-                if self.topk_method == "noaux_tc":
-                    group_score_TG = biased_TGe.topk(2, dim=-1).values.sum(dim=-1)
-                else:  # DeepSeek-V2's group_limited_greedy: best expert of the group
-                    group_score_TG = biased_TGe.amax(dim=-1)
-                keep_idx = group_score_TG.topk(self.topk_group, dim=-1).indices
-                keep_TG = torch.zeros_like(group_score_TG, dtype=torch.bool)
-                keep_TG.scatter_(1, keep_idx, True)
-                biased_TE = biased_TGe.masked_fill(~keep_TG.unsqueeze(-1), float("-inf")).view(T, self.n_experts)
-            return biased_TE.topk(self.topk, dim=-1).indices
+            return group_limited_topk(scores_TE.detach(), self.topk, self.n_group, self.topk_group, self.topk_method,
+                                      bias_E=self.e_score_correction_bias.to(scores_TE.dtype))
 
     def forward(self, x_TH: torch.Tensor, seq_len: int | None = None,
                 token_mask_T: torch.Tensor | None = None) -> RouterOutput:

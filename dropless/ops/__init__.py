@@ -28,7 +28,8 @@ torch reference and the one place that picks between them (:mod:`dropless.ops.se
 :mod:`~dropless.ops.rows` (permute, gather-sum / combine, combine backward),
 :mod:`~dropless.ops.zero_fill` (gap rows, empty experts' gradients) and
 :mod:`~dropless.ops.triton_wgrad` (the accumulating grouped weight gradient); and, outside the
-MoE layer, :mod:`~dropless.ops.softmax_ce` (the LM head's chunked cross-entropy and its gradient).
+MoE layer, :mod:`~dropless.ops.softmax_ce` (the LM head's chunked cross-entropy and its gradient);
+before the dispatch, :mod:`~dropless.ops.route_topk` (the router's biased group-limited top-k).
 """
 
 from dropless.ops.backends import GemmBackend, get_backend, list_backends, register_backend

@@ -1,7 +1,7 @@
 """Where the MoE ops choose between their Triton kernel and their torch reference.
 
 Every op file under :mod:`dropless.ops` (``swiglu``, ``rows``, ``zero_fill``, ``fp8_quant``,
-``triton_wgrad``) has one public function per op that asks :func:`use_triton` once and
+``triton_wgrad``, ``route_topk``) has one public function per op that asks :func:`use_triton` once and
 runs either its Triton kernel or its torch reference; nothing else in the package picks.
 Tests that run the CUDA code path on CPU tensors under Triton's interpreter
 (``TRITON_INTERPRET=1``) set :data:`FORCE_TRITON` (or monkeypatch :func:`use_triton`).
