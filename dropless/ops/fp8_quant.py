@@ -68,7 +68,7 @@ if select.HAS_TRITON:
             scale = amax / 448.0
             if UE8M0:
                 scale = tl.exp2(tl.ceil(tl.log2(scale)))
-            q = tl.clamp(a / scale[:, None], -448.0, 448.0)
+            q = tl.clamp(tl.math.div_rn(a, scale[:, None]), -448.0, 448.0)
             tl.store(s_ptr + rows, scale, mask=rmask)
         else:  # one scale per row per GROUP columns (K a multiple of GROUP; BLOCK_K of them)
             a3 = tl.reshape(a, (BLOCK_M, BLOCK_K // GROUP, GROUP))
@@ -76,7 +76,7 @@ if select.HAS_TRITON:
             scale = amax / 448.0
             if UE8M0:
                 scale = tl.exp2(tl.ceil(tl.log2(scale)))
-            q = tl.reshape(tl.clamp(a3 / scale[:, :, None], -448.0, 448.0), (BLOCK_M, BLOCK_K))
+            q = tl.reshape(tl.clamp(tl.math.div_rn(a3, scale[:, :, None]), -448.0, 448.0), (BLOCK_M, BLOCK_K))
             grp = tl.arange(0, BLOCK_K // GROUP)[None, :]
             tl.store(s_ptr + r64 * stride_s + grp, scale, mask=rmask[:, None] & (grp * GROUP < K))
         tl.store(q_ptr + r64 * stride_q + cols, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),

@@ -77,7 +77,7 @@ if select.HAS_TRITON:
             scale = amax / 448.0
             if UE8M0:
                 scale = tl.exp2(tl.ceil(tl.log2(scale)))
-            q = tl.reshape(tl.clamp(a / scale[:, :, None], -448.0, 448.0), (BLOCK_M, BLOCK_N))
+            q = tl.reshape(tl.clamp(tl.math.div_rn(a, scale[:, :, None]), -448.0, 448.0), (BLOCK_M, BLOCK_N))
             tl.store(out_ptr + r64 * stride_o + cols[None, :],
                      q.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
             grp = c0 // GROUP + tl.arange(0, BLOCK_N // GROUP)
