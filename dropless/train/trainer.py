@@ -49,10 +49,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from dropless.config import ConfigError, ModelArgs
 from dropless.convert import init_from
+from dropless.dispatch import build_dispatcher
+from dropless.model import Transformer
 from dropless.model.loss import resolve_loss_impl
+from dropless.model.params import moe_flops_per_token, param_counts
 from dropless.ops.backends import check_backend_device, check_backend_shapes
 from dropless.train import checkpoint as ckpt
 from dropless.train.compile import check_compile, compile_blocks
@@ -62,6 +66,7 @@ from dropless.train.dist import DistEnv, init_distributed
 from dropless.train.grads import GradBuckets, clip_, grad_norm
 from dropless.train.metrics import MetricsLogger, counts_metrics, peak_flops, peak_memory_gib
 from dropless.train.optim import MasterWeights, RouterBiasUpdate, build_optimizer, build_scheduler, is_dtensor, lr_at
+from dropless.train.shard import apply_fsdp, shard_dense_params
 
 __all__ = ["Trainer", "lr_at", "check_train_config", "resolve_run_dir", "NonFiniteError", "compute_dtype",
            "set_deterministic"]
@@ -208,13 +213,9 @@ def build_model(args: ModelArgs, cfg: DictConfig, env: DistEnv, dtype: torch.dty
     cast: the activations are bf16 already, the RoPE tables and routing weights stay fp32);
     the other parameters are cast later by :class:`~dropless.train.optim.MasterWeights`.
     """
-    from dropless.model import Transformer
-
     name = str(cfg.dispatcher.name)
     factory = None
     if name != "local":
-        from dropless.dispatch import build_dispatcher
-
         def factory(layer_id: int):
             return build_dispatcher(name, args, ep_group=env.ep_group)
 
@@ -225,16 +226,10 @@ def build_model(args: ModelArgs, cfg: DictConfig, env: DistEnv, dtype: torch.dty
     shard_dense = bool(cfg.train.get("shard_dense", False)) and env.world_size > 1
     mp_policy = None
     if dtype != torch.float32 and (shard_dense or (name == "fsdp" and env.world_size > 1)):
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
         mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     if name == "fsdp" and env.world_size > 1:
-        from dropless.train.shard import apply_fsdp
-
         apply_fsdp(model, env.mesh, root=not shard_dense, mp_policy=mp_policy)  # shard_dense makes the root
     if shard_dense:
-        from dropless.train.shard import shard_dense_params
-
         shard_dense_params(model, env.world_size, env.device.type, mp_policy=mp_policy)
     return model
 
@@ -322,7 +317,6 @@ class Trainer:
         self.balancer = RouterBiasUpdate(self.model)
         self.balancer.register(self.optimizer)
 
-        from dropless.model.params import param_counts
         self.param_counts = param_counts(self.args)
         self.peak_flops = peak_flops(env.device, cfg.logging)
         self.tokens_per_step = env.world_size * self.accum * self.batch * self.seq_len
@@ -498,7 +492,6 @@ class Trainer:
                 sent += int(b.get("bytes_sent", 0))
                 recv += int(b.get("bytes_received", 0))
         tok_s = self.tokens_per_step / dt
-        from dropless.model.params import moe_flops_per_token
         rows = self.args.num_experts_per_tok
         if self.moe_layers and dropped_v:
             rows -= dropped_v / (self.tokens_per_step * len(self.moe_layers))
