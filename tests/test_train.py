@@ -266,3 +266,19 @@ def test_resume_reports_what_differs_from_the_runs_config(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "differs from the run's config.yaml" in out and "optim.lr: 0.003 -> 0.001" in out
     assert "train.steps: 1 -> 2" in out and "resume:" not in out.split("differs")[1].split("\n")[0]
+
+
+@pytest.mark.parametrize("clip", [1e-3, 1e6])
+def test_clipping_scales_the_main_grads_only_when_the_norm_exceeds_grad_clip(tmp_path, clip):
+    """After a step the main gradients' global norm is ``grad_clip`` where the step's norm exceeded it
+    (clipped in place) and the step's own norm otherwise (the clip pass is skipped, not run at 1.0)."""
+    tr = Trainer(compose(QUICK + [f"run_dir={tmp_path}", "logging.mode=disabled", f"optim.grad_clip={clip}"]))
+    try:
+        rec = tr.train_step()
+        after = torch.cat([g.reshape(-1).double() for g in tr.grads.flats]).norm().item()
+    finally:
+        tr.close()
+    norm = rec["grad_norm"]
+    assert norm > 1e-3  # the tiny model's first step: clipped at 1e-3, not at 1e6
+    expect = clip if norm > clip else norm
+    assert after == pytest.approx(expect, rel=1e-4)
