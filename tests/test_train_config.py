@@ -99,6 +99,13 @@ def test_cli_reports_config_errors(capsys):
     assert "Could not override 'foo'" in capsys.readouterr().err
     assert main(["--cfg", "train.steps=3"]) == 0
     assert "steps: 3" in capsys.readouterr().out
+    assert main(["--cfg", "job", "train.steps=4"]) == 0  # Hydra's spelling
+    assert "steps: 4" in capsys.readouterr().out
+    assert main(["--cfg", "hydra"]) == 2 and "no hydra: section" in capsys.readouterr().err
+    # --cfg runs the config-alone checks before it prints
+    assert main(["--cfg", "optim.eps=-1"]) == 2
+    out, err = capsys.readouterr()
+    assert "optim.eps" in err and "steps:" not in out
 
 
 def test_train_config_checks():
@@ -169,6 +176,10 @@ def test_wrong_type_is_a_composition_error_naming_the_field(override, field):
 @pytest.mark.parametrize("override,field", [("train.steps=abc", "train.steps"), ("optim.betas=0.9", "optim.betas"),
                                             ("seed=abc", "seed"), ("num_threads=-1", "num_threads=-1"),
                                             ("num_threads=0", "num_threads=0"),
+                                            ("optim.eps=-1", "optim.eps"),
+                                            ("optim.weight_decay=-5", "optim.weight_decay"),
+                                            ("logging.cpu_peak_flops=0", "logging.cpu_peak_flops"),
+                                            ("train.dist_timeout_s=-5", "train.dist_timeout_s"),
                                             # the model's own checks and seq_len, from the config alone
                                             ("model.n_routed_experts=7", "model.n_group=4"),
                                             ("model.hidden_size=-8", "model.hidden_size"),

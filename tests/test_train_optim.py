@@ -158,6 +158,27 @@ def test_compile_where_it_cannot_run_is_a_config_error(tmp_path, monkeypatch):
         Trainer(compose(QUICK + [f"run_dir={tmp_path}", "train.compile=true", "device=cpu"]))
 
 
+def test_compile_with_a_cxx_that_is_not_an_executable_is_a_config_error(tmp_path, monkeypatch):
+    """inductor compiles with $CXX when it is set: a g++ on PATH must not hide a broken CXX."""
+    from dropless.config import ConfigError
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
+    with pytest.raises(ConfigError, match="no-such-g.*is not an executable"):
+        Trainer(compose(QUICK + [f"run_dir={tmp_path}", "train.compile=true", "device=cpu"]))
+
+
+def test_online_logging_without_a_wandb_login_is_a_config_error(tmp_path, monkeypatch):
+    """logging.mode=online with no API key: a ConfigError saying how to log in (not wandb's traceback)."""
+    pytest.importorskip("wandb")
+    from dropless.config import ConfigError
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))          # no ~/.netrc
+    monkeypatch.setenv("NETRC", str(tmp_path / "none"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_cfg"))
+    with pytest.raises(ConfigError, match="logging.mode=online.*wandb login"):
+        Trainer(compose(QUICK + [f"run_dir={tmp_path / 'run'}", "logging.mode=online"]))
+
+
 @pytest.mark.parametrize("mode", ["nonreentrant", "reentrant"])
 def test_case07_router_bias_update_counts_once_per_step(mode):
     """case-07 on :class:`RouterBiasUpdate` itself: under activation recompute and 4

@@ -2,7 +2,7 @@
 
 Usage:
 
-    dropless-train [KEY=VALUE ...] [recipe=NAME] [--cfg] [--help]
+    dropless-train [KEY=VALUE ...] [recipe=NAME] [--cfg [job]] [--help]
 
     dropless-train                                   # CPU default: tiny MoE on the stdlib's text
     dropless-train train.steps=20 run_dir=runs/try   # fewer steps, a chosen run directory
@@ -12,11 +12,12 @@ Usage:
     torchrun --max-restarts 1 --nproc_per_node 2 -m dropless.train run_dir=runs/try
                                                      # a restart after a failure resumes by itself
 
---cfg prints the resolved config and exits. Exit status: 0 done, 1 a peer rank died or
-stopped taking part (the message names train.dist_timeout_s, within which it comes), 2 bad
-config or data (the message names the field), 3 training diverged (a non-finite loss or
-gradient norm with train.nonfinite=error; the message names the step), 130 stopped by Ctrl-C
-after saving a checkpoint.
+--cfg (or Hydra's --cfg job) checks the config on its own (ranges, the model) and prints it
+resolved, then exits; the checks that need the machine (device, data, run directory) run at start.
+Exit status: 0 done, 1 a peer rank died or stopped taking part (the message names
+train.dist_timeout_s, within which it comes), 2 bad config or data (the message names the
+field), 3 training diverged (a non-finite loss or gradient norm with train.nonfinite=error;
+the message names the step), 130 stopped by Ctrl-C after saving a checkpoint.
 """
 
 from __future__ import annotations
@@ -40,6 +41,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_usage())
         return 0
     show_cfg = "--cfg" in argv
+    if show_cfg:  # Hydra apps spell it --cfg job|hydra|all: job and all are the one config there is here
+        i = argv.index("--cfg")
+        if i + 1 < len(argv) and argv[i + 1] in ("job", "hydra", "all"):
+            if argv[i + 1] == "hydra":
+                print("dropless-train: --cfg hydra: dropless composes its config with Hydra's compose API and "
+                      "has no hydra: section; --cfg (or --cfg job) prints the run's config", file=sys.stderr)
+                return 2
+            del argv[i + 1]
     bad = [a for a in argv if a.startswith("-") and a != "--cfg"]
     if bad:
         print(f"dropless-train: unknown option(s) {bad}; arguments are Hydra overrides key=value "
@@ -60,12 +69,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = compose(overrides)
         restarts = elastic_restart(cfg)
-        if show_cfg:
-            print(OmegaConf.to_yaml(cfg, resolve=True), end="")
-            return 0
         from dropless.train.trainer import NonFiniteError, Trainer, check_train_config
 
         check_train_config(cfg)  # ranges and the model, from the config alone
+        if show_cfg:
+            print(OmegaConf.to_yaml(cfg, resolve=True), end="")
+            return 0
         if rank == 0 and restarts:
             print(f"[dropless] torchrun restart {restarts}: resuming from the newest complete checkpoint", flush=True)
         trainer = Trainer(cfg)  # every other check (device, mesh, backend, data, run dir) before a step

@@ -51,7 +51,12 @@ def check_compile(device: torch.device, backend: str) -> None:
         except ImportError as e:
             raise ConfigError("train.compile=true with train.compile_backend=inductor needs triton on CUDA "
                               "(pip install triton), or set train.compile=false") from e
-    elif not any(shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if c):
+    elif os.environ.get("CXX"):  # inductor compiles with $CXX when it is set
+        if not shutil.which(os.environ["CXX"]):
+            raise ConfigError(f"train.compile=true with train.compile_backend=inductor on CPU compiles with "
+                              f"CXX={os.environ['CXX']!r}, which is not an executable; fix or unset CXX, use "
+                              "train.compile_backend=aot_eager, or set train.compile=false")
+    elif not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
         raise ConfigError("train.compile=true with train.compile_backend=inductor on CPU needs a C++ compiler "
                           "(g++/clang++, or CXX=...); install one, use train.compile_backend=aot_eager, "
                           "or set train.compile=false")

@@ -48,6 +48,8 @@ from typing import Any, Mapping
 
 import torch
 
+from dropless.config import ConfigError
+
 __all__ = ["MetricsLogger", "peak_flops", "peak_memory_gib", "counts_metrics", "PEAK_FLOPS_BF16",
            "REQUIRED_KEYS"]
 
@@ -80,7 +82,8 @@ def peak_flops(device: torch.device, logging_cfg: Mapping[str, Any]) -> float | 
             if key in name:
                 return value
         return None
-    return float(logging_cfg.get("cpu_peak_flops") or 1e12)
+    v = logging_cfg.get("cpu_peak_flops")
+    return float(v) if v is not None else 1e12
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -157,13 +160,19 @@ class MetricsLogger:
         id_file = run_dir / "wandb_run_id"
         run_id = id_file.read_text().strip() if resume and id_file.exists() else None
         os.environ.setdefault("WANDB_SILENT", "true")
-        self.wandb_run = wandb.init(
-            project=logging_cfg.get("project") or "dropless", entity=logging_cfg.get("entity"),
-            name=logging_cfg.get("name") or run_dir.name, dir=str(run_dir), mode=mode,
-            config=dict(config) if config is not None else None, id=run_id,
-            resume="allow" if run_id else None,
-            settings=wandb.Settings(console="off", silent=True),
-        )
+        try:
+            self.wandb_run = wandb.init(
+                project=logging_cfg.get("project") or "dropless", entity=logging_cfg.get("entity"),
+                name=logging_cfg.get("name") or run_dir.name, dir=str(run_dir), mode=mode,
+                config=dict(config) if config is not None else None, id=run_id,
+                resume="allow" if run_id else None,
+                settings=wandb.Settings(console="off", silent=True),
+            )
+        except (wandb.errors.UsageError, wandb.errors.AuthenticationError) as e:
+            self._f.close()
+            raise ConfigError(f"logging.mode={mode}: wandb could not start a run ({e}). Log in first "
+                              "(`wandb login`, or set WANDB_API_KEY), or use logging.mode=offline "
+                              "(sync later with `wandb sync`) or logging.mode=disabled") from e
         id_file.write_text(self.wandb_run.id)
 
     def _trim(self, start_step: int) -> None:

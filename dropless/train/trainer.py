@@ -111,6 +111,13 @@ def check_train_config(cfg: DictConfig) -> None:
     need(len(o.betas) == 2 and all(0.0 <= float(b) < 1.0 for b in o.betas), "optim.betas", list(o.betas),
          "must be two numbers in [0, 1)")
     need(o.grad_clip is None or float(o.grad_clip) >= 0, "optim.grad_clip", o.grad_clip, "must be >= 0 or null")
+    need(float(o.eps) > 0, "optim.eps", o.eps, "must be > 0 (AdamW's denominator term)")
+    need(float(o.weight_decay) >= 0, "optim.weight_decay", o.weight_decay, "must be >= 0")
+    need(float(t.get("dist_timeout_s", 600)) > 0, "train.dist_timeout_s", t.get("dist_timeout_s"),
+         "must be > 0 (seconds a collective may wait for the other ranks)")
+    for name in ("peak_flops", "cpu_peak_flops"):
+        v = cfg.logging.get(name)
+        need(v is None or float(v) > 0, f"logging.{name}", v, "must be > 0 (FLOP/s per device for MFU), or null")
     need(int(cfg.logging.log_every) > 0, "logging.log_every", cfg.logging.log_every, "must be >= 1")
     need(int(cfg.logging.histogram_every) >= 0, "logging.histogram_every", cfg.logging.histogram_every,
          "must be >= 0 (0: never)")
