@@ -23,11 +23,12 @@ does; on one H200 two of them ended 200 steps at validation 1.903 and 2.060 (8 %
 ``benchmarks/results/h200_fp8_training_ab.jsonl``). A gap between FP8 and bf16 means something
 only next to that spread, so the comparison line reports both.
 
-One JSON line per run (final validation loss, mean of the last 20 and last 50 training losses,
-every step's training loss, seconds, tokens/s) and a comparison line: the FP8 run against the
+One JSON line per run (final validation loss, mean of the last 20 and last 50 training losses
+(of all of them when there are fewer), every step's training loss, seconds, tokens/s over the
+last 20 steps: the first steps of the first run include warm-up) and a comparison line: the FP8 run against the
 mean of the reference runs (``*_rel_diff``), the reference runs' own spread
 (``reference_spread_*``: (max - min) / mean), the largest per-step gap to the first reference
-run and the speed-up. Extra Hydra overrides apply to every run.
+run and the speed-up (null under ``--emulate``). Extra Hydra overrides apply to every run.
 """
 
 from __future__ import annotations
@@ -101,8 +102,9 @@ def main(argv: list[str] | None = None) -> None:
         cmp[f"{name}_rel_diff"] = (q[key] - mean) / mean
         cmp[f"reference_spread_{name}"] = (max(vals) - min(vals)) / mean
     gaps = [abs(x - y) / abs(y) for x, y in zip(q["train_losses"], refs[0]["train_losses"])]
-    cmp.update(max_step_rel_gap=max(gaps), max_step_rel_gap_at=gaps.index(max(gaps)) + 1,
-               speedup=q["tokens_per_s"] / (sum(r["tokens_per_s"] for r in refs) / len(refs)),
+    # under --emulate the FP8 run multiplies per expert in fp32 on the host: its speed means nothing
+    speedup = None if a.emulate else q["tokens_per_s"] / (sum(r["tokens_per_s"] for r in refs) / len(refs))
+    cmp.update(max_step_rel_gap=max(gaps), max_step_rel_gap_at=gaps.index(max(gaps)) + 1, speedup=speedup,
                device=torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
                torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
     lines.append(cmp)
