@@ -282,3 +282,25 @@ def test_clipping_scales_the_main_grads_only_when_the_norm_exceeds_grad_clip(tmp
     assert norm > 1e-3  # the tiny model's first step: clipped at 1e-3, not at 1e6
     expect = clip if norm > clip else norm
     assert after == pytest.approx(expect, rel=1e-4)
+
+
+def test_resumed_wandb_run_that_holds_later_steps_is_reported(tmp_path, monkeypatch):
+    """Resuming from a checkpoint older than the wandb run's last step: W&B will drop the steps trained
+    again (it refuses a step below its counter), so the logger says so instead of losing them silently."""
+    wandb = pytest.importorskip("wandb")
+    from dropless.train.metrics import MetricsLogger
+
+    class FakeRun:
+        id, step = "abc123", 41          # the run logged steps 1..40 before it died
+
+        def finish(self):
+            pass
+
+    monkeypatch.setattr(wandb, "init", lambda **kw: FakeRun())
+    (tmp_path / "wandb_run_id").write_text("abc123")
+    m = MetricsLogger(tmp_path, {"mode": "offline"}, resume=True, start_step=25)
+    m.close()
+    assert m.note is not None and "steps 26-40" in m.note and "abc123" in m.note
+    m = MetricsLogger(tmp_path, {"mode": "offline"}, resume=True, start_step=40)  # nothing trained again
+    m.close()
+    assert m.note is None or "wandb" not in m.note

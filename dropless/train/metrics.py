@@ -174,6 +174,13 @@ class MetricsLogger:
                               "(`wandb login`, or set WANDB_API_KEY), or use logging.mode=offline "
                               "(sync later with `wandb sync`) or logging.mode=disabled") from e
         id_file.write_text(self.wandb_run.id)
+        held = int(getattr(self.wandb_run, "step", 0) or 0)  # a resumed run: its next step (history's last + 1)
+        if run_id and held > int(start_step) + 1:
+            # W&B refuses a step below the run's counter: the steps trained again are dropped there
+            msg = (f"wandb: run {run_id} already holds steps up to {held - 1}; W&B drops logs of a step below "
+                   f"that, so steps {int(start_step) + 1}-{held - 1}, trained again from the checkpoint, keep their "
+                   "earlier values there (metrics.jsonl has the new ones)")
+            self.note = msg if self.note is None else f"{self.note}; {msg}"
 
     def _trim(self, start_step: int) -> None:
         if not self.path.exists() or self.path.stat().st_size == 0:
