@@ -131,8 +131,11 @@ class MetricsLogger:
             the later ones, whose steps are trained again (a run killed after its last
             checkpoint, a torchrun restart); a new run (0) moves an old file aside to
             ``metrics.jsonl.old`` (``.old2``, ... when that exists). :attr:`note` says what was done (None: nothing).
+    :attr:`note` also says when a resumed wandb run already holds steps past ``start_step``
+    (W&B drops the logs of those steps when they are trained again).
     Raises:
         ValueError: ``logging.mode`` is not offline/online/disabled.
+        ConfigError: wandb cannot start the run (``online`` without a login).
     """
 
     def __init__(self, run_dir: Path, logging_cfg: Mapping[str, Any], config: Mapping[str, Any] | None = None,
