@@ -23,7 +23,7 @@ from dropless.ops.deep_gemm_backend import DeepGemmBackend
 from dropless.ops.fp8_quant import dequant_weight_blocks, quant_weight_blocks
 from tests import fake_deep_gemm
 from tests.conftest import py_layout
-from tests.test_fp8 import FP8_GEMM_TOL, FP8_MLP_TOL, assert_moe_layer_matches_torch, experts_ref, rel
+from tests.test_fp8 import FP8_GEMM_TOL, assert_experts_match_loop, assert_moe_layer_matches_torch, rel
 
 NAN = float("nan")
 
@@ -89,22 +89,7 @@ def test_experts_forward_backward_against_float64_and_loop(backend, opts):
     ref_ex = GroupedExperts(h_dim, i_dim, len(counts), gemm="loop")
     ex.init_weights(1, 2, std=0.1)
     ref_ex.load_state_dict(ex.state_dict())
-    row_w = torch.rand(x.shape[0], generator=g) if opts.get("fold") else None
-    xs = [x.clone().requires_grad_(True) for _ in range(2)]
-    rws = [row_w.clone().requires_grad_(True) if row_w is not None else None for _ in range(2)]
-    y = ex(xs[0], lay, rws[0])
-    y_ref = ref_ex(xs[1], lay, rws[1])
-    assert 0.005 < rel(y[live], experts_ref(x, ex.w13.detach(), ex.w2.detach(), seg, row_w)[live]) < FP8_MLP_TOL
-    dy = torch.randn(y.shape, generator=g)
-    dy[~live] = NAN
-    y.backward(dy)
-    y_ref.backward(dy)
-    assert rel(xs[0].grad[live], xs[1].grad[live]) < 1.2 * FP8_MLP_TOL
-    for p, q in ((ex.w13, ref_ex.w13), (ex.w2, ref_ex.w2)):
-        assert torch.isfinite(p.grad).all() and rel(p.grad, q.grad) < 1.2 * FP8_MLP_TOL
-        assert torch.equal(p.grad[1], torch.zeros_like(p.grad[1]))  # the empty expert
-    if row_w is not None:
-        assert rel(rws[0].grad[live], rws[1].grad[live]) < 1.2 * FP8_MLP_TOL
+    assert_experts_match_loop(ex, ref_ex, x, lay, seg, live, g, fold=opts.get("fold", False))
 
 
 MOE = dict(hidden_size=128, moe_intermediate_size=128, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
