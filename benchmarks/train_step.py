@@ -1,6 +1,7 @@
 """Training-step benchmark (issue 12): one JSON line per variant.
 
-For a recipe (default ``h200_single``) and each variant (``eager``, ``compile``: ``train.compile=true``)
+For a recipe (default ``h200_single``) and each variant (``eager``, ``compile``: ``train.compile=true``,
+``compile_moe``: also ``train.compile_moe=true``)
 it builds a :class:`~dropless.train.trainer.Trainer` with ``logging.mode=disabled``, no validation
 and no checkpoints, runs ``--warmup`` steps, then ``--steps`` timed steps (the trainer's own
 ``tokens_per_s``, ``mfu`` and ``tflops``: wall time between two steps' metric reads; medians
@@ -129,7 +130,8 @@ def run_variant(recipe: str, variant: str, overrides: list[str], warmup: int, st
     with tempfile.TemporaryDirectory() as rd:
         ov = [f"recipe={recipe}", "logging.mode=disabled", "logging.progress=false", "train.val_every=0",
               "train.ckpt_every=0", f"train.steps={total}", f"run_dir={rd}/run",
-              f"train.compile={'true' if variant == 'compile' else 'false'}", *overrides]
+              f"train.compile={'true' if variant != 'eager' else 'false'}",
+              f"train.compile_moe={'true' if variant == 'compile_moe' else 'false'}", *overrides]
         t0 = time.perf_counter()
         tr = Trainer(compose(ov))
         build_s = time.perf_counter() - t0
@@ -165,7 +167,7 @@ def run_variant(recipe: str, variant: str, overrides: list[str], warmup: int, st
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipe", default="h200_single")
-    p.add_argument("--variants", nargs="+", default=["eager", "compile"], choices=["eager", "compile"])
+    p.add_argument("--variants", nargs="+", default=["eager", "compile"], choices=["eager", "compile", "compile_moe"])
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile happens here)")
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--profile-steps", type=int, default=2, help="profiled steps after the timed ones (0: none)")

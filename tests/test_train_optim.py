@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from dropless.config import ConfigError
 from dropless.train.config import compose
 from dropless.train.optim import MasterWeights, lr_at
 from dropless.train.trainer import Trainer
@@ -121,14 +122,17 @@ def test_master_weights_fp32_is_the_model_itself():
 
 
 @pytest.mark.slow
-def test_compile_aot_eager_equals_eager(tmp_path):
-    """train.compile=true (aot_eager on CPU, 1 dense + 1 MoE block): 3 steps' losses and grad norms,
-    and the first step's gradients, equal eager's."""
-    out, grads = {}, {}
+@pytest.mark.parametrize("moe", [False, True], ids=["moe_eager", "moe_compiled"])
+def test_compile_aot_eager_equals_eager(tmp_path, moe):
+    """train.compile=true (aot_eager on CPU, 1 dense + 1 MoE block), with the MoE routed part eager or
+    compiled (train.compile_moe): 3 steps' losses and grad norms, the first step's gradients and the
+    router's balancing load (the bias update's input) equal eager's."""
+    out, grads, loads = {}, {}, {}
     for name, flag in (("eager", "false"), ("compiled", "true")):
         tr = Trainer(compose(QUICK + [f"run_dir={tmp_path / name}", "train.steps=3", "logging.mode=disabled",
                                       "model.num_hidden_layers=2", "train.micro_batch_size=2", "train.seq_len=32",
-                                      "train.val_every=0", f"train.compile={flag}", "train.compile_backend=aot_eager"]))
+                                      "train.val_every=0", f"train.compile={flag}", "train.compile_backend=aot_eager",
+                                      f"train.compile_moe={str(moe).lower()}"]))
         try:
             recs = []
             for i in range(3):
@@ -136,22 +140,36 @@ def test_compile_aot_eager_equals_eager(tmp_path):
                 if i == 0:
                     grads[name] = [g.clone() for g in tr.grads.main]
             out[name] = [(r["loss"], r["grad_norm"]) for r in recs]
+            loads[name] = [m.router.e_score_correction_bias.clone() for m in tr.moe_layers]
             if flag == "true":
                 from dropless.train.compile import eager_regions
-                assert eager_regions(tr.model) == [f"layers.{i}.moe.{w}" for i in tr.args.moe_layer_ids()
-                                                   for w in ("router", "_routed")]
+                want = [] if moe else [f"layers.{i}.moe.{w}" for i in tr.args.moe_layer_ids()
+                                       for w in ("router", "_routed")]
+                assert eager_regions(tr.model) == want
                 assert all(hasattr(b, "_compiled_call_impl") and b._compiled_call_impl is not None
                            for b in tr.model.layers.values())
         finally:
             tr.close()
+    for a, b in zip(loads["compiled"], loads["eager"]):
+        assert torch.equal(a, b) and a.abs().sum() > 0  # three bias updates from equal integer loads
     for (la, ga), (lb, gb) in zip(out["compiled"], out["eager"]):
         assert la == pytest.approx(lb, rel=1e-5) and ga == pytest.approx(gb, rel=1e-4)
     for a, b in zip(grads["compiled"], grads["eager"]):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6 * b.abs().max().item())
 
 
+@pytest.mark.parametrize("over, match", [
+    (["dispatcher=a2a"], "train.compile_moe=true needs dispatcher=local"),
+    (["train.activation_checkpointing=true"], "train.compile_moe=true with train.activation_checkpointing=true"),
+    (["train.compile_moe=maybe"], "compile_moe"),
+])
+def test_compile_moe_where_it_cannot_be_honoured_is_a_config_error(tmp_path, over, match):
+    with pytest.raises(ConfigError, match=match):
+        Trainer(compose(QUICK + [f"run_dir={tmp_path}", "train.compile=true", "train.compile_moe=true",
+                                 "train.compile_backend=aot_eager", *over]))
+
+
 def test_compile_where_it_cannot_run_is_a_config_error(tmp_path, monkeypatch):
-    from dropless.config import ConfigError
     monkeypatch.setattr("shutil.which", lambda name: None)
     monkeypatch.delenv("CXX", raising=False)
     with pytest.raises(ConfigError, match="train.compile=true .*C\\+\\+ compiler"):
@@ -160,7 +178,6 @@ def test_compile_where_it_cannot_run_is_a_config_error(tmp_path, monkeypatch):
 
 def test_compile_with_a_cxx_that_is_not_an_executable_is_a_config_error(tmp_path, monkeypatch):
     """inductor compiles with $CXX when it is set: a g++ on PATH must not hide a broken CXX."""
-    from dropless.config import ConfigError
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
     with pytest.raises(ConfigError, match="no-such-g.*is not an executable"):
         Trainer(compose(QUICK + [f"run_dir={tmp_path}", "train.compile=true", "device=cpu"]))

@@ -3,11 +3,17 @@
 Each block of a :class:`~dropless.model.Transformer` is compiled in place
 (:meth:`torch.nn.Module.compile`, so parameter names and checkpoints do not change):
 attention (MLA, RoPE), the norms, the dense MLP, and in MoE blocks the shared experts and the
-residual adds. The MoE layer's routed part stays eager: the router (its
-``in_backward_recompute`` check reads autograd's graph-task id, which Dynamo cannot trace) and
+residual adds. By default the MoE layer's routed part stays eager: the router and
 :meth:`dropless.moe.MoE._routed` (dispatch, the grouped-GEMM autograd Functions, the combine)
 are wrapped with :func:`torch.compiler.disable`, so each MoE block compiles as the graphs before
 and after them. The wrapping is per instance (the model's class is untouched).
+
+With ``moe=True`` (``train.compile_moe=true``) the whole MoE block compiles too: router,
+dispatch, the grouped GEMMs and SwiGLU (custom ops with fake implementations), the combine. That
+needs the ``local`` dispatcher (the collectives of the others take host sizes) and no activation
+checkpointing: a compiled router cannot tell a checkpoint's recompute from the forward
+(:func:`dropless.routing.in_backward_recompute` is False under compile), so it would count the
+recomputed tokens into the balancing load twice. :func:`check_compile_moe` says so before any step.
 
 :func:`check_compile` raises :class:`~dropless.config.ConfigError` where compile cannot run
 (no Triton for the inductor backend on CUDA, no C++ compiler for inductor on CPU, a Python or
@@ -24,16 +30,27 @@ from torch import nn
 
 from dropless.config import ConfigError
 
-__all__ = ["compile_blocks", "check_compile", "eager_regions"]
+__all__ = ["compile_blocks", "check_compile", "check_compile_moe", "eager_regions"]
 
 
 def eager_regions(model: nn.Module) -> list[str]:
-    """Qualified names of the callables kept eager under compile (for the README and tests)."""
+    """Qualified names of the callables :func:`compile_blocks` kept eager (for the README and tests)."""
     out = []
     for name, block in model.layers.items():
-        if getattr(block, "moe_enabled", False):
+        if getattr(block, "moe_enabled", False) and getattr(block.moe, "_kept_eager", False):
             out += [f"layers.{name}.moe.router", f"layers.{name}.moe._routed"]
     return out
+
+
+def check_compile_moe(dispatcher: str, activation_checkpointing: bool) -> None:
+    """Raise ConfigError if ``train.compile_moe=true`` cannot be honoured (see the module docstring)."""
+    if dispatcher != "local":
+        raise ConfigError(f"train.compile_moe=true needs dispatcher=local (got dispatcher={dispatcher}: its "
+                          "collectives take host sizes); set train.compile_moe=false to keep the routed part eager")
+    if activation_checkpointing:
+        raise ConfigError("train.compile_moe=true with train.activation_checkpointing=true would count each "
+                          "checkpoint recompute's tokens into the router's balancing load again; set one of them "
+                          "to false")
 
 
 def check_compile(device: torch.device, backend: str) -> None:
@@ -62,12 +79,14 @@ def check_compile(device: torch.device, backend: str) -> None:
                           "or set train.compile=false")
 
 
-def compile_blocks(model: nn.Module, backend: str = "inductor") -> nn.Module:
-    """Compile every decoder block of ``model`` in place; the MoE routed part stays eager.
+def compile_blocks(model: nn.Module, backend: str = "inductor", moe: bool = False) -> nn.Module:
+    """Compile every decoder block of ``model`` in place.
 
     Args:
         model: a :class:`~dropless.model.Transformer` (its ``layers``).
         backend: the ``torch.compile`` backend (``inductor``; ``aot_eager`` for CPU tests).
+        moe: also compile the MoE router and routed part (``local`` dispatcher, no activation
+            checkpointing: :func:`check_compile_moe`); False keeps them eager.
     Returns: ``model``.
     Raises:
         ValueError: ``model`` has no ``layers``.
@@ -75,9 +94,10 @@ def compile_blocks(model: nn.Module, backend: str = "inductor") -> nn.Module:
     if not hasattr(model, "layers"):
         raise ValueError(f"compile_blocks: expected a dropless Transformer with .layers, got {type(model).__name__}")
     for block in model.layers.values():
-        if getattr(block, "moe_enabled", False):
-            moe = block.moe
-            moe.router.forward = torch.compiler.disable(moe.router.forward)
-            moe._routed = torch.compiler.disable(moe._routed)
+        if getattr(block, "moe_enabled", False) and not moe:
+            layer = block.moe
+            layer.router.forward = torch.compiler.disable(layer.router.forward)
+            layer._routed = torch.compiler.disable(layer._routed)
+            layer._kept_eager = True
         block.compile(backend=backend)
     return model

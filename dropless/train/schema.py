@@ -56,6 +56,7 @@ class TrainConfig:
     nonfinite: str = MISSING                  # error | skip: a NaN/Inf loss or gradient norm
     compile: bool = MISSING                   # torch.compile each decoder block
     compile_backend: str = MISSING            # inductor | aot_eager | eager
+    compile_moe: bool = MISSING               # with compile: the MoE router and routed part too (local dispatcher)
 
 
 @dataclass

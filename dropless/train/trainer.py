@@ -59,7 +59,7 @@ from dropless.model.loss import resolve_loss_impl
 from dropless.model.params import moe_flops_per_token, param_counts
 from dropless.ops.backends import check_backend_device, check_backend_shapes
 from dropless.train import checkpoint as ckpt
-from dropless.train.compile import check_compile, compile_blocks
+from dropless.train.compile import check_compile, check_compile_moe, compile_blocks
 from dropless.train.config import model_args
 from dropless.train.data import ShardedLoader, load_tokens, val_windows
 from dropless.train.dist import DistEnv, init_distributed
@@ -102,6 +102,9 @@ def check_train_config(cfg: DictConfig) -> None:
     need(isinstance(t.compile, bool), "train.compile", t.compile, "must be true or false")
     need(str(t.compile_backend) in ("inductor", "aot_eager", "eager"), "train.compile_backend", t.compile_backend,
          "must be inductor, aot_eager or eager")
+    need(isinstance(t.compile_moe, bool), "train.compile_moe", t.compile_moe, "must be true or false")
+    if t.compile and t.compile_moe:
+        check_compile_moe(str(cfg.dispatcher.name), bool(t.activation_checkpointing))
     need(isinstance(cfg.deterministic, bool), "deterministic", cfg.deterministic, "must be true or false")
     need(isinstance(t.get("shard_dense", False), bool), "train.shard_dense", t.get("shard_dense"),
          "must be true or false")
@@ -309,7 +312,7 @@ class Trainer:
         self.fsdp_params = [p for p in self.model.parameters() if p.requires_grad and is_dtensor(p)]
         self.masters = MasterWeights(self.model, self.dtype, skip={id(p) for p in self.fsdp_params})
         if t.compile:
-            compile_blocks(self.model, str(t.compile_backend))
+            compile_blocks(self.model, str(t.compile_backend), moe=bool(t.compile_moe))
         sharded = self.expert_ids if env.ep_size > 1 else set()
         # the buckets' own group (its async all-reduces run beside backward); new groups do not
         # inherit the world group's timeout, so it is given again: a stalled peer fails the step
