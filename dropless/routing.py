@@ -237,31 +237,33 @@ class Router(nn.Module):
     # --------------------------------------------------------------- checks
     def _check_inputs(self, x_TH: torch.Tensor, seq_len: int | None,
                       token_mask_T: torch.Tensor | None) -> int:
-        """Shape/dtype checks (host-side only). Returns the sequence length."""
-        where = f"Router ({self.layer_name})"
+        """Shape/dtype checks (host-side only). Returns the sequence length.
+
+        The layer's name is read only where an error is raised: under ``torch.compile`` a
+        name read on the way would be guarded as a constant, one graph per layer."""
         if not isinstance(x_TH, torch.Tensor) or x_TH.dim() != 2:
             shape = tuple(x_TH.shape) if isinstance(x_TH, torch.Tensor) else type(x_TH).__name__
-            raise ValueError(f"{where}: x_TH must be 2-D [T, H={self.dim}], got {shape}; "
+            raise ValueError(f"Router ({self.layer_name}): x_TH must be 2-D [T, H={self.dim}], got {shape}; "
                              "flatten batch and sequence first (x.view(-1, hidden_size))")
         T, H = x_TH.shape
         if H != self.dim:
-            raise ValueError(f"{where}: x_TH has H={H} but hidden_size={self.dim}; "
+            raise ValueError(f"Router ({self.layer_name}): x_TH has H={H} but hidden_size={self.dim}; "
                              "the router's hidden_size must match the model's")
         if not x_TH.is_floating_point():
-            raise ValueError(f"{where}: x_TH must be a floating dtype, got {x_TH.dtype}")
+            raise ValueError(f"Router ({self.layer_name}): x_TH must be a floating dtype, got {x_TH.dtype}")
         if seq_len is None:
             seq_len = T
         else:  # T = batch * seq_len; seq_len = 0 is an empty batch ([B, 0, H])
             seq_len = int(seq_len)
             if seq_len < 0 or (seq_len == 0 and T) or (seq_len and T % seq_len):
-                raise ValueError(f"{where}: seq_len={seq_len} must divide T={T} (T = batch * seq_len; "
+                raise ValueError(f"Router ({self.layer_name}): seq_len={seq_len} must divide T={T} (T = batch * seq_len; "
                                  "0 only when T = 0)")
         if token_mask_T is not None:
             if token_mask_T.shape != (T,) or token_mask_T.dtype != torch.bool:
-                raise ValueError(f"{where}: token_mask_T must be bool [T={T}], got "
+                raise ValueError(f"Router ({self.layer_name}): token_mask_T must be bool [T={T}], got "
                                  f"{token_mask_T.dtype} {tuple(token_mask_T.shape)}")
             if token_mask_T.device != x_TH.device:
-                raise ValueError(f"{where}: token_mask_T on {token_mask_T.device}, "
+                raise ValueError(f"Router ({self.layer_name}): token_mask_T on {token_mask_T.device}, "
                                  f"x_TH on {x_TH.device}; put both on one device")
         return max(seq_len, 1)
 
@@ -301,9 +303,11 @@ class Router(nn.Module):
         with torch.autocast(device_type=x_TH.device.type, enabled=False):  # fp32 logits
             logits_TE = _Fp32Logits.apply(x_TH, self.weight)
         if self.check_finite:
+            # compiled, one graph serves every layer: the layer's name would be guarded as a constant
+            where = "Router (a compiled layer)" if torch.compiler.is_compiling() else f"Router ({self.layer_name})"
             torch._assert_async(
                 torch.isfinite(logits_TE.detach()).all(),  # detached: abs() inside isfinite would record a node
-                f"Router ({self.layer_name}): {NONFINITE_LOGITS} (NaN/Inf) — the "
+                f"{where}: {NONFINITE_LOGITS} (NaN/Inf) — the "
                 "input hidden states or the gate weight hold NaN/Inf; check the previous "
                 "layer's output, the learning rate and the loss scale",
             )
