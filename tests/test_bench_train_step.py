@@ -40,6 +40,8 @@ def test_kernel_categories():
     assert category("void at::native::cunn_SoftMaxForward") == "softmax_ce"
     assert category("void at::native::sbtopk::gatherTopK") == "sort_index_topk"
     assert category("_swiglu_kernel") == "other"
+    assert category("triton_poi_fused_mul_silu_0") == "other"  # inductor's kernels are not the optimizer
+    assert category("aten::_fused_adamw_") == "optimizer"
 
 
 def test_gpu_user_annotations_are_not_counted():

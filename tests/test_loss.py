@@ -192,3 +192,23 @@ def test_liger_matches_the_torch_path_on_cuda():
         out[impl] = (loss.float(), h.grad.float(), w.grad.float())
     for a, b in zip(out["liger"], out["torch"]):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item())
+
+
+@pytest.mark.gpu
+def test_bf16_on_cuda_accumulates_dw_over_many_chunks_like_float64():
+    """CUDA sums each chunk's bf16 ``dW`` product in fp32 inside the GEMM (``addmm(out_dtype=float32)``,
+    accumulating into the fp32 buffer): over 33 chunks, loss and gradients match float64."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = torch.Generator().manual_seed(3)
+    t, v, hd = 4100, 5003, 256
+    h = torch.randn(t, hd, generator=g).cuda().bfloat16().requires_grad_()
+    w = (torch.randn(v, hd, generator=g) * 0.05).cuda().bfloat16().requires_grad_()
+    y = torch.randint(0, v, (t,), generator=g).cuda()
+    y[::11] = -100
+    loss = linear_cross_entropy(h, w, y, max_chunk_elements=125 * v)  # 125 rows: 33 chunks
+    loss.backward()
+    want, dh, dw = _reference(h.cpu(), w.cpu(), y.cpu())
+    torch.testing.assert_close(loss.double().cpu(), want, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(h.grad.double().cpu(), dh, rtol=2e-2, atol=2e-2 * dh.abs().max().item())
+    torch.testing.assert_close(w.grad.double().cpu(), dw, rtol=2e-2, atol=2e-2 * dw.abs().max().item())

@@ -11,7 +11,9 @@ fp32 logits of ``recipe=h200_single`` would be 17 GB (32,768 × 129,280 × 4 B).
 Gradients are computed in the forward, chunk by chunk (the approach of Liger-Kernel's fused
 linear cross-entropy, Hsu et al. 2024, arXiv:2410.10989 §3.3): for each chunk the softmax
 minus the one-hot target, scaled by 1/n for the mean, gives ``dh`` for the chunk's rows and
-is accumulated into an fp32 ``dW``; backward only multiplies the saved ``dh``/``dW`` by the
+is accumulated into an fp32 ``dW`` (on CUDA each chunk's bf16/fp16 product is summed in fp32 inside
+the GEMM, ``torch.addmm(..., out_dtype=float32)``; on CPU it is rounded to the compute dtype
+first); backward only multiplies the saved ``dh``/``dW`` by the
 incoming gradient (a scalar), so any factor on the loss scales them. This trades a
 ``[T, H]`` + ``[V, H]`` gradient held from forward to backward for not recomputing the
 logits in backward (the other choice: 4 head GEMMs instead of 3). Without grad
@@ -85,7 +87,9 @@ class _ChunkedLinearCE(torch.autograd.Function):
             if need_dw:
                 if z_CV.dtype == acc:
                     dw_VH.addmm_(z_CV.t(), h_c)
-                else:
+                elif z_CV.is_cuda:  # bf16/fp16 operands, fp32 product added in the GEMM's epilogue
+                    torch.addmm(dw_VH, z_CV.t(), h_c, out_dtype=acc, out=dw_VH)
+                else:  # CPU: addmm's out_dtype is CUDA-only; the product is rounded to the compute dtype
                     dw_VH.add_(z_CV.t() @ h_c)
             del z_CV
         ctx.save_for_backward(dh_TH, dw_VH)
