@@ -325,3 +325,32 @@ def test_fp8_quant_rows_kernel_group_scales_live_rows_only(group, swiglu):
             op(x2, lay, group=group)
     with pytest.raises(ValueError, match="multiple of the 1x128"):
         op(x[:, :100] if not swiglu else x[:, :200], lay, group=128)
+
+
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_fp8_quant_weight_column_kernel_equals_the_row_path(ue8m0):
+    """quant_weight's forward operand (contract_dim=1) from the column kernel, which reads ``w [e, K, N]``
+    and writes ``[e, N, K]`` e4m3 rows without a transposing copy first: scales and codes bit for bit
+    the row kernel's on the transposed copy (the path it replaces), scales the torch reference's; K = 200 and
+    N = 100 are not multiples of the 128 x 64 tiles; a NaN weight gives a NaN scale, which raises."""
+    from dropless.ops import fp8_quant as fq
+
+    torch.manual_seed(5)
+    w = torch.randn(3, 200, 100, device=DEV, dtype=DT) * torch.logspace(-2, 2, 100, device=DEV).to(DT)
+    b, s = fq.quant_weight(w, contract_dim=1, ue8m0=ue8m0)
+    assert tuple(b.shape) == (3, 200, 100) and b.stride(1) == 1 and tuple(s.shape) == (3, 100)
+    w_NK = w.transpose(1, 2).contiguous()
+    q_rows, s_rows = fq.quant_rows(w_NK.view(-1, 200), None, ue8m0, check_finite=False)
+    assert torch.equal(s, s_rows.view(3, 100))
+    _, s_ref, _ = fq._quant_torch(w_NK.view(-1, 200).float(), ue8m0)
+    assert rel(s, s_ref.view(3, 100)) < 1e-6
+    # the codes too (the interpreter's e4m3 conversion is the same in both kernels)
+    assert torch.equal(b.transpose(1, 2).reshape(-1, 200).view(torch.uint8), q_rows.view(torch.uint8))
+    w2 = w.clone()
+    w2[1, 17, 42] = float("nan")
+    _, s2 = fq.quant_weight(w2, contract_dim=1) if DEV == "cuda" else (None, None)
+    if DEV == "cuda":
+        assert torch.isnan(s2[1, 42]) and torch.isfinite(s2[1, :42]).all()
+    else:
+        with pytest.raises(RuntimeError, match="NaN or Inf"):
+            fq.quant_weight(w2, contract_dim=1)

@@ -61,8 +61,9 @@ if select.HAS_TRITON:
             a = g * tl.sigmoid(g) * u
         else:
             a = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
-        # NaN fails every comparison, Inf fails this one: count the non-finite elements
-        bad = tl.sum(tl.sum(tl.where(mask & ~(tl.abs(a) <= 3.4028234663852886e38), 1, 0), axis=1), axis=0)
+        # NaN fails every comparison, Inf fails this one: the non-finite elements per row (summed over
+        # the program's blocks and reduced once by the caller: a block-wide reduction here cost a barrier)
+        bad = tl.sum(tl.where(mask & ~(tl.abs(a) <= 3.4028234663852886e38), 1, 0), axis=1)
         if GROUP == 0:  # one scale per row
             amax = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-12)
             scale = amax / 448.0
@@ -81,7 +82,7 @@ if select.HAS_TRITON:
             tl.store(s_ptr + r64 * stride_s + grp, scale, mask=rmask[:, None] & (grp * GROUP < K))
         tl.store(q_ptr + r64 * stride_q + cols, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
                  mask=mask)
-        tl.atomic_max(flag_ptr, bad, mask=bad > 0)
+        return bad
 
     @triton.jit
     def _quant_kernel(x_ptr, q_ptr, s_ptr, flag_ptr, start_ptr, end_ptr, M, K, stride_x, stride_q, stride_s,
@@ -97,31 +98,70 @@ if select.HAS_TRITON:
             lo = M * 0
             hi = M
         r0 = lo + pid * BLOCK_M
+        bad = tl.zeros((BLOCK_M,), dtype=tl.int32)
         if INTERPRET:  # the interpreter's scalars are 1-element arrays, which range() rejects
             while r0 < hi:
-                _quant_block(x_ptr, q_ptr, s_ptr, flag_ptr, r0, hi, K, stride_x, stride_q, stride_s, SWIGLU,
-                             UE8M0, GROUP, BLOCK_M, BLOCK_K)
+                bad += _quant_block(x_ptr, q_ptr, s_ptr, flag_ptr, r0, hi, K, stride_x, stride_q, stride_s, SWIGLU,
+                                    UE8M0, GROUP, BLOCK_M, BLOCK_K)
                 r0 += nprog * BLOCK_M
         else:
             for r in range(r0, hi, nprog * BLOCK_M):
-                _quant_block(x_ptr, q_ptr, s_ptr, flag_ptr, r, hi, K, stride_x, stride_q, stride_s, SWIGLU,
-                             UE8M0, GROUP, BLOCK_M, BLOCK_K)
+                bad += _quant_block(x_ptr, q_ptr, s_ptr, flag_ptr, r, hi, K, stride_x, stride_q, stride_s, SWIGLU,
+                                    UE8M0, GROUP, BLOCK_M, BLOCK_K)
+        nbad = tl.sum(bad, axis=0)
+        tl.atomic_max(flag_ptr, nbad, mask=nbad > 0)
+
+    @triton.jit
+    def _quant_cols_kernel(w_ptr, q_ptr, s_ptr, N, stride_we, stride_wk, stride_wn, K: tl.constexpr,
+                           UE8M0: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Program ``(i, j)``: columns ``[j·BLOCK_N, …)`` of ``w[i]`` (``[K, N]``, any strides): one scale
+        per column over all ``K`` rows, then the e4m3 columns written as rows of ``q[i]`` (``[N, K]``
+        contiguous), transposed in registers. A column holding NaN/Inf gets a NaN scale. ``K`` is a
+        compile-time constant (a weight's dimension: one compilation per model shape)."""
+        ex = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        base = w_ptr + ex * stride_we + cols[None, :].to(tl.int64) * stride_wn
+        amax = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        bad = tl.zeros((BLOCK_N,), dtype=tl.int32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            m = (ks[:, None] < K) & cmask[None, :]
+            a = tl.load(base + ks[:, None].to(tl.int64) * stride_wk, mask=m, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(a), axis=0))
+            bad += tl.sum(tl.where(m & ~(tl.abs(a) <= 3.4028234663852886e38), 1, 0), axis=0)
+        amax = tl.maximum(amax, 1e-12)
+        scale = amax / 448.0  # the expressions of _quant_block: equal scales and codes bit for bit
+        if UE8M0:
+            scale = tl.exp2(tl.ceil(tl.log2(scale)))
+        scale = tl.where(bad > 0, float("nan"), scale)
+        tl.store(s_ptr + ex * N + cols, scale, mask=cmask)
+        qbase = q_ptr + ex * N * K + cols[:, None].to(tl.int64) * K
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            m = (ks[:, None] < K) & cmask[None, :]
+            a = tl.load(base + ks[:, None].to(tl.int64) * stride_wk, mask=m, other=0.0).to(tl.float32)
+            q = tl.clamp(tl.math.div_rn(a, scale[None, :]), -448.0, 448.0)
+            q = q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+            tl.store(qbase + ks[None, :], tl.trans(q), mask=(ks[None, :] < K) & cmask[:, None])
 
 
 def _launch(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, flag: torch.Tensor, layout: ExpertLayout | None,
             k: int, swiglu: bool, ue8m0: bool, group: int) -> None:
     m = x.shape[0]
     block_k = triton.next_power_of_2(k)
-    # 8-16 KiB of input per block: at K = 1024 a 4-row block left the loop latency-bound
-    block_m = max(1, min(16, 8192 // block_k))
-    num_warps = 8 if block_k * block_m >= 4096 else 4
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+    if block_k <= 1024:  # measured on an H200 at K = 512 / 1024 (h200_fp8_quant_s8.jsonl): 4 rows, 32 programs per SM
+        block_m, num_warps, per_sm = 4, 4, 32
+    else:  # 8-16 KiB of input per block
+        block_m = max(1, min(16, 8192 // block_k))
+        num_warps, per_sm = (8 if block_k * block_m >= 4096 else 4), 8
     if layout is not None:
         e = layout.num_experts
-        grid = (max(1, min(-(-m // block_m), -(-sms * 8 // max(e, 1)))), e)
+        grid = (max(1, min(-(-m // block_m), -(-sms * per_sm // max(e, 1)))), e)
         start, end = layout.start, layout.end
     else:
-        grid = (max(1, min(-(-m // block_m), sms * 8)), 1)
+        grid = (max(1, min(-(-m // block_m), sms * per_sm)), 1)
         start = end = flag
     _quant_kernel[grid](x, q, s, flag, start, end, m, k, x.stride(0), q.stride(0), s.stride(0),
                         HAS_LAYOUT=layout is not None, SWIGLU=swiglu, UE8M0=ue8m0, GROUP=group,
@@ -241,13 +281,22 @@ def quant_weight(w_eKN: torch.Tensor, contract_dim: int = 1, ue8m0: bool = False
                          f"{contract_dim}")
     w = w_eKN.detach()
     e = w.shape[0]
-    # put the output channels first, contracted dim last: [e, N, K] contiguous (one transposing copy
-    # in the weight's dtype for the forward operand), then one rowwise pass (quant_rows' kernel on
-    # CUDA: amax, scale and the e4m3 copy together) and view the result as [e, K, N]
-    w_NK = (w.transpose(1, 2) if contract_dim == 1 else w).contiguous()
+    w_NK = w.transpose(1, 2) if contract_dim == 1 else w  # output channels first, contracted dim last
     n, k = w_NK.shape[1], w_NK.shape[2]
-    q, scale = quant_rows(w_NK.view(e * n, k), None, ue8m0, check_finite=False)
-    scale = scale.view(e, n)
+    if select.use_triton(w) and w_NK.stride(2) != 1 and n and k:
+        # the forward operand: one pass reads w's columns and writes them as e4m3 rows of [e, N, K]
+        # (no transposing bf16 copy first; that copy alone took 4x the quantisation on an H200)
+        q = torch.empty((e, n, k), dtype=FP8_DTYPE, device=w.device)
+        scale = torch.empty((e, n), dtype=torch.float32, device=w.device)
+        _quant_cols_kernel[(e, triton.cdiv(n, 64))](w_NK, q, scale, n, w_NK.stride(0), w_NK.stride(2),
+                                                     w_NK.stride(1), K=k, UE8M0=ue8m0, BLOCK_K=128, BLOCK_N=64,
+                                                     num_warps=4)
+    else:
+        # [e, N, K] contiguous, then one rowwise pass (quant_rows' kernel on CUDA: amax, scale and the
+        # e4m3 copy together)
+        w_NK = w_NK.contiguous()
+        q, scale = quant_rows(w_NK.view(e * n, k), None, ue8m0, check_finite=False)
+        scale = scale.view(e, n)
     torch._assert_async(torch.isfinite(scale).all(), "dropless gemm=fp8: an expert weight holds NaN or Inf")
     return q.view(e, n, k).transpose(1, 2), scale
 
