@@ -55,7 +55,8 @@ _RULES = (  # first match wins; matched against the lower-cased kernel / operato
     ("grouped_gemm", ("grouped", "groupproblem", "_grouped_mm", "gmm", "wgrad")),
     ("softmax_ce", ("softmax", "cross_entropy", "nll_loss", "logsumexp")),
     ("casts_copies", ("copy", "cast", "catarray", "aten::cat", "_to_copy", "aten::to", "convert")),
-    ("optimizer", ("multi_tensor_apply", "adam", "_foreach", "foreach")),  # not "fused_": inductor names every kernel triton_*_fused_*
+    # not "fused_": inductor names every kernel triton_*_fused_*
+    ("optimizer", ("multi_tensor_apply", "adam", "_foreach", "foreach")),
     ("dense_gemm", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "aten::mm", "aten::addmm", "aten::bmm",
                     "aten::matmul", "aten::linear", "sm90_", "sm80_", "ampere_")),
     ("sort_index_topk", ("sort", "radix", "topk", "index", "gather", "scatter", "cub::", "bitonic", "argmax")),

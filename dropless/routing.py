@@ -256,8 +256,8 @@ class Router(nn.Module):
         else:  # T = batch * seq_len; seq_len = 0 is an empty batch ([B, 0, H])
             seq_len = int(seq_len)
             if seq_len < 0 or (seq_len == 0 and T) or (seq_len and T % seq_len):
-                raise ValueError(f"Router ({self.layer_name}): seq_len={seq_len} must divide T={T} (T = batch * seq_len; "
-                                 "0 only when T = 0)")
+                raise ValueError(f"Router ({self.layer_name}): seq_len={seq_len} must divide T={T} "
+                                 "(T = batch * seq_len; 0 only when T = 0)")
         if token_mask_T is not None:
             if token_mask_T.shape != (T,) or token_mask_T.dtype != torch.bool:
                 raise ValueError(f"Router ({self.layer_name}): token_mask_T must be bool [T={T}], got "
