@@ -61,9 +61,8 @@ if select.HAS_TRITON:
             a = g * tl.sigmoid(g) * u
         else:
             a = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
-        # NaN fails every comparison, Inf fails this one: the non-finite elements per row (summed over
-        # the program's blocks and reduced once by the caller: a block-wide reduction here cost a barrier)
-        bad = tl.sum(tl.where(mask & ~(tl.abs(a) <= 3.4028234663852886e38), 1, 0), axis=1)
+        # NaN fails every comparison, Inf fails this one: count the non-finite elements
+        bad = tl.sum(tl.sum(tl.where(mask & ~(tl.abs(a) <= 3.4028234663852886e38), 1, 0), axis=1), axis=0)
         if GROUP == 0:  # one scale per row
             amax = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-12)
             scale = amax / 448.0
@@ -82,7 +81,7 @@ if select.HAS_TRITON:
             tl.store(s_ptr + r64 * stride_s + grp, scale, mask=rmask[:, None] & (grp * GROUP < K))
         tl.store(q_ptr + r64 * stride_q + cols, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
                  mask=mask)
-        return bad
+        tl.atomic_max(flag_ptr, bad, mask=bad > 0)
 
     @triton.jit
     def _quant_kernel(x_ptr, q_ptr, s_ptr, flag_ptr, start_ptr, end_ptr, M, K, stride_x, stride_q, stride_s,
@@ -98,18 +97,15 @@ if select.HAS_TRITON:
             lo = M * 0
             hi = M
         r0 = lo + pid * BLOCK_M
-        bad = tl.zeros((BLOCK_M,), dtype=tl.int32)
         if INTERPRET:  # the interpreter's scalars are 1-element arrays, which range() rejects
             while r0 < hi:
-                bad += _quant_block(x_ptr, q_ptr, s_ptr, flag_ptr, r0, hi, K, stride_x, stride_q, stride_s, SWIGLU,
-                                    UE8M0, GROUP, BLOCK_M, BLOCK_K)
+                _quant_block(x_ptr, q_ptr, s_ptr, flag_ptr, r0, hi, K, stride_x, stride_q, stride_s, SWIGLU,
+                             UE8M0, GROUP, BLOCK_M, BLOCK_K)
                 r0 += nprog * BLOCK_M
         else:
             for r in range(r0, hi, nprog * BLOCK_M):
-                bad += _quant_block(x_ptr, q_ptr, s_ptr, flag_ptr, r, hi, K, stride_x, stride_q, stride_s, SWIGLU,
-                                    UE8M0, GROUP, BLOCK_M, BLOCK_K)
-        nbad = tl.sum(bad, axis=0)
-        tl.atomic_max(flag_ptr, nbad, mask=nbad > 0)
+                _quant_block(x_ptr, q_ptr, s_ptr, flag_ptr, r, hi, K, stride_x, stride_q, stride_s, SWIGLU,
+                             UE8M0, GROUP, BLOCK_M, BLOCK_K)
 
     @triton.jit
     def _quant_cols_kernel(w_ptr, q_ptr, s_ptr, N, stride_we, stride_wk, stride_wn, K: tl.constexpr,
@@ -151,8 +147,8 @@ def _launch(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, flag: torch.Tenso
     m = x.shape[0]
     block_k = triton.next_power_of_2(k)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-    if block_k <= 1024:  # measured on an H200 at K = 512 / 1024 (h200_fp8_quant_s8.jsonl): 4 rows, 32 programs per SM
-        block_m, num_warps, per_sm = 4, 4, 32
+    if block_k <= 1024 and layout is not None:  # measured on an H200 at K = 512 / 1024 over 64 experts
+        block_m, num_warps, per_sm = 4, 4, 32    # (h200_fp8_quant_s8.jsonl; the dense path is slower so)
     else:  # 8-16 KiB of input per block
         block_m = max(1, min(16, 8192 // block_k))
         num_warps, per_sm = (8 if block_k * block_m >= 4096 else 4), 8
