@@ -162,6 +162,7 @@ def test_compile_aot_eager_equals_eager(tmp_path, moe):
     (["dispatcher=a2a"], "train.compile_moe=true needs dispatcher=local"),
     (["train.activation_checkpointing=true"], "train.compile_moe=true with train.activation_checkpointing=true"),
     (["train.compile_moe=maybe"], "compile_moe"),
+    (["train.compile=false"], "train.compile_moe=True: compiles the MoE part .* set train.compile=true"),
 ])
 def test_compile_moe_where_it_cannot_be_honoured_is_a_config_error(tmp_path, over, match):
     with pytest.raises(ConfigError, match=match):

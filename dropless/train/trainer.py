@@ -103,6 +103,8 @@ def check_train_config(cfg: DictConfig) -> None:
     need(str(t.compile_backend) in ("inductor", "aot_eager", "eager"), "train.compile_backend", t.compile_backend,
          "must be inductor, aot_eager or eager")
     need(isinstance(t.compile_moe, bool), "train.compile_moe", t.compile_moe, "must be true or false")
+    need(not t.compile_moe or t.compile, "train.compile_moe", t.compile_moe,
+         "compiles the MoE part of each block compiled by train.compile; set train.compile=true as well")
     if t.compile and t.compile_moe:
         check_compile_moe(str(cfg.dispatcher.name), bool(t.activation_checkpointing))
     need(isinstance(cfg.deterministic, bool), "deterministic", cfg.deterministic, "must be true or false")
