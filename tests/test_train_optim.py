@@ -159,7 +159,8 @@ def test_compile_aot_eager_equals_eager(tmp_path, moe):
 
 
 @pytest.mark.parametrize("over, match", [
-    (["dispatcher=a2a"], "train.compile_moe=true needs dispatcher=local"),
+    (["dispatcher=a2a"], "train.compile_moe=true needs dispatcher=local .*host sizes"),
+    (["dispatcher=fsdp"], "train.compile_moe=true needs dispatcher=local .*FSDP2"),
     (["train.activation_checkpointing=true"], "train.compile_moe=true with train.activation_checkpointing=true"),
     (["train.compile_moe=maybe"], "compile_moe"),
     (["train.compile=false"], "train.compile_moe=True: compiles the MoE part .* set train.compile=true"),

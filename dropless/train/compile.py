@@ -45,8 +45,10 @@ def eager_regions(model: nn.Module) -> list[str]:
 def check_compile_moe(dispatcher: str, activation_checkpointing: bool) -> None:
     """Raise ConfigError if ``train.compile_moe=true`` cannot be honoured (see the module docstring)."""
     if dispatcher != "local":
-        raise ConfigError(f"train.compile_moe=true needs dispatcher=local (got dispatcher={dispatcher}: its "
-                          "collectives take host sizes); set train.compile_moe=false to keep the routed part eager")
+        why = ("FSDP2 gathers the expert weights in hooks around the experts" if dispatcher == "fsdp"
+               else "its collectives take host sizes")
+        raise ConfigError(f"train.compile_moe=true needs dispatcher=local (got dispatcher={dispatcher}: {why}); "
+                          "set train.compile_moe=false to keep the routed part eager")
     if activation_checkpointing:
         raise ConfigError("train.compile_moe=true with train.activation_checkpointing=true would count each "
                           "checkpoint recompute's tokens into the router's balancing load again; set one of them "
