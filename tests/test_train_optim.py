@@ -132,7 +132,7 @@ def test_compile_aot_eager_equals_eager(tmp_path, moe):
         tr = Trainer(compose(QUICK + [f"run_dir={tmp_path / name}", "train.steps=3", "logging.mode=disabled",
                                       "model.num_hidden_layers=2", "train.micro_batch_size=2", "train.seq_len=32",
                                       "train.val_every=0", f"train.compile={flag}", "train.compile_backend=aot_eager",
-                                      f"train.compile_moe={str(moe).lower()}"]))
+                                      f"train.compile_moe={str(moe and flag == 'true').lower()}"]))
         try:
             recs = []
             for i in range(3):
