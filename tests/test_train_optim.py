@@ -158,6 +158,31 @@ def test_compile_aot_eager_equals_eager(tmp_path, moe):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6 * b.abs().max().item())
 
 
+@pytest.mark.slow
+def test_compile_moe_is_one_graph_for_every_moe_layer_and_counts_once_per_step(tmp_path):
+    """train.compile_moe (aot_eager), 1 dense + 4 MoE layers, 2 micro-batches: Dynamo compiles the block
+    twice at most (dense, MoE: a per-layer constant read in the traced region, such as the router's
+    layer name was, would compile each layer again and past the limit raise here), and case-07: the
+    counts behind the bias update are each layer's true routed rows of the whole step (T·k·2), once."""
+    cfg = compose(QUICK + [f"run_dir={tmp_path}", "train.steps=1", "logging.mode=disabled", "train.val_every=0",
+                           "model.num_hidden_layers=5", "train.micro_batch_size=2", "train.seq_len=32",
+                           "train.grad_accum=2", "train.compile=true", "train.compile_backend=aot_eager",
+                           "train.compile_moe=true"])
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=2, fail_on_recompile_limit_hit=True):
+        tr = Trainer(cfg)
+        try:
+            seen = []
+            counts = tr.balancer.counts
+            tr.balancer.counts = lambda: seen.append(counts()) or seen[-1]
+            tr.train_step()
+        finally:
+            tr.close()
+    k = tr.args.num_experts_per_tok
+    assert seen[0].shape == (4, tr.args.n_routed_experts)
+    assert seen[0].sum(dim=1).tolist() == [2 * 32 * k * 2] * 4
+
+
 @pytest.mark.parametrize("over, match", [
     (["dispatcher=a2a"], "train.compile_moe=true needs dispatcher=local .*host sizes"),
     (["dispatcher=fsdp"], "train.compile_moe=true needs dispatcher=local .*FSDP2"),

@@ -43,7 +43,14 @@ def eager_regions(model: nn.Module) -> list[str]:
 
 
 def check_compile_moe(dispatcher: str, activation_checkpointing: bool) -> None:
-    """Raise ConfigError if ``train.compile_moe=true`` cannot be honoured (see the module docstring)."""
+    """Check that ``train.compile_moe=true`` can be honoured (see the module docstring).
+
+    Args:
+        dispatcher: ``dispatcher.name``; only ``local`` compiles with the block.
+        activation_checkpointing: ``train.activation_checkpointing``; must be False.
+    Raises:
+        ConfigError: naming the option that conflicts and how to fix it.
+    """
     if dispatcher != "local":
         why = ("FSDP2 gathers the expert weights in hooks around the experts" if dispatcher == "fsdp"
                else "its collectives take host sizes")
