@@ -85,11 +85,14 @@ class _ReturnedItself(TorchFunctionMode):
 
 def _saved_rows_shapes(fn, x, hidden, min_rows):
     """Shapes of the tensors saved for backward by ``fn(x)`` that look like gathered rows
-    (2-D, one side ``hidden``, the other at least ``min_rows``)."""
+    (2-D, one side ``hidden``, the other at least ``min_rows`` and not a count of tokens: the
+    source tokens ``x`` and their chunks are saved by design)."""
     shapes = []
+    tokens = x.numel() // hidden
 
     def pack(t):
-        if t.dim() == 2 and hidden in t.shape and max(t.shape) >= min_rows and min(t.shape) == hidden:
+        if (t.dim() == 2 and hidden in t.shape and max(t.shape) >= min_rows and min(t.shape) == hidden
+                and tokens % max(t.shape)):
             shapes.append(tuple(t.shape))
         return t
 
@@ -98,19 +101,20 @@ def _saved_rows_shapes(fn, x, hidden, min_rows):
     return shapes
 
 
-@pytest.mark.parametrize("recompute_fc1", [False, True])
-def test_compiled_recompute_gather_saves_no_gathered_rows(recompute_fc1):
+@pytest.mark.parametrize("recompute_fc1, chunks", [(False, 1), (True, 1), (False, 2)])
+def test_compiled_recompute_gather_saves_no_gathered_rows(recompute_fc1, chunks):
     """Traced, the backward's re-gather must not become the forward's gather again: the compiler's
     common-subexpression pass merged the two, and the compiled layer saved the gathered [M, H] rows
     (and so had recompute_gather's memory without its saving). Compiled with recompute_gather, no
     saved tensor is [M, H] (H 48, 2I 32: h13 is not mistaken for rows); compiled without it, the rows are saved."""
     torch.manual_seed(0)
     x = torch.randn(4, 32, 48, requires_grad=True)
-    rows = 4 * 32 * 2  # T·k
+    rows = 4 * 32 * 2 // chunks  # T·k of one chunk
     found = {}
     for gather in (False, True):
         torch._dynamo.reset()
-        m = _layer(hidden_size=48, moe_intermediate_size=16, recompute_gather=gather, recompute_fc1=recompute_fc1)
+        m = _layer(hidden_size=48, moe_intermediate_size=16, recompute_gather=gather, recompute_fc1=recompute_fc1,
+                   num_token_chunks=chunks)
         found[gather] = _saved_rows_shapes(torch.compile(m, backend="aot_eager", fullgraph=True), x, 48, rows)
     assert found[False], "the probe finds the landed rows the layer saves without recompute_gather"
     assert not found[True], found[True]
