@@ -18,9 +18,11 @@ this file existed) at the same shapes. Needs CUDA and triton; no hydra/wandb.
 
 ``--probe [--dump DIR]``: also time the floors at 3,072 live rows (an empty launch, every expert empty, a
 copy of the same bytes, torch.compile over a 3,072-row buffer) and write torch.compile's full-buffer kernel under DIR.
-Times: :func:`timeit` (median of 200 CUDA-event timings, L2 flushed before each).
+Times: :func:`timeit` (median of 200 CUDA-event timings, L2 flushed before each; ``--timing rotate``:
+the SwiGLU ops rotate among 8 input sets instead, see ``TIMING``).
 
-Usage: ``python benchmarks/live_rows.py [--old DIR] [--no-compile] [--sweep] [--probe [--dump DIR]]``.
+Usage: ``python benchmarks/live_rows.py [--old DIR] [--no-compile] [--sweep] [--probe [--dump DIR]]
+[--timing flush|rotate] [--only seed|rank|rows]``.
 """
 
 from __future__ import annotations
@@ -40,22 +42,35 @@ def emit(**kw) -> None:
 
 _FLUSH = []
 
+#: How :func:`timeit` keeps the inputs out of the L2 cache (``--timing``): ``"flush"`` writes 256 MiB
+#: before each call (triton.testing.do_bench's way; the timed call then also pays for evicting those
+#: dirty lines, about 50 MB of writes, which dominates a call that moves little); ``"rotate"`` gives
+#: each call the next of several input sets (METHOD.md's way), so the call finds its inputs in HBM and
+#: the cache holds only other calls' rows, as in a training step.
+TIMING = "flush"
 
-def timeit(fn, reps: int = 200) -> float:
-    """Median microseconds of ``reps`` timed calls (CUDA events around each call, L2 flushed before
-    each by writing 256 MiB; a 50 µs device sleep after the flush lets the host queue the call
-    first, so the host's launch time is not what is timed)."""
-    if not _FLUSH:
+
+def timeit(fn, reps: int = 200, sets=None) -> float:
+    """Median microseconds of ``reps`` timed calls (CUDA events around each call; a 50 µs device sleep
+    before each lets the host queue the call first, so the host's launch time is not what is timed).
+
+    ``sets=None``: ``fn()`` with the L2 flushed before each call. With ``sets`` (a list of argument
+    tuples): ``fn(*sets[i])``; under ``TIMING="flush"`` always the first set with the flush, under
+    ``"rotate"`` the sets in turn and no flush (pass enough sets that one turn touches several times the
+    L2's 50 MB)."""
+    rotate = sets is not None and TIMING == "rotate"
+    calls = [lambda: fn()] if sets is None else [(lambda s=s: fn(*s)) for s in (sets if rotate else sets[:1])]
+    if not rotate and not _FLUSH:
         _FLUSH.append(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
-    flush = _FLUSH[0]
-    for _ in range(5):
-        fn()
+    for i in range(max(5, len(calls))):
+        calls[i % len(calls)]()
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for a, b in ev:
-        flush.zero_()
+    for i, (a, b) in enumerate(ev):
+        if not rotate:
+            _FLUSH[0].zero_()
         torch.cuda._sleep(100_000)
         a.record()
-        fn()
+        calls[i % len(calls)]()
         b.record()
     torch.cuda.synchronize()
     return 1e3 * sorted(a.elapsed_time(b) for a, b in ev)[reps // 2]
@@ -88,35 +103,40 @@ _FWD = [("flat", 4, 1024, 4, 32), ("flat", 1, 2048, 8, 16), ("flat", 1, 1024, 4,
 SWEEP = {"swiglu_fwd": _FWD, "swiglu_bwd": _FWD[:3], "swiglu_quant": _FWD[:3]}
 
 
-def swiglu_suite(tag, M, I, layouts, copy, old, compile_, sweep):
+def swiglu_suite(tag, M, I, layouts, copy, old, compile_, sweep, n_sets=1):
+    """The SwiGLU ops at ``M`` rows × ``I`` over each layout, the dense path and torch.compile's; ``n_sets``
+    input sets ``(h13, dout, row_w)`` for ``TIMING="rotate"``."""
     from dropless.ops import swiglu as sw
 
     torch.manual_seed(0)
     dt = torch.bfloat16
-    h13 = torch.randn(M, 2 * I, device="cuda", dtype=dt)
-    dout = torch.randn(M, I, device="cuda", dtype=dt)
-    rw = torch.rand(M, device="cuda")
+    sets = [(torch.randn(M, 2 * I, device="cuda", dtype=dt), torch.randn(M, I, device="cuda", dtype=dt),
+             torch.rand(M, device="cuda")) for _ in range(n_sets if TIMING == "rotate" else 1)]
+    h13, dout, rw = sets[0]
     esz = 2
+
+    def t(fn):
+        return timeit(fn, sets=sets)
 
     def line(op, variant, live, us, bytes_, **kw):
         gbps = bytes_ / us / 1e3
         emit(bench=tag, op=op, variant=variant, rows_live=live, rows_alloc=M, I=I, us=round(us, 2),
-             gbps=round(gbps, 1), pct_copy=round(100 * gbps / copy, 1), **kw)
+             gbps=round(gbps, 1), pct_copy=round(100 * gbps / copy, 1), timing=TIMING, **kw)
 
     per_row = {"swiglu_fwd": 3 * I * esz, "swiglu_bwd": 5 * I * esz, "swiglu_quant": 2 * I * esz + I + 4 * I // 128}
     for name, lay in layouts.items():
         live = int(lay.counts.sum())
-        line("swiglu_fwd", f"new:{name}", live, timeit(lambda: sw.swiglu_fwd(h13, lay)), live * per_row["swiglu_fwd"])
-        line("swiglu_bwd", f"new:{name}", live, timeit(lambda: sw.swiglu_bwd(h13, dout, lay)),
+        line("swiglu_fwd", f"new:{name}", live, t(lambda h, d, w: sw.swiglu_fwd(h, lay)), live * per_row["swiglu_fwd"])
+        line("swiglu_bwd", f"new:{name}", live, t(lambda h, d, w: sw.swiglu_bwd(h, d, lay)),
              live * per_row["swiglu_bwd"])
-        line("swiglu_quant", f"new:{name}", live, timeit(lambda: sw.swiglu_quant(h13, lay)),
+        line("swiglu_quant", f"new:{name}", live, t(lambda h, d, w: sw.swiglu_quant(h, lay)),
              live * per_row["swiglu_quant"])
         if old is not None:
             ok, ol = old
             olay = ol.ExpertLayout(lay.counts, lay.start, lay.end, lay.capacity, lay.alignment)
-            line("swiglu_fwd", f"old:{name}", live, timeit(lambda: ok.swiglu_fwd(h13, olay)),
+            line("swiglu_fwd", f"old:{name}", live, t(lambda h, d, w: ok.swiglu_fwd(h, olay)),
                  live * per_row["swiglu_fwd"])
-            line("swiglu_bwd", f"old:{name}", live, timeit(lambda: ok.swiglu_bwd(h13, dout, olay)),
+            line("swiglu_bwd", f"old:{name}", live, t(lambda h, d, w: ok.swiglu_bwd(h, d, olay)),
                  live * per_row["swiglu_bwd"])
             line("schedule", f"old:tiles:{name}", live, timeit(lambda: olay.tiles(64)), 1)
         if sweep:
@@ -125,25 +145,25 @@ def swiglu_suite(tag, M, I, layouts, copy, old, compile_, sweep):
                 ref = None
                 for c in cfgs:
                     cfg = sw.LaunchConfig(*c)
-                    fn = {"swiglu_fwd": lambda: sw.swiglu_fwd(h13, lay, config=cfg),
-                          "swiglu_bwd": lambda: sw.swiglu_bwd(h13, dout, lay, config=cfg),
-                          "swiglu_quant": lambda: sw.swiglu_quant(h13, lay, config=cfg)[0].view(torch.uint8)}[op]
-                    got = fn()[mask]
+                    fn = {"swiglu_fwd": lambda h, d, w: sw.swiglu_fwd(h, lay, config=cfg),
+                          "swiglu_bwd": lambda h, d, w: sw.swiglu_bwd(h, d, lay, config=cfg),
+                          "swiglu_quant": lambda h, d, w: sw.swiglu_quant(h, lay, config=cfg)[0].view(torch.uint8)}[op]
+                    got = fn(*sets[0])[mask]
                     ref = got if ref is None else ref  # every variant does the same arithmetic per element
-                    line(op, f"new:{name}:" + ",".join(map(str, c)), live, timeit(fn), live * per_row[op],
+                    line(op, f"new:{name}:" + ",".join(map(str, c)), live, t(fn), live * per_row[op],
                          equal_to_first=bool(torch.equal(got, ref)))
-    line("swiglu_fwd", "new:dense", M, timeit(lambda: sw.swiglu_fwd(h13)), M * per_row["swiglu_fwd"])
-    line("swiglu_bwd", "new:dense", M, timeit(lambda: sw.swiglu_bwd(h13, dout)), M * per_row["swiglu_bwd"])
-    line("swiglu_bwd", "new:dense+row_w", M, timeit(lambda: sw.swiglu_bwd(h13, dout, None, rw)),
+    line("swiglu_fwd", "new:dense", M, t(lambda h, d, w: sw.swiglu_fwd(h)), M * per_row["swiglu_fwd"])
+    line("swiglu_bwd", "new:dense", M, t(lambda h, d, w: sw.swiglu_bwd(h, d)), M * per_row["swiglu_bwd"])
+    line("swiglu_bwd", "new:dense+row_w", M, t(lambda h, d, w: sw.swiglu_bwd(h, d, None, w)),
          M * per_row["swiglu_bwd"])
-    line("swiglu_quant", "new:dense", M, timeit(lambda: sw.swiglu_quant(h13)), M * per_row["swiglu_quant"])
+    line("swiglu_quant", "new:dense", M, t(lambda h, d, w: sw.swiglu_quant(h)), M * per_row["swiglu_quant"])
     if compile_:
         f = torch.compile(lambda h: torch.nn.functional.silu(h[:, :I]) * h[:, I:])
-        line("swiglu_fwd", "torch.compile:dense", M, timeit(lambda: f(h13)), M * per_row["swiglu_fwd"])
+        line("swiglu_fwd", "torch.compile:dense", M, t(lambda h, d, w: f(h)), M * per_row["swiglu_fwd"])
         b = torch.compile(lambda h, d: sw.swiglu_bwd_torch(h, d))
-        line("swiglu_bwd", "torch.compile:dense", M, timeit(lambda: b(h13, dout)), M * per_row["swiglu_bwd"])
+        line("swiglu_bwd", "torch.compile:dense", M, t(lambda h, d, w: b(h, d)), M * per_row["swiglu_bwd"])
         q = torch.compile(lambda h: sw.quant_fp8_torch(sw.swiglu_fwd_torch(h.float())))
-        line("swiglu_quant", "torch.compile:dense", M, timeit(lambda: q(h13)), M * per_row["swiglu_quant"])
+        line("swiglu_quant", "torch.compile:dense", M, t(lambda h, d, w: q(h)), M * per_row["swiglu_quant"])
 
 
 def rows_suite(tag, counts, A, T, k, H, copy, old, compile_, sweep):
@@ -259,7 +279,12 @@ def main(argv=None) -> int:
     p.add_argument("--only", choices=["seed", "rank", "rows"], default=None)
     p.add_argument("--probe", action="store_true", help="also time the floors at 3,072 rows, dump torch.compile's code")
     p.add_argument("--dump", default=None, help="where --probe writes torch.compile's kernel source")
+    p.add_argument("--timing", choices=["flush", "rotate"], default="flush",
+                   help="keep the SwiGLU inputs out of L2 by a 256 MiB write before each call, or by rotating "
+                        "among input sets (see TIMING)")
     a = p.parse_args(argv)
+    global TIMING
+    TIMING = a.timing
     if not torch.cuda.is_available():
         print("benchmarks/live_rows.py needs a CUDA device", file=sys.stderr)
         return 2
@@ -277,11 +302,11 @@ def main(argv=None) -> int:
         M, e, A, I = 28672, 32, 128, 2048
         layouts = {"live3072": layout_for([96] * e, A, M), "full": layout_for([M // e] * e, A, M),
                    "one_expert": layout_for([M] + [0] * (e - 1), A, M)}
-        swiglu_suite("seed_activation", M, I, layouts, copy, old, compile_, a.sweep)
+        swiglu_suite("seed_activation", M, I, layouts, copy, old, compile_, a.sweep, n_sets=8)
     counts = [21733, 15004, 17982, 10817]
     if a.only in (None, "rank"):
         lay = layout_for(counts, 128, sum(counts) + 3 * 127)
-        swiglu_suite("rank_activation", lay.capacity, 2048, {"rank": lay}, copy, old, compile_, False)
+        swiglu_suite("rank_activation", lay.capacity, 2048, {"rank": lay}, copy, old, compile_, False, n_sets=2)
     if a.only in (None, "rows"):
         rows_suite("rank_rows", counts, 128, 8192, 8, 7168, copy, old, compile_, a.sweep)
     return 0
