@@ -87,8 +87,8 @@ def test_triton_quant_small_rows_and_weights_match_reference(k_dim, ue8m0):
 @pytest.mark.parametrize("swiglu", [False, True])
 def test_triton_quant_1x128_matches_reference(k_dim, swiglu):
     """The row kernel with one scale per row per 128 columns (gemm=deep_gemm's activations): q and the
-    scales bit for bit equal to the torch reference on live rows (K = 7168: BLOCK_K 8192, the last
-    8 groups masked)."""
+    scales bit for bit equal to the torch reference on live rows (K = 7168: seven blocks of 1,024
+    columns per row; K = 1024: one)."""
     lay, x, _, live, _ = make([3000, 0, 1000, 77], 128, 2 * k_dim if swiglu else k_dim, 16)
     x[live] *= torch.logspace(-3, 3, int(live.sum()), device="cuda").unsqueeze(1).bfloat16()
     q, s = (swiglu_quant_rows if swiglu else quant_rows)(x, lay, group=128)

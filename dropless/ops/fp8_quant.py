@@ -17,7 +17,8 @@ Ops (each picks its Triton kernel or its torch reference in one place, :func:`dr
 Scales: ``scale = max(amax, 1e-12) / 448`` (448 = largest finite e4m3), so ``|q| <= 448``;
 with ``ue8m0`` the power-of-two ceiling of that (exactly representable in UE8M0).
 With a layout, the Triton kernels walk rows ``[start[i], end[i])`` of each expert only
-(program ``(p, i)`` takes row blocks ``start[i] + p·BLOCK_M, start[i] + (p + P)·BLOCK_M, …``):
+(program ``(p, i)`` takes blocks ``p, p + P, …`` of expert ``i``'s rows; a block is ``BLOCK_M``
+whole rows with one scale per row, ``BLOCK_M`` rows × up to 1,024 columns with ``group=128``):
 padding rows of ``q`` and ``scale`` stay unwritten and cost nothing (DESIGN.md rules 2-3).
 The torch references compute every row.
 
@@ -46,13 +47,15 @@ if select.HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _quant_block(x_ptr, q_ptr, s_ptr, flag_ptr, r0, hi, K, stride_x, stride_q, stride_s,
+    def _quant_block(x_ptr, q_ptr, s_ptr, flag_ptr, r0, hi, c0, K, stride_x, stride_q, stride_s,
                      SWIGLU: tl.constexpr, UE8M0: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_K: tl.constexpr):
+        """Rows ``[r0, min(r0 + BLOCK_M, hi))``, columns ``[c0, c0 + BLOCK_K)`` (below ``K``); with
+        ``GROUP == 0`` the block holds whole rows (``c0 == 0``, ``BLOCK_K >= K``)."""
         rows = r0 + tl.arange(0, BLOCK_M)
         rmask = rows < hi
         r64 = rows.to(tl.int64)[:, None]
-        cols = tl.arange(0, BLOCK_K)[None, :]
+        cols = c0 + tl.arange(0, BLOCK_K)[None, :]
         mask = rmask[:, None] & (cols < K)
         xp = x_ptr + r64 * stride_x + cols
         if SWIGLU:
@@ -77,7 +80,7 @@ if select.HAS_TRITON:
             if UE8M0:
                 scale = tl.exp2(tl.ceil(tl.log2(scale)))
             q = tl.reshape(tl.clamp(tl.math.div_rn(a3, scale[:, :, None]), -448.0, 448.0), (BLOCK_M, BLOCK_K))
-            grp = tl.arange(0, BLOCK_K // GROUP)[None, :]
+            grp = c0 // GROUP + tl.arange(0, BLOCK_K // GROUP)[None, :]
             tl.store(s_ptr + r64 * stride_s + grp, scale, mask=rmask[:, None] & (grp * GROUP < K))
         tl.store(q_ptr + r64 * stride_q + cols, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
                  mask=mask)
@@ -86,7 +89,9 @@ if select.HAS_TRITON:
     @triton.jit
     def _quant_kernel(x_ptr, q_ptr, s_ptr, flag_ptr, start_ptr, end_ptr, M, K, stride_x, stride_q, stride_s,
                       HAS_LAYOUT: tl.constexpr, SWIGLU: tl.constexpr, UE8M0: tl.constexpr, GROUP: tl.constexpr,
-                      INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                      NUM_KB: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        # blocks of BLOCK_M rows x BLOCK_K columns; block t of an expert covers rows lo + (t // NUM_KB)·BLOCK_M
+        # and columns (t % NUM_KB)·BLOCK_K (NUM_KB = 1 with one scale per row: the whole row in one block)
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         if HAS_LAYOUT:
@@ -96,16 +101,17 @@ if select.HAS_TRITON:
         else:
             lo = M * 0
             hi = M
-        r0 = lo + pid * BLOCK_M
+        n = (tl.maximum(hi - lo, 0) + BLOCK_M - 1) // BLOCK_M * NUM_KB
         if INTERPRET:  # the interpreter's scalars are 1-element arrays, which range() rejects
-            while r0 < hi:
-                _quant_block(x_ptr, q_ptr, s_ptr, flag_ptr, r0, hi, K, stride_x, stride_q, stride_s, SWIGLU,
-                             UE8M0, GROUP, BLOCK_M, BLOCK_K)
-                r0 += nprog * BLOCK_M
+            t = pid + lo * 0
+            while t < n:
+                _quant_block(x_ptr, q_ptr, s_ptr, flag_ptr, lo + (t // NUM_KB) * BLOCK_M, hi, (t % NUM_KB) * BLOCK_K,
+                             K, stride_x, stride_q, stride_s, SWIGLU, UE8M0, GROUP, BLOCK_M, BLOCK_K)
+                t += nprog
         else:
-            for r in range(r0, hi, nprog * BLOCK_M):
-                _quant_block(x_ptr, q_ptr, s_ptr, flag_ptr, r, hi, K, stride_x, stride_q, stride_s, SWIGLU,
-                             UE8M0, GROUP, BLOCK_M, BLOCK_K)
+            for t in range(pid, n, nprog):
+                _quant_block(x_ptr, q_ptr, s_ptr, flag_ptr, lo + (t // NUM_KB) * BLOCK_M, hi, (t % NUM_KB) * BLOCK_K,
+                             K, stride_x, stride_q, stride_s, SWIGLU, UE8M0, GROUP, BLOCK_M, BLOCK_K)
 
     @triton.jit
     def _quant_cols_kernel(w_ptr, q_ptr, s_ptr, N, stride_we, stride_wk, stride_wn, K: tl.constexpr,
@@ -142,25 +148,36 @@ if select.HAS_TRITON:
             tl.store(qbase + ks[None, :], tl.trans(q), mask=(ks[None, :] < K) & cmask[:, None])
 
 
+#: The 1x128 launch (``group=128``): blocks of 4 rows x up to 1,024 columns (8 scale groups), each
+#: independent of the others, 32 programs per SM (the tile shape the SwiGLU kernels measured best).
+GROUP_BLOCK = (4, 1024, 4, 32)  # (rows, columns, warps, programs per SM)
+
+
 def _launch(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, flag: torch.Tensor, layout: ExpertLayout | None,
             k: int, swiglu: bool, ue8m0: bool, group: int) -> None:
     m = x.shape[0]
-    block_k = triton.next_power_of_2(k)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-    if block_k <= 1024 and layout is not None:  # measured on an H200 at K = 512 / 1024 over 64 experts
-        block_m, num_warps, per_sm = 4, 4, 32    # (h200_fp8_quant_s8.jsonl); the dense path is slower with it
-    else:  # 8-16 KiB of input per block
-        block_m = max(1, min(16, 8192 // block_k))
-        num_warps, per_sm = (8 if block_k * block_m >= 4096 else 4), 8
+    if group:  # the scales need no whole-row reduction: tile the columns too
+        block_m, block_k, num_warps, per_sm = GROUP_BLOCK
+        block_k = min(block_k, triton.next_power_of_2(k))
+    else:  # one scale per row: a block holds whole rows
+        block_k = triton.next_power_of_2(k)
+        if block_k <= 1024 and layout is not None:  # measured on an H200 at K = 512 / 1024 over 64 experts
+            block_m, num_warps, per_sm = 4, 4, 32    # (h200_fp8_quant_s8.jsonl); the dense path is slower with it
+        else:  # 8-16 KiB of input per block
+            block_m = max(1, min(16, 8192 // block_k))
+            num_warps, per_sm = (8 if block_k * block_m >= 4096 else 4), 8
+    num_kb = -(-k // block_k)
+    units = max(1, -(-m // block_m)) * num_kb
     if layout is not None:
         e = layout.num_experts
-        grid = (max(1, min(-(-m // block_m), -(-sms * per_sm // max(e, 1)))), e)
+        grid = (max(1, min(units, -(-sms * per_sm // max(e, 1)))), e)
         start, end = layout.start, layout.end
     else:
-        grid = (max(1, min(-(-m // block_m), sms * per_sm)), 1)
+        grid = (max(1, min(units, sms * per_sm)), 1)
         start = end = flag
     _quant_kernel[grid](x, q, s, flag, start, end, m, k, x.stride(0), q.stride(0), s.stride(0),
-                        HAS_LAYOUT=layout is not None, SWIGLU=swiglu, UE8M0=ue8m0, GROUP=group,
+                        HAS_LAYOUT=layout is not None, SWIGLU=swiglu, UE8M0=ue8m0, GROUP=group, NUM_KB=num_kb,
                         INTERPRET=select.interpreting(), BLOCK_M=block_m, BLOCK_K=block_k, num_warps=num_warps)
 
 
