@@ -294,20 +294,21 @@ def test_kernels_stay_inside_the_buffer_when_counts_overflow_the_capacity():
     assert rel(out[:48], sw.swiglu_fwd_torch(h13.double())) < TOL
 
 
-@pytest.mark.parametrize("group,block_cols", [(0, None), (128, None), (128, 128)])
+@pytest.mark.parametrize("group,block_cols,K", [(0, None, 384), (0, None, 1536), (128, None, 384), (128, 128, 384)])
 @pytest.mark.parametrize("swiglu", [False, True])
-def test_fp8_quant_rows_kernel_group_scales_live_rows_only(group, block_cols, swiglu, monkeypatch):
+def test_fp8_quant_rows_kernel_group_scales_live_rows_only(group, block_cols, K, swiglu, monkeypatch):
     """fp8_quant's row kernel, one scale per row (group 0) or per row per 128 columns: scales equal the
-    torch reference on live rows (K = 384: not a power of two, so the kernel's last 128-column
-    groups are masked; with ``block_cols=128`` the 1x128 path cuts each row into three column
-    blocks, each a unit of its own), a NaN in a padding row ignored and one in a live row flagged
-    (q's values are checked on CUDA: the interpreter's e4m3 conversion does not round to nearest)."""
+    torch reference on live rows (K = 384 and 1,536: not powers of two, so the kernel's last
+    columns are masked; 1,536 takes the one-row-block launch of K > 1,024; with ``block_cols=128``
+    the 1x128 path cuts each row into three column blocks, each a unit of its own), a NaN in a
+    padding row ignored and one in a live row flagged (q's values are checked on CUDA: the
+    interpreter's e4m3 conversion does not round to nearest)."""
     from dropless.ops import fp8_quant as fq
 
     if block_cols:
         monkeypatch.setattr(fq, "GROUP_BLOCK", (fq.GROUP_BLOCK[0], block_cols) + fq.GROUP_BLOCK[2:])
     torch.manual_seed(3)
-    counts, A, K = [70, 0, 5, 129], 16, 384
+    counts, A = [70, 0, 5, 129], 16
     lay = ExpertLayout.from_counts(torch.tensor(counts, device=DEV), alignment=A,
                                    capacity=sum(-(-c // A) * A for c in counts) + 7)
     M, live = lay.capacity, lay.live_mask()
