@@ -16,7 +16,7 @@ import torch
 
 from dropless.ops.backward import first_order_only, grad_wanted
 from dropless.ops.grouped_gemm import WgradAccumulator, weight_grad
-from dropless.ops.rows import RowSource, gather_rows, gather_sum
+from dropless.ops.rows import RowSource, gather_rows, gather_sum, regather_rows
 from dropless.ops.swiglu import swiglu_bwd, swiglu_fwd
 
 
@@ -36,7 +36,7 @@ class _RecomputeBox:
 def _rebuild_h13(box: _RecomputeBox, x_in, w13, src_M, layout, backend) -> torch.Tensor:
     """``box.h13`` = FC1 of the landed rows (re-gathered when ``src_M`` is given), unless already there."""
     if box.h13 is None:
-        rows = _landed(x_in, src_M, again=True)
+        rows = _landed(x_in, src_M)  # eager only (the two-node path); compiled, _ExpertMLPOneNode runs
         box.h13 = backend.gmm(rows, w13, layout)
         # re-gathered rows are not kept for FC1's backward (it gathers again, a cheap copy):
         # they would sit beside FC2's [M, H] gradient, the backward's largest buffers
@@ -81,18 +81,18 @@ def _weighted_(a_MI: torch.Tensor, row_w: torch.Tensor | None, in_place: bool = 
     return a_MI.mul_(w) if in_place else a_MI * w
 
 
-def _landed(x_in: torch.Tensor, src_M: torch.Tensor | None, again: bool = False) -> torch.Tensor:
-    """The landed rows: ``x_in`` itself, or re-gathered from the source tokens ``x_in[src_M]``.
+def _landed(x_in: torch.Tensor, src_M: torch.Tensor | None, after: torch.Tensor | None = None) -> torch.Tensor:
+    """The landed rows: ``x_in`` itself, or gathered from the source tokens ``x_in[src_M]``.
 
-    ``again``: a backward's re-gather. While ``torch.compile`` traces, it is written as another
-    op (advanced indexing, the same values) than the forward's ``index_select``: the compiler's
-    common-subexpression pass would otherwise merge the two and save the gathered ``[M, H]``
-    rows for backward, which is what ``recompute_gather`` exists to avoid.
+    ``after``: in a backward, a tensor that backward computed; the re-gather is then
+    :func:`~dropless.ops.rows.regather_rows`, which ``torch.compile`` keeps in the backward
+    (neither computed in the forward and saved nor merged with the forward's gather: either
+    would save the ``[M, H]`` rows that ``recompute_gather`` exists to avoid).
     """
     if src_M is None:
         return x_in
-    if again and torch.compiler.is_compiling() and x_in.shape[0]:
-        return x_in[src_M.clamp(min=0)]
+    if after is not None:
+        return regather_rows(x_in, src_M, after)
     return gather_rows(x_in, src_M)
 
 
@@ -175,7 +175,7 @@ def _fc1_swiglu_backward(dh_MI, own: list, x_in, w13, row_w, src_M, dest_Nk, lay
     if want_w13:
         # the rows only now, after h13 is freed: they never sit beside h13, dh and dh13 at once
         if x is None:
-            x = _landed(x_in, src_M, again=True)
+            x = _landed(x_in, src_M, after=dh13)
         dw13 = weight_grad(x, dh13, layout, be, w13.dtype, (wgrad, "w13") if wgrad is not None else None)
     del x
     if want_x:
@@ -290,7 +290,7 @@ class _ExpertMLPOneNode(torch.autograd.Function):
         want_h = want_x or want_w13 or want_rw
         x = None
         if ctx.recompute_fc1:
-            x = _landed(x_in, src, again=True)
+            x = _landed(x_in, src, after=dy_MH)
             h13 = be.gmm(x, w13, layout)
             if src is not None:  # re-gathered rows are not kept (as in the two-node version)
                 x = None

@@ -9,6 +9,8 @@ Ops (each picks its Triton kernel or its torch reference in one place, :func:`dr
 * :func:`gather_rows` — ``rows_MH[m] = x_NH[src_M[m]]`` (padding rows unspecified): the
   torch path's way to land rows (no ``k``-fold copy of ``x``).
 * :func:`land_rows` — the one place that picks between the two.
+* :func:`regather_rows` — a backward's re-gather (``recompute_gather``): :func:`gather_rows`
+  that ``torch.compile`` keeps in the backward (an opaque op taking a tensor of the backward).
 * :func:`gather_sum` — ``out[n] = Σ_j w[n, j] · rows[dest[n, j]]``, ``j = 0 … k-1`` in this
   fixed order, accumulated in fp32 (fp64 for fp64 rows): the combine's forward (with
   weights) and the permutation's backward (without). A choice with ``dest < 0`` is never
@@ -278,6 +280,31 @@ def gather_rows(x_NH: torch.Tensor, src_M: torch.Tensor) -> torch.Tensor:
         return x_NH.new_empty(src_M.shape[0], x_NH.shape[1])
     # padding rows read row 0: garbage by contract, never used
     return x_NH.index_select(0, src_M.clamp(min=0))
+
+
+def _regather_rows(x_NH: torch.Tensor, src_M: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    return gather_rows(x_NH, src_M)
+
+
+_regather_op = torch.library.custom_op("dropless::regather_rows", _regather_rows, mutates_args=())
+_regather_op.register_fake(lambda x_NH, src_M, after: x_NH.new_empty(src_M.shape[0], x_NH.shape[1]))
+
+
+def regather_rows(x_NH: torch.Tensor, src_M: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """A backward pass's re-gather of the landed rows: :func:`gather_rows`, ordered after ``after``.
+
+    ``after`` is any tensor the backward pass computed (e.g. the incoming gradient); it is not
+    read. While ``torch.compile`` traces (an opaque op, ``dropless::regather_rows``) it makes the
+    gather depend on the backward: a gather whose inputs are all forward values is a forward
+    node to the partitioner, and inductor's min-cut partitioner, seeing a matmul consume it in
+    backward, bans recomputing it and so computes it in the forward and saves its ``[M, H]``
+    output (``recompute_gather`` then saves nothing). Being another op than the forward's gather,
+    it is not merged with it by the common-subexpression pass either. Eagerly it is
+    :func:`gather_rows`.
+    """
+    if torch.compiler.is_compiling():
+        return _regather_op(x_NH, src_M, after)
+    return gather_rows(x_NH, src_M)
 
 
 def gather_sum(rows_MH: torch.Tensor, dest_Nk: torch.Tensor, weight_Nk: torch.Tensor | None) -> torch.Tensor:
