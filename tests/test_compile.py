@@ -104,8 +104,6 @@ def _saved_rows_shapes(fn, x, hidden, min_rows):
 
 
 _HAS_CXX = any(shutil.which(c) for c in ("g++", "c++", "clang++"))
-
-
 _NEEDS_CXX = pytest.mark.skipif(not _HAS_CXX, reason="inductor on CPU needs a C++ compiler")
 
 
@@ -117,9 +115,10 @@ def test_compiled_recompute_gather_saves_no_gathered_rows(backend, recompute_fc1
     common-subexpression pass merged it with the forward's gather (aot_eager), and (2) inductor's
     min-cut partitioner, seeing a gather of forward values feed the weight-gradient matmul, computed
     it in the forward and saved its [M, H] output (transposed, for the matmul) — either way the
-    compiled layer had recompute_gather's memory without its saving (the +6 GiB of
-    ``train.compile_moe`` on an H200). Compiled with recompute_gather, no saved tensor is [M, H]
-    (H 48, 2I 32: h13 is not mistaken for rows); compiled without it, the rows are saved. Under
+    compiled layer had recompute_gather's memory without its saving (one [M, H] copy per MoE
+    layer, which matches the +6 GiB of ``train.compile_moe`` on an H200). Compiled with
+    recompute_gather, no saved tensor is [M, H] (H 48, 2I 32: h13 is not mistaken for rows);
+    compiled without it, the rows are saved. Under
     inductor the routing weights are folded, so the expert outputs (also [M, H], saved by design
     for the weights' gradient) are not saved either; with 2 chunks and without recompute_gather,
     inductor itself chooses to recompute the gather, so only the recompute_gather half is checked
