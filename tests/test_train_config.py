@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from dropless.config import ConfigError, ModelArgs
 from dropless.train.config import compose, list_recipes, model_args
 from dropless.train.dist import check_mesh, default_num_threads, init_distributed, resolve_ep_size
-from dropless.train.trainer import check_train_config, lr_at
+from dropless.train.trainer import alignment_note, check_train_config, lr_at
 
 V3_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
              "first_k_dense_replace", "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
@@ -113,6 +113,28 @@ def test_train_config_checks():
                       ("train.dtype=fp16", "train.dtype"), ("logging.mode=loud", "logging.mode")):
         with pytest.raises(ConfigError, match=match):
             check_train_config(compose([ov]))
+
+
+def test_alignment_note_warns_when_padding_outgrows_the_routed_rows():
+    """A huge model.expert_alignment is valid but pads each expert's segment far beyond its rows (a user saw
+    the CPU recipe run 4x slower at A = 100000): the note names the alignment and both row counts; the
+    recipes' own settings give none."""
+    for recipe in list_recipes():
+        cfg = compose([f"recipe={recipe}"])
+        ep = cfg.dispatcher.get("ep_size") or 1
+        assert alignment_note(model_args(cfg), cfg.train.micro_batch_size * cfg.train.seq_len, ep) is None, recipe
+    args = model_args(compose(["model.expert_alignment=100000"]))
+    cfg = compose([])
+    tokens = cfg.train.micro_batch_size * cfg.train.seq_len
+    note = alignment_note(args, tokens)
+    rows = tokens * args.num_experts_per_tok
+    pad = args.n_routed_experts * 99999
+    assert note is not None and "model.expert_alignment=100000" in note and f"{pad:,}" in note and f"{rows:,}" in note
+    # the bound is per chunk and per rank's local experts
+    a = dataclasses.replace(args, expert_alignment=rows // args.n_routed_experts + 1)
+    assert alignment_note(a, tokens) is None
+    assert alignment_note(dataclasses.replace(a, num_token_chunks=2), tokens) is not None
+    assert alignment_note(dataclasses.replace(a, num_token_chunks=2), tokens, ep_size=2) is None
 
 
 def test_mesh_checks(monkeypatch):

@@ -137,6 +137,27 @@ def check_train_config(cfg: DictConfig) -> None:
                           "model.max_position_embeddings")
 
 
+def alignment_note(args: ModelArgs, tokens: int, ep_size: int = 1) -> str | None:
+    """A warning when ``model.expert_alignment`` lets padding outgrow the routed rows, else None.
+
+    Each local expert's segment of the landed buffer starts on a multiple of ``A``, so a
+    chunk's buffer holds up to ``e·(A − 1)`` padding rows (``e`` = local experts) beside its
+    ``T·k / chunks`` routed rows (``tokens`` = ``T``, a rank's tokens per micro-batch). Padding
+    is never computed on the Triton paths but costs memory everywhere, and compute on the torch
+    (CPU) path; a valid but almost surely unintended setting when it exceeds the routed rows.
+    """
+    a = int(args.expert_alignment)
+    local = max(1, args.n_routed_experts // max(1, ep_size))
+    pad = local * (a - 1)
+    rows = tokens * args.num_experts_per_tok // max(1, args.num_token_chunks)
+    if pad <= rows:
+        return None
+    return (f"model.expert_alignment={a}: each of the {local} local experts' row segments starts on a multiple "
+            f"of {a}, so a chunk's landed buffer can hold {pad:,} padding rows beside its {rows:,} routed rows "
+            "(memory on every path, compute on the torch/CPU path); alignments in use are 1, 8, 16 and 128 "
+            "(gemm=deep_gemm needs 128)")
+
+
 def resolve_run_dir(cfg: DictConfig, env: DistEnv) -> Path:
     """The run directory, the same on every rank (rank 0 picks a fresh dated name by default).
 
@@ -282,6 +303,9 @@ class Trainer:
         check_backend_shapes(self.args.gemm, env.device, self.dtype, self.args.hidden_size,
                              self.args.moe_intermediate_size)  # e.g. 16-byte GEMM rows, before the run dir exists
         self.main = env.is_main
+        note = alignment_note(self.args, self.batch * self.seq_len, env.ep_size)
+        if note:
+            self.print(f"[dropless] warning: {note}")
         self.loss_impl, loss_note = resolve_loss_impl(t.get("loss_impl", "auto"), env.device)
         self.print(f"[dropless] loss: {loss_note}")
         self.run_dir = resolve_run_dir(cfg, env)
