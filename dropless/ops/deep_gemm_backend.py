@@ -53,8 +53,9 @@ def import_deep_gemm() -> ModuleType:
     except ImportError as e:
         raise ConfigError(
             "gemm=deep_gemm needs the deep_gemm package (DeepSeek's DeepGEMM, github.com/deepseek-ai/DeepGEMM, "
-            f"built for this CUDA and torch) and a CUDA GPU of compute capability >= 9.0; the package does not "
-            f"import here ({e}); install it, or use gemm=fp8 (torch's FP8 grouped GEMM) or gemm=torch") from e
+            f"built from source for this CUDA and torch: README.md, FP8 experts) and a CUDA GPU of compute "
+            f"capability >= 9.0; the package does not import here ({e}); install it, or use gemm=fp8 (torch's "
+            "FP8 grouped GEMM, on a GPU of compute capability >= 8.9) or gemm=torch (any device)") from e
     missing = [f for f in (GEMM_FN, ALIGN_FN) if not hasattr(deep_gemm, f)]
     if missing:
         raise ConfigError(f"gemm=deep_gemm: the installed deep_gemm has no {', '.join(missing)} (dropless calls "

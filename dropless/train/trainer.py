@@ -154,8 +154,8 @@ def alignment_note(args: ModelArgs, tokens: int, ep_size: int = 1) -> str | None
         return None
     return (f"model.expert_alignment={a}: each of the {local} local experts' row segments starts on a multiple "
             f"of {a}, so a chunk's landed buffer can hold {pad:,} padding rows beside its {rows:,} routed rows "
-            "(memory on every path, compute on the torch/CPU path); alignments in use are 1, 8, 16 and 128 "
-            "(gemm=deep_gemm needs 128)")
+            "(memory on every path, compute on the torch/CPU path); lower it: 1 (the default) unless a "
+            "backend needs more, e.g. 128 for gemm=deep_gemm; 8 or 16 are common")
 
 
 def resolve_run_dir(cfg: DictConfig, env: DistEnv) -> Path:
