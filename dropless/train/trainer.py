@@ -54,6 +54,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from dropless.config import ConfigError, ModelArgs
 from dropless.convert import init_from
 from dropless.dispatch import build_dispatcher
+from dropless.dispatch.mesh import local_expert_count
+from dropless.layout import aligned_capacity
 from dropless.model import Transformer
 from dropless.model.loss import resolve_loss_impl
 from dropless.model.params import moe_flops_per_token, param_counts
@@ -141,15 +143,16 @@ def alignment_note(args: ModelArgs, tokens: int, ep_size: int = 1) -> str | None
     """A warning when ``model.expert_alignment`` lets padding outgrow the routed rows, else None.
 
     Each local expert's segment of the landed buffer starts on a multiple of ``A``, so a
-    chunk's buffer holds up to ``e·(A − 1)`` padding rows (``e`` = local experts) beside its
-    ``T·k / chunks`` routed rows (``tokens`` = ``T``, a rank's tokens per micro-batch). Padding
-    is never computed on the Triton paths but costs memory everywhere, and compute on the torch
-    (CPU) path; a valid but almost surely unintended setting when it exceeds the routed rows.
+    chunk's buffer of ``R = T·k / chunks`` routed rows (``tokens`` = ``T``, a rank's tokens per
+    micro-batch) has room for ``(e − 1)·(A − 1)`` padding rows beside them (``e`` = local
+    experts; :func:`dropless.layout.aligned_capacity`). Padding is never computed on the Triton
+    paths but costs memory everywhere, and compute on the torch (CPU) path: a valid but almost
+    surely unintended setting when it exceeds ``R``.
     """
     a = int(args.expert_alignment)
-    local = max(1, args.n_routed_experts // max(1, ep_size))
-    pad = local * (a - 1)
+    local = local_expert_count(args.n_routed_experts, ep_size)
     rows = tokens * args.num_experts_per_tok // max(1, args.num_token_chunks)
+    pad = aligned_capacity(rows, local, a) - rows
     if pad <= rows:
         return None
     return (f"model.expert_alignment={a}: each of the {local} local experts' row segments starts on a multiple "
