@@ -12,9 +12,13 @@ With ``--gemm fp8`` every measurement runs for bf16 (``torch``), ``fp8`` (its de
 ``use_fast_accum`` on) and ``fp8_exact`` (``use_fast_accum`` off) in the same process, each line
 tagged ``gemm`` and ``speedup`` over bf16; ``--gemm deep_gemm --alignments 128`` runs bf16,
 ``fp8`` and ``deep_gemm`` (which needs the deep_gemm package and A = 128) the same way;
-``--profile`` adds the experts' per-kernel CUDA time (one line per kernel, top 15).
+``--profile`` adds the experts' per-kernel CUDA time (one line per kernel, top 15). ``--gemm`` also
+takes a comma-separated list of backends, each a registered name or ``fp8:wgrad=MODE`` /
+``deep_gemm:wgrad=MODE`` (the FP8 backends with that weight gradient, ``Fp8Backend``'s ``wgrad``), the
+first one the baseline of ``speedup``. ``--alignments`` applies to (a) and (b).
 
-Usage: ``python benchmarks/moe_layer.py [--gemm torch|fp8|deep_gemm] [--quick] [--profile]``. Needs CUDA.
+Usage: ``python benchmarks/moe_layer.py [--gemm torch|fp8|deep_gemm|LIST] [--alignments 1,128] [--quick]
+[--profile]``. Needs CUDA.
 """
 
 from __future__ import annotations
@@ -55,12 +59,27 @@ def dense_ceiling(m: int, n: int, k: int) -> float:
 
 
 def make_backend(gemm: str):
-    """A backend name, or ``fp8_exact``: the fp8 backend without ``use_fast_accum``."""
+    """A backend name; ``fp8_exact``: the fp8 backend without ``use_fast_accum``; ``NAME:wgrad=MODE``: the
+    ``fp8`` / ``deep_gemm`` backend with that weight gradient (``fp8``, ``fp8_expert``, ``bf16``)."""
     if gemm == "fp8_exact":
         from dropless.ops.fp8_backend import Fp8Backend
 
         return Fp8Backend(fast_accum=False)
+    if ":wgrad=" in gemm:
+        name, mode = gemm.split(":wgrad=")
+        if name == "deep_gemm":
+            from dropless.ops.deep_gemm_backend import DeepGemmBackend
+
+            return DeepGemmBackend(wgrad=mode)
+        from dropless.ops.fp8_backend import Fp8Backend
+
+        return Fp8Backend(wgrad=mode)
     return gemm
+
+
+def base_name(gemm: str) -> str:
+    """The registered backend behind a :func:`make_backend` name."""
+    return "fp8" if gemm == "fp8_exact" else gemm.split(":")[0]
 
 
 def build_experts(gemm: str, counts=(21733, 15004, 17982, 10817), H: int = 7168, I: int = 2048, A: int = 1):
@@ -96,9 +115,9 @@ def build_layer(gemm: str, T: int = 8192, H: int = 7168, I: int = 2048, E: int =
 
     args = ModelArgs(hidden_size=H, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=k,
                      n_group=8, topk_group=4, n_shared_experts=1, routed_scaling_factor=2.5,
-                     aux_loss_alpha=1e-4, expert_alignment=A, gemm="fp8" if gemm == "fp8_exact" else gemm, **extra)
+                     aux_loss_alpha=1e-4, expert_alignment=A, gemm=base_name(gemm), **extra)
     moe = MoE(args, 0)
-    if gemm == "fp8_exact":
+    if gemm != base_name(gemm):
         moe.experts.backend = make_backend(gemm)
     if fast_init:  # the same N(0, initializer_range) weights drawn on the GPU (the CPU draw is slow at this size)
         moe = moe.cuda()
@@ -201,13 +220,14 @@ def main(argv=None) -> int:
         emit(bench="dense_ceiling", shape="8192x8192x8192", tflops=round(dense_ceiling(8192, 8192, 8192), 1))
         emit(bench="dense_ceiling", shape=f"{sum(counts)}x{2 * I}x{H}",
              tflops=round(dense_ceiling(sum(counts), 2 * I, H), 1))
-    gemms = {"fp8": ["torch", "fp8", "fp8_exact"], "deep_gemm": ["torch", "fp8", "deep_gemm"]}.get(a.gemm, [a.gemm])
+    gemms = {"fp8": ["torch", "fp8", "fp8_exact"], "deep_gemm": ["torch", "fp8", "deep_gemm"]}.get(
+        a.gemm, a.gemm.split(","))  # or a comma-separated list of make_backend names
     if a.only in (None, "experts"):
-        for A in (1, 128):
+        for A in map(int, a.alignments.split(",")):
             base = None
             for g in gemms:
-                if g == "deep_gemm" and A != 128:  # DeepGEMM's contiguous layout needs A = 128
-                    continue
+                if (g.startswith("deep_gemm") or ":wgrad=fp8" in g) and A != 128:
+                    continue  # DeepGEMM's contiguous layout and the FP8 weight gradient need A = 128
                 line = experts_only(g, counts, H, I, A, base)
                 base = base or line
         if a.profile:

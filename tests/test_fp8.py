@@ -10,7 +10,8 @@ subnormal, absolute error <= 2^-10 · scale. A GEMM whose two operands each carr
 has a relative (Frobenius) error near sqrt(2) · 2^-4 / sqrt(3) ≈ 0.05 on Gaussian data;
 tests bound it by 0.06 and check that it is not tiny (> 0.005: the operands really were FP8).
 The experts' FC1 -> SwiGLU -> FC2 chain quantises four operands: bound 0.1 (gradients 0.12).
-The weight gradients are bf16/fp32 GEMMs (fp32 on CPU): 1e-5 of the fp64 reference.
+The weight gradients are bf16/fp32 GEMMs (fp32 on CPU): 1e-5 of the fp64 reference; with
+``wgrad="fp8"`` / ``"fp8_expert"`` both operands are FP8 along the rows: the GEMM bound, 0.06.
 """
 
 from __future__ import annotations
@@ -26,7 +27,16 @@ from dropless.moe import MoE
 from dropless.ops import get_backend, grouped_mm, list_backends
 from dropless.ops.backends import check_backend_device
 from dropless.ops.fp8_backend import Fp8Backend
-from dropless.ops.fp8_quant import FP8_MAX, dequant_rows, dequant_weight, quant_rows, quant_weight, swiglu_quant_rows
+from dropless.ops.fp8_quant import (
+    FP8_MAX,
+    dequant_rows,
+    dequant_weight,
+    quant_expert_columns,
+    quant_rows,
+    quant_token_blocks,
+    quant_weight,
+    swiglu_quant_rows,
+)
 from tests.conftest import py_layout
 
 NAN = float("nan")
@@ -149,6 +159,84 @@ def test_grouped_mm_fp8_emulated_live_rows(a):
     for i, (s, t) in enumerate(seg):
         manual[s:t] = dequant_rows(xq[s:t], xs[s:t]).double() @ dequant_weight(b, bs)[i].double()
     assert rel(out[live], manual[live]) < 1e-6
+
+
+def test_quant_token_blocks_and_expert_columns_bound_live_rows_only():
+    """The row-contracted operands of the FP8 weight gradient (torch references, CPU): codes transposed
+    ``[K, M']`` (M' = M rounded up to 128); one scale per column per 128-row block, or per column per
+    expert; within one e4m3 step of x on live rows (the module docstring's bound); the rows past an
+    expert's end inside its last block are zero codes; NaN padding never reaches a scale; a NaN in a live row raises; an
+    alignment that is not a multiple of 128 is refused, naming model.expert_alignment."""
+    lay, x, _, seg, live, _ = make(CASE01, a=128, k_dim=64)
+    x[live] *= torch.logspace(-2, 2, 64).unsqueeze(0)  # columns of very different magnitude
+    m = x.shape[0]
+    mp = -(-m // 128) * 128
+    rex = lay.row_expert()
+    for quant, n_scales in ((quant_token_blocks, mp // 128), (quant_expert_columns, len(CASE01))):
+        q, s = quant(x, lay)
+        assert q.shape == (64, mp) and q.dtype == torch.float8_e4m3fn and s.shape == (n_scales, 64)
+        assert torch.isfinite(s).all()
+        srow = s.repeat_interleave(128, 0)[:m] if quant is quant_token_blocks else s[rex.clamp_min(0)]
+        deq = q.t()[:m].float() * srow
+        # normal range: 2^-4 relative; subnormal codes (below 2^-6 · scale): 2^-10 · scale absolute
+        bound = torch.maximum(2 ** -4 * x[live].abs(), 2 ** -10 * srow[live]) * (1 + 1e-6)
+        assert ((deq[live] - x[live]).abs() <= bound).all(), quant.__name__
+        # scales: each block's / expert's live amax over 448
+        if quant is quant_token_blocks:
+            blk = torch.arange(m) // 128
+            for b in blk[live].unique().tolist():
+                rows = live & (blk == b)
+                assert torch.equal(s[b], x[rows].abs().amax(0) / FP8_MAX)
+        else:
+            for i, (s0, t) in enumerate(seg):
+                if t > s0:
+                    assert torch.equal(s[i], x[s0:t].abs().amax(0) / FP8_MAX)
+        for s0, t in seg:  # zero codes from each expert's end to its block boundary
+            if t > s0:
+                assert (q[:, t:-(-t // 128) * 128].float() == 0).all()
+        x2 = x.clone()
+        x2[torch.nonzero(live)[7, 0], 3] = NAN
+        with pytest.raises(RuntimeError, match="NaN or Inf"):
+            quant(x2, lay)
+    lay16, x16, *_ = make([5, 9], a=16)
+    with pytest.raises(ValueError, match="expert_alignment"):
+        quant_token_blocks(x16, lay16)
+
+
+@pytest.mark.parametrize("mode", ["fp8", "fp8_expert"])
+def test_fp8_weight_gradient_emulated(mode):
+    """``wgrad="fp8"`` (128-row block scales) and ``"fp8_expert"`` (per-expert column scales): dW within
+    the FP8 GEMM bound of fp64 (and not exact: FP8 ran), exactly the dequantised codes' product, exact 0
+    for an empty expert, NaN padding rows ignored; the accumulating form adds onto dw; a layout whose
+    alignment is not a multiple of 128 is refused (ValueError) and so is the config (ConfigError)."""
+    lay, x, _, seg, live, g = make(CASE01, a=128, k_dim=64)
+    dy = torch.randn(x.shape[0], 32, generator=g)
+    dy[~live] = NAN
+    be = Fp8Backend(emulate=True, wgrad=mode)
+    dw = be.gmm_wgrad(x, dy, lay)
+    assert dw.shape == (len(CASE01), 64, 32) and dw.dtype == x.dtype
+    quant = quant_token_blocks if mode == "fp8" else quant_expert_columns
+    (aq, a_s), (bq, b_s) = quant(x, lay), quant(dy, lay)
+    a, b = be._dequant_cols(aq, a_s, lay).double(), be._dequant_cols(bq, b_s, lay).double()
+    for i, (s0, t) in enumerate(seg):
+        if t == s0:
+            assert torch.equal(dw[i], torch.zeros_like(dw[i]))
+            continue
+        exact = x[s0:t].double().t() @ dy[s0:t].double()
+        assert 0.005 < rel(dw[i], exact) < FP8_GEMM_TOL, i
+        assert rel(dw[i], a[s0:t].t() @ b[s0:t]) < 1e-6
+    acc = torch.randn(dw.shape, generator=g)
+    acc0 = acc.clone()
+    be.gmm_wgrad_acc_(acc, x, dy, lay)
+    assert rel(acc - acc0, dw) < 1e-6
+    lay16, x16, *_ = make([5, 9], a=16)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        be.gmm_wgrad(x16, x16[:, :32].clone(), lay16)
+    with pytest.raises(ConfigError, match="expert_alignment"):
+        be.check_alignment(16)
+    Fp8Backend(emulate=True).check_alignment(16)  # the bf16 weight gradient takes any alignment
+    with pytest.raises(ValueError, match="wgrad"):
+        Fp8Backend(wgrad="fp16")
 
 
 def test_weight_cache_reuse_and_requantise_after_inplace_update():

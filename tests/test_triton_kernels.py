@@ -361,3 +361,54 @@ def test_fp8_quant_weight_column_kernel_equals_the_row_path(ue8m0):
     if DEV == "cpu":  # the flag raises through torch._assert_async at once on CPU
         with pytest.raises(RuntimeError, match="NaN or Inf"):
             fq.quant_weight(w2, contract_dim=1)
+
+
+@pytest.mark.parametrize("expert_scales", [False, True])
+def test_fp8_quant_token_blocks_kernel_live_rows_only(expert_scales, monkeypatch):
+    """The FP8 weight gradient's operand kernels (``quant_token_blocks``: one scale per column per
+    128-row block; ``quant_expert_columns``: per column per expert, two passes): scales equal the torch
+    reference (bit for bit: the same fp32 expressions) over live blocks / experts, codes transposed
+    ``[K, M']`` with zeros past each expert's end up to its block boundary; block codes equal the row
+    kernel's on the block's transposed rows (on the CPU the interpreter's e4m3 conversion is the same in
+    both kernels), and the torch reference's on CUDA; NaN padding rows never reach a scale; a NaN in a
+    live row raises (on the CPU at once). K = 200 is not a multiple of the column tiles."""
+    from dropless.ops import fp8_quant as fq
+
+    torch.manual_seed(4)
+    counts, K = [300, 0, 129, 5], 200
+    lay = ExpertLayout.from_counts(torch.tensor(counts, device=DEV), alignment=128, num_rows=sum(counts) + 150)
+    M, live = lay.capacity, lay.live_mask()
+    x = torch.randn(M, K, device=DEV, dtype=DT) * torch.logspace(-1, 1, K, device=DEV).to(DT)
+    x[~live] = float("nan")
+    quant = fq.quant_expert_columns if expert_scales else fq.quant_token_blocks
+    q, s = quant(x, lay)
+    mp = -(-M // 128) * 128
+    assert q.shape == (K, mp) and q.dtype == fq.FP8_DTYPE
+    use_triton = select.use_triton
+    monkeypatch.setattr(select, "use_triton", lambda t: False)  # the torch reference
+    q_ref, s_ref = quant(x, lay)
+    monkeypatch.setattr(select, "use_triton", use_triton)
+    segs = [(a, b) for a, b in zip(lay.start.tolist(), lay.end.tolist()) if b > a]
+    if expert_scales:
+        live_e = [i for i, c in enumerate(counts) if c]
+        assert torch.equal(s[live_e], s_ref[live_e])
+    for s0, t in segs:
+        b0, b1 = s0 // 128, -(-t // 128)
+        if not expert_scales:
+            assert torch.equal(s[b0:b1], s_ref[b0:b1])
+        assert (q[:, t:b1 * 128].float() == 0).all()
+        if DEV == "cuda":
+            assert torch.equal(q[:, s0:b1 * 128].view(torch.uint8), q_ref[:, s0:b1 * 128].view(torch.uint8))
+        elif not expert_scales:
+            xz = torch.where(live.unsqueeze(1), x, 0.0)
+            xz = torch.cat([xz, xz.new_zeros(mp - M, K)])
+            for b in range(b0, b1):
+                qr, sr = fq.quant_rows(xz[b * 128:(b + 1) * 128].t().contiguous(), None)
+                assert torch.equal(q[:, b * 128:(b + 1) * 128].view(torch.uint8), qr.view(torch.uint8))
+                assert torch.equal(s[b], sr)
+    if DEV == "cpu":
+        x2 = x.clone()
+        x2[torch.nonzero(live)[200, 0], 3] = float("nan")
+        with pytest.raises(RuntimeError, match="NaN or Inf"):
+            quant(x2, lay)
+

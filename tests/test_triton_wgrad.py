@@ -203,3 +203,67 @@ def test_case01_empty_experts_through_two_accumulated_chunks(A):
     assert (dw[1] == 0).all() and (dw[4] == 0).all()
     for i in (0, 2, 3, 5):
         assert rel(dw[i], ref[i]) < tol(torch.float32), i
+
+
+# ----------------------------------------------------------------------------- FP8 operands
+def _fp8_operands(counts, K, N, promote, seed=0):
+    """A layout at A = 128 (gaps, an empty expert, a tail), NaN padding rows, and the FP8 operands of
+    x and dy as the backend makes them (the quantisation's own kernels on CUDA, its torch reference on
+    the CPU: the interpreter's e4m3 conversion does not round to nearest)."""
+    from dropless.ops.fp8_quant import quant_expert_columns, quant_token_blocks
+
+    lay, x, dy = operands(counts, 128, K, N, extra_rows=150, seed=seed)
+    quant = quant_token_blocks if promote else quant_expert_columns
+    return lay, x, dy, quant(x, lay), quant(dy, lay)
+
+
+def _dequant(q, s, lay, promote):
+    a = q.t().double()
+    if promote:
+        return (a.view(s.shape[0], 128, -1) * s.double().unsqueeze(1)).view(a.shape)
+    mp = a.shape[0]
+    rex = torch.cat([lay.row_expert(), torch.full((mp - lay.capacity,), -1, device=a.device)])
+    return a * s.double()[rex.clamp_min(0)]
+
+
+@pytest.mark.parametrize("promote", [True, False])
+@pytest.mark.parametrize("dw_dtype", [torch.float32, torch.bfloat16])
+def test_fp8_wgrad_is_the_dequantised_product(promote, dw_dtype):
+    """fp8_grouped_wgrad_: each expert's dW equals the float64 product of its dequantised FP8 codes
+    (block scales applied per 128-row block, or per-expert scales once), the fp32 accumulation's
+    error only; NaN in dw's old contents and in padding rows never shows; an empty expert is exact 0;
+    ``accumulate`` adds onto dw (and leaves an empty expert's dw as it was). Experts of 300 and 129
+    rows span 3 and 2 blocks, the last one partial."""
+    counts, K, N = [300, 0, 129, 5], 64, 96  # N not a multiple of the 128-wide tiles on CUDA
+    lay, x, dy, (aq, a_s), (bq, b_s) = _fp8_operands(counts, K, N, promote)
+    a, b = _dequant(aq, a_s, lay, promote), _dequant(bq, b_s, lay, promote)
+    dw = torch.full((len(counts), K, N), float("nan"), device=DEV, dtype=dw_dtype)
+    assert tw.fp8_grouped_wgrad_(dw, aq, a_s, bq, b_s, lay, accumulate=False, promote=promote) is dw
+    exact = reference(x, dy, lay)
+    for i, (s0, t) in enumerate(zip(lay.start.tolist(), lay.end.tolist())):
+        if t == s0:
+            assert (dw[i] == 0).all()
+            continue
+        assert rel(dw[i], a[s0:t].t() @ b[s0:t]) < (1e-2 if dw_dtype == torch.bfloat16 else 1e-5)
+        assert 0.005 < rel(dw[i], exact[i]) < 0.06  # FP8 really ran, within the e4m3 bound
+    old = torch.randn(dw.shape, device=DEV).to(dw_dtype)
+    acc = old.clone()
+    tw.fp8_grouped_wgrad_(acc, aq, a_s, bq, b_s, lay, accumulate=True, promote=promote)
+    assert torch.equal(acc[1], old[1])
+    assert rel(acc.double() - old.double(), dw) < (2e-2 if dw_dtype == torch.bfloat16 else 1e-5)
+
+
+def test_fp8_wgrad_clear_errors():
+    """Shapes, dtypes and the alignment are checked on the host before launch, each error naming the fix."""
+    counts, K, N = [130, 7], 32, 32
+    lay, x, dy, (aq, a_s), (bq, b_s) = _fp8_operands(counts, K, N, promote=True)
+    dw = torch.empty(2, K, N, device=DEV)
+    with pytest.raises(ValueError, match="codes shaped"):
+        tw.fp8_grouped_wgrad_(dw, aq[:, :-128], a_s, bq, b_s, lay, accumulate=False)
+    with pytest.raises(ValueError, match="scales must be"):
+        tw.fp8_grouped_wgrad_(dw, aq, a_s[:1], bq, b_s, lay, accumulate=False)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        tw.fp8_grouped_wgrad_(dw, aq.view(torch.uint8), a_s, bq, b_s, lay, accumulate=False)
+    lay64 = ExpertLayout.from_counts(torch.tensor(counts, device=DEV), 64, capacity=lay.capacity)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        tw.fp8_grouped_wgrad_(dw, aq, a_s, bq, b_s, lay64, accumulate=False)

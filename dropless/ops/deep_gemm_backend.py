@@ -72,14 +72,16 @@ class DeepGemmBackend(Fp8Backend):
             pass a CPU stand-in with the same functions.
         emulate: with a stand-in module: no CUDA device check, fp32 operands accepted.
         ue8m0: power-of-two scales (DeepGEMM then skips its own UE8M0 cast).
+        wgrad: the weight gradient, as :class:`~dropless.ops.fp8_backend.Fp8Backend`'s.
     Raises:
         ConfigError: the package is missing or too old.
     """
 
     name = "deep_gemm"
 
-    def __init__(self, module: ModuleType | None = None, emulate: bool = False, ue8m0: bool = False):
-        super().__init__(emulate=emulate, ue8m0=ue8m0)
+    def __init__(self, module: ModuleType | None = None, emulate: bool = False, ue8m0: bool = False,
+                 wgrad: str = "bf16"):
+        super().__init__(emulate=emulate, ue8m0=ue8m0, wgrad=wgrad)
         self.dg = module if module is not None else import_deep_gemm()
         self.alignment = int(getattr(self.dg, ALIGN_FN)())
 
@@ -107,6 +109,7 @@ class DeepGemmBackend(Fp8Backend):
 
     def check_alignment(self, expert_alignment: int) -> None:
         """Raise ConfigError unless the layout's segment starts are DeepGEMM's M alignment."""
+        super().check_alignment(expert_alignment)
         if int(expert_alignment) != self.alignment:
             raise ConfigError(f"gemm=deep_gemm needs model.expert_alignment={self.alignment} (DeepGEMM's M alignment "
                               f"of the contiguous layout: each expert's rows start on a multiple of it), got "

@@ -8,8 +8,13 @@ accumulation and writes bf16. The groups are the layout's unaligned ends, as for
 ``torch`` backend: group ``i`` spans ``[end[i-1], end[i])``, so a gap row (whose FP8 row and
 scale were never written) gives garbage in that gap row of the output only; any group size
 works (torch 2.11 takes unaligned ``M`` offsets for the 2-D × 3-D case). The weight
-gradient (``gmm_wgrad``) runs in bf16 through the ``torch`` backend (the live-row rules and
-the accumulating Triton kernel are that backend's).
+gradient (``gmm_wgrad``) runs in bf16 through the ``torch`` backend by default (the live-row
+rules and the accumulating Triton kernel are that backend's); ``wgrad="fp8"`` /
+``"fp8_expert"`` runs it in FP8 instead: both operands quantised along the rows (the
+contracted dimension) with scales per 128-row block or per expert, then
+:func:`dropless.ops.triton_wgrad.fp8_grouped_wgrad_` (needs an expert alignment that is a
+multiple of 128). Not the default: at the seed's shape it is no faster than bf16 yet (the
+separate quantisation passes cost what the FP8 GEMM saves; README "FP8 experts").
 
 Weight copies are cached: :meth:`Fp8Backend.weight` keys on the tensor that owns the
 weight's storage (a view's ``_base``; or the parameter registered with :meth:`Fp8Backend.alias`
@@ -35,10 +40,26 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from dropless.config import ConfigError
 from dropless.layout import ExpertLayout
-from dropless.ops.fp8_quant import dequant_rows, dequant_weight, quant_rows, quant_weight, swiglu_quant_rows
+from dropless.ops import select
+from dropless.ops.fp8_quant import (
+    TOKEN_BLOCK,
+    dequant_rows,
+    dequant_weight,
+    quant_expert_columns,
+    quant_rows,
+    quant_token_blocks,
+    quant_weight,
+    swiglu_quant_rows,
+)
 from dropless.ops.torch_backend import TorchBackend
 
+if select.HAS_TRITON:
+    from dropless.ops import triton_wgrad
+
 MIN_CAPABILITY = (8, 9)
+#: ``wgrad`` of :class:`Fp8Backend`: the weight gradient in bf16 (the ``torch`` backend's), or in FP8 with
+#: one scale per column per 128-row block (``fp8``, DeepSeek-V3's tiles) or per column per expert (``fp8_expert``).
+WGRAD_MODES = ("bf16", "fp8", "fp8_expert")
 
 
 def fp8_unavailable_reason(device: torch.device | str | None) -> str | None:
@@ -57,7 +78,7 @@ def fp8_unavailable_reason(device: torch.device | str | None) -> str | None:
 
 
 class Fp8Backend:
-    """FP8 forward / data-gradient GEMMs, bf16 weight gradient (see the module docstring).
+    """FP8 forward / data-gradient GEMMs; bf16 or FP8 weight gradient (see the module docstring).
 
     Args:
         emulate: run the GEMM as its fp32 emulation (tests; any device, a host sync per call).
@@ -67,12 +88,21 @@ class Fp8Backend:
             (1.7e-3 without; the bf16 output rounding alone is about 2e-3) while the operands'
             own FP8 error is about 4e-2 (tests/test_fp8_gpu.py).
         ue8m0: power-of-two scales.
+        wgrad: one of :data:`WGRAD_MODES`. The FP8 modes quantise both operands of each weight
+            gradient along the rows (:func:`~dropless.ops.fp8_quant.quant_token_blocks` /
+            :func:`~dropless.ops.fp8_quant.quant_expert_columns`) and run
+            :func:`~dropless.ops.triton_wgrad.fp8_grouped_wgrad_`; they need an expert alignment
+            that is a multiple of 128 (:meth:`check_alignment`).
+    Raises:
+        ValueError: an unknown ``wgrad``.
     """
 
     name = "fp8"
 
-    def __init__(self, emulate: bool = False, fast_accum: bool = True, ue8m0: bool = False):
-        self.emulate, self.fast_accum, self.ue8m0 = emulate, fast_accum, ue8m0
+    def __init__(self, emulate: bool = False, fast_accum: bool = True, ue8m0: bool = False, wgrad: str = "bf16"):
+        if wgrad not in WGRAD_MODES:
+            raise ValueError(f"Fp8Backend: wgrad={wgrad!r}; choose one of {WGRAD_MODES}")
+        self.emulate, self.fast_accum, self.ue8m0, self.wgrad = emulate, fast_accum, ue8m0, wgrad
         self._wgrad = TorchBackend()
         # owner tensor -> {operand geometry: ((owner's _version, data_ptr), fp8 operand, scales)}
         self._cache: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -98,6 +128,13 @@ class Fp8Backend:
             if n % 16:
                 raise ValueError(f"gemm=fp8: {name}={n}: FP8 rows need a multiple of 16 elements (16 bytes); "
                                  "hidden_size and moe_intermediate_size must be multiples of 16, or use gemm=torch")
+
+    def check_alignment(self, expert_alignment: int) -> None:
+        """Raise ConfigError when the FP8 weight gradient cannot take this alignment (bf16 wgrad: any)."""
+        if self.wgrad != "bf16" and int(expert_alignment) % TOKEN_BLOCK:
+            raise ConfigError(f"gemm={self.name} with an FP8 weight gradient (wgrad={self.wgrad}) needs "
+                              f"model.expert_alignment to be a multiple of {TOKEN_BLOCK} (its scales cover "
+                              f"{TOKEN_BLOCK}-row blocks of one expert), got {expert_alignment}")
 
     def check_layout(self, layout: ExpertLayout) -> None:
         """Raise ValueError when the GEMM cannot read this layout (any layout here)."""
@@ -186,10 +223,48 @@ class Fp8Backend:
         return self.scaled_gmm(xq, xs, b, bs, layout, x_MK.dtype)
 
     def gmm_wgrad(self, x_MK: torch.Tensor, dy_MN: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
-        """bf16 (the ``torch`` backend's): ``dW[i] = x[live_i]ᵀ @ dy[live_i]``, exact 0 for an empty expert."""
-        return self._wgrad.gmm_wgrad(x_MK, dy_MN, layout)
+        """``dW[i] = x[live_i]ᵀ @ dy[live_i]`` (``[e, K, N]``), exact 0 for an empty expert: bf16 through the
+        ``torch`` backend, or FP8 (``wgrad``), written in ``x``'s dtype."""
+        if self.wgrad == "bf16":
+            return self._wgrad.gmm_wgrad(x_MK, dy_MN, layout)
+        dw = torch.empty(layout.num_experts, x_MK.shape[1], dy_MN.shape[1], dtype=x_MK.dtype, device=x_MK.device)
+        self._fp8_wgrad(dw, x_MK, dy_MN, layout, accumulate=False)
+        return dw
 
     def gmm_wgrad_acc_(self, dw_eKN: torch.Tensor, x_MK: torch.Tensor, dy_MN: torch.Tensor,
                        layout: ExpertLayout) -> None:
-        """``dw[i] += x[live_i]ᵀ @ dy[live_i]`` in place (the ``torch`` backend's)."""
-        self._wgrad.gmm_wgrad_acc_(dw_eKN, x_MK, dy_MN, layout)
+        """``dw[i] += x[live_i]ᵀ @ dy[live_i]`` in place (bf16: the ``torch`` backend's; FP8: ``wgrad``)."""
+        if self.wgrad == "bf16":
+            self._wgrad.gmm_wgrad_acc_(dw_eKN, x_MK, dy_MN, layout)
+        else:
+            self._fp8_wgrad(dw_eKN, x_MK, dy_MN, layout, accumulate=True)
+
+    def _fp8_wgrad(self, dw_eKN: torch.Tensor, x_MK: torch.Tensor, dy_MN: torch.Tensor, layout: ExpertLayout,
+                   accumulate: bool) -> None:
+        if layout.alignment % TOKEN_BLOCK:
+            raise ValueError(f"gemm={self.name}: the FP8 weight gradient (wgrad={self.wgrad}) needs an expert "
+                             f"alignment that is a multiple of {TOKEN_BLOCK}, the layout has {layout.alignment}; "
+                             f"set model.expert_alignment={TOKEN_BLOCK}")
+        quant = quant_token_blocks if self.wgrad == "fp8" else quant_expert_columns
+        aq, a_s = quant(x_MK, layout, self.ue8m0)
+        bq, b_s = quant(dy_MN, layout, self.ue8m0)
+        if not self.emulate:
+            triton_wgrad.fp8_grouped_wgrad_(dw_eKN, aq, a_s, bq, b_s, layout, accumulate, transposed=True,
+                                            promote=self.wgrad == "fp8")
+            return
+        # emulation: the same codes and scales dequantised, one fp32 matmul per expert (host loop)
+        a, b = self._dequant_cols(aq, a_s, layout), self._dequant_cols(bq, b_s, layout)
+        for i, (s, t) in enumerate(zip(layout.start.tolist(), layout.end.tolist())):
+            d = a[s:t].t() @ b[s:t] if t > s else torch.zeros(dw_eKN.shape[1:], device=dw_eKN.device)
+            if accumulate:
+                dw_eKN[i] = (dw_eKN[i].float() + d).to(dw_eKN.dtype)
+            else:
+                dw_eKN[i] = d.to(dw_eKN.dtype)
+
+    def _dequant_cols(self, qT: torch.Tensor, scale: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+        """fp32 ``[M', K]`` of a row-contracted operand (block or per-expert column scales)."""
+        q = qT.t().float()
+        if self.wgrad == "fp8":
+            return (q.view(scale.shape[0], TOKEN_BLOCK, -1) * scale.unsqueeze(1)).view(q.shape)
+        rex = torch.cat([layout.row_expert(), torch.full((q.shape[0] - layout.capacity,), -1, device=q.device)])
+        return q * scale[rex.clamp_min(0)]

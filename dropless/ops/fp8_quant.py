@@ -9,6 +9,10 @@ Ops (each picks its Triton kernel or its torch reference in one place, :func:`dr
 * :func:`swiglu_quant_rows` — ``h13 [M, 2I]`` (gate = first ``I`` columns) ->
   ``(q [M, I], scale [M])`` of ``silu(gate) · up`` in one pass; the SwiGLU is computed
   in fp32 and quantised from fp32 (never rounded to bf16 first).
+* :func:`quant_token_blocks` — ``x [M, K]`` -> ``(qT [K, M'] e4m3, scale [M'/128, K] fp32)``:
+  one scale per column per 128-row block, the codes stored transposed (rows contiguous), as
+  the FP8 weight-gradient GEMM (:func:`dropless.ops.triton_wgrad.fp8_grouped_wgrad_`) reads
+  its operands: there the rows are the contracted dimension.
 * :func:`quant_weight` — a per-output-channel e4m3 copy of an expert weight, laid out as
   the scaled grouped GEMM reads its right operand (column-major ``[e, K, N]``).
 * :func:`quant_weight_blocks` — a 128×128-block e4m3 copy ``[e, N, K]`` (K-major) with
@@ -147,6 +151,65 @@ if select.HAS_TRITON:
             q = q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
             tl.store(qbase + ks[None, :], tl.trans(q), mask=(ks[None, :] < K) & cmask[:, None])
 
+    @triton.jit
+    def _tok_block(end_ptr, start_ptr, E, r0, E_POW2: tl.constexpr):
+        """The expert of the 128-row block at ``r0`` and its ``[lo, hi)``; ``ok`` False for a gap / tail block."""
+        es = tl.arange(0, E_POW2)
+        ends = tl.load(end_ptr + es, mask=es < E, other=2147483647)
+        ex = tl.sum(tl.where(ends <= r0, 1, 0), axis=0)  # ends are non-decreasing: the block's expert
+        exc = tl.minimum(ex, E - 1)
+        lo = tl.load(start_ptr + exc)
+        hi = tl.load(end_ptr + exc)
+        return exc, lo, hi, (ex < E) & (r0 >= lo)
+
+    @triton.jit
+    def _quant_tok_kernel(x_ptr, q_ptr, s_ptr, flag_ptr, start_ptr, end_ptr, E, K, stride_x, stride_q,
+                          TRANSPOSE: tl.constexpr, UE8M0: tl.constexpr, E_POW2: tl.constexpr, PASS: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Program ``(b, j)``: rows ``[b·BLOCK_R, (b+1)·BLOCK_R)`` (one scale block), columns ``[j·BLOCK_K, …)``.
+
+        The block belongs to the expert ``i`` with ``start[i] <= b·BLOCK_R < end[i]`` (every start a
+        multiple of ``BLOCK_R``, so a block never holds two experts' rows); a block in a gap or past
+        the last live row is left unwritten. Rows at or past ``end[i]`` are written as zeros (the
+        GEMM reads whole blocks) and never read from ``x``. ``PASS`` 0: codes with the block's own
+        scales, written to ``s [M'/128, K]``; 1: only the columns' amax, into the expert's row of
+        ``s [e, K]`` (atomic max; ``s`` zeroed first); 2: codes with the expert's scales read from
+        ``s [e, K]``."""
+        b = tl.program_id(0)
+        r0 = b * BLOCK_R
+        ex, lo, hi, ok = _tok_block(end_ptr, start_ptr, E, r0, E_POW2)
+        if ok:
+            rows = r0 + tl.arange(0, BLOCK_R)
+            live = rows < hi
+            r64 = rows.to(tl.int64)
+            cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+            cmask = cols < K
+            m = live[:, None] & cmask[None, :]
+            a = tl.load(x_ptr + r64[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            if PASS == 1:
+                bad = tl.sum(tl.sum(tl.where(m & ~(tl.abs(a) <= 3.4028234663852886e38), 1, 0), axis=1), axis=0)
+                tl.atomic_max(s_ptr + ex.to(tl.int64) * K + cols, tl.max(tl.abs(a), axis=0), mask=cmask)
+                tl.atomic_max(flag_ptr, bad, mask=bad > 0)
+            else:
+                if PASS == 0:
+                    bad = tl.sum(tl.sum(tl.where(m & ~(tl.abs(a) <= 3.4028234663852886e38), 1, 0), axis=1), axis=0)
+                    amax = tl.maximum(tl.max(tl.abs(a), axis=0), 1e-12)
+                    scale = amax / 448.0  # the expressions of _quant_block
+                    if UE8M0:
+                        scale = tl.exp2(tl.ceil(tl.log2(scale)))
+                else:
+                    scale = tl.load(s_ptr + ex.to(tl.int64) * K + cols, mask=cmask, other=1.0)
+                q = tl.clamp(tl.math.div_rn(a, scale[None, :]), -448.0, 448.0)
+                q = q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+                if PASS == 0:
+                    tl.store(s_ptr + b.to(tl.int64) * K + cols, scale, mask=cmask)
+                    tl.atomic_max(flag_ptr, bad, mask=bad > 0)
+                if TRANSPOSE:  # q^T [K, M']: rows contiguous
+                    tl.store(q_ptr + cols[:, None].to(tl.int64) * stride_q + r64[None, :], tl.trans(q),
+                             mask=cmask[:, None])
+                else:
+                    tl.store(q_ptr + r64[:, None] * stride_q + cols[None, :], q, mask=cmask[None, :])
+
 
 #: The 1x128 launch (``group=128``): blocks of 4 rows x up to 1,024 columns (8 scale groups), each
 #: independent of the others, 32 programs per SM (the tile shape the SwiGLU kernels measured best).
@@ -273,6 +336,137 @@ def swiglu_quant_rows(h13_MI2: torch.Tensor, layout: ExpertLayout | None = None,
     if h13_MI2.dim() == 2 and h13_MI2.shape[1] % 2:
         raise ValueError(f"swiglu_quant_rows: h13 must be [M, 2I] (gate || up), got {tuple(h13_MI2.shape)}")
     return _rows_op("swiglu_quant_rows", h13_MI2, layout, True, ue8m0, check_finite, group)
+
+
+TOKEN_BLOCK = 128  # rows per scale block of quant_token_blocks (the FP8 weight gradient's contracted dim)
+TOKEN_COLS, TOKEN_WARPS = 64, 4  # columns per program and warps of the token-block kernels (the best of 5
+#                                   launches on an H200 at K 7,168 / 4,096: h200_fp8_wgrad_s10.jsonl)
+
+
+def quant_token_blocks(x_MK: torch.Tensor, layout: ExpertLayout, ue8m0: bool = False, check_finite: bool = True,
+                       transpose: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 quantisation with one scale per column per 128-row block, over the live rows of ``layout``.
+
+    The operand of a GEMM that contracts over the rows (the weight gradient ``x^T @ dy``): the
+    scales run along the columns (the GEMM's output channels) and change every 128 rows
+    (DeepSeek-V3 §3.3.2's 1×128 tiles, oriented along the tokens).
+
+    Args:
+        x_MK: ``[M, K]`` fp32/bf16/fp16 landed rows (padding rows may hold anything, NaN included).
+        layout: the rows' layout; every segment start must be a multiple of 128
+            (``layout.alignment`` a multiple of 128), so no block holds two experts' rows.
+        ue8m0: power-of-two scales.
+        check_finite: raise (device-side) when a live row holds NaN/Inf.
+        transpose: store the codes as ``qT [K, M']`` (rows contiguous: what the GEMM's tensor
+            cores read without a transpose); False: ``q [M', K]``.
+    Returns:
+        ``(q, scale)``: ``M' = ceil(M / 128)·128``; ``scale [M'/128, K]`` fp32 with
+        ``x[r, c] ≈ q[r, c] · scale[r // 128, c]`` (``qT[c, r]`` when transposed). In a block
+        holding live rows, the rows past the expert's end are zero codes; blocks holding no live
+        row (alignment gaps, the tail) are left unwritten on the Triton path. A block's scale
+        covers its live rows only.
+    Raises:
+        ValueError: not 2-D, ``M`` not the layout's capacity, an unsupported dtype, or an
+            alignment that is not a multiple of 128.
+        RuntimeError: (asynchronously on CUDA) a live row is not finite.
+    """
+    _check("quant_token_blocks", x_MK, layout)
+    if layout.alignment % TOKEN_BLOCK:
+        raise ValueError(f"quant_token_blocks: expert_alignment={layout.alignment}: the FP8 weight gradient needs "
+                         f"every expert's rows to start on a {TOKEN_BLOCK}-row block (set model.expert_alignment to "
+                         f"a multiple of {TOKEN_BLOCK})")
+    m, k = x_MK.shape
+    nblk = -(-m // TOKEN_BLOCK)
+    mp = nblk * TOKEN_BLOCK
+    if select.use_triton(x_MK):
+        x = x_MK if x_MK.stride(1) == 1 else x_MK.contiguous()
+        q = torch.empty((k, mp) if transpose else (mp, k), dtype=FP8_DTYPE, device=x.device)
+        s = torch.empty(nblk, k, dtype=torch.float32, device=x.device)
+        flag = torch.zeros(1, dtype=torch.int32, device=x.device)
+        e = layout.num_experts
+        if nblk and k and e:
+            block_k = TOKEN_COLS
+            _quant_tok_kernel[(nblk, triton.cdiv(k, block_k))](
+                x, q, s, flag, layout.start, layout.end, e, k, x.stride(0), q.stride(0), TRANSPOSE=transpose,
+                UE8M0=ue8m0, E_POW2=max(2, triton.next_power_of_2(e)), PASS=0, BLOCK_R=TOKEN_BLOCK,
+                BLOCK_K=block_k, num_warps=TOKEN_WARPS)
+        bad = flag[0]
+    else:
+        a = torch.where(layout.live_mask().unsqueeze(1), x_MK.float(), torch.zeros((), device=x_MK.device))
+        bad = (~torch.isfinite(a)).sum()
+        a = torch.cat([a, a.new_zeros(mp - m, k)]).view(nblk, TOKEN_BLOCK, k)
+        s = a.abs().amax(1).clamp_min(SCALE_EPS) / FP8_MAX
+        if ue8m0:
+            s = torch.exp2(torch.ceil(torch.log2(s)))
+        q = (a / s.unsqueeze(1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(mp, k)
+        if transpose:
+            q = q.t().contiguous()
+    if check_finite:
+        torch._assert_async(bad == 0, NONFINITE_MSG)
+    return q, s
+
+
+def quant_expert_columns(x_MK: torch.Tensor, layout: ExpertLayout, ue8m0: bool = False, check_finite: bool = True
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 quantisation with one scale per column per expert (all of the expert's live rows), codes transposed.
+
+    The other operand form of the FP8 weight gradient (``promote=False`` of
+    :func:`dropless.ops.triton_wgrad.fp8_grouped_wgrad_`): the scales apply once to each
+    expert's summed product instead of to every 128-row block's (torchao's per-group column
+    scales for the grouped weight gradient). Two passes over ``x``: the columns' amax per
+    expert, then the codes.
+
+    Args: as :func:`quant_token_blocks` (``transpose`` always on).
+    Returns:
+        ``(qT [K, M'], scale [e, K])``: ``x[r, c] ≈ qT[c, r] · scale[i, c]`` for a live row ``r`` of
+        expert ``i``; zero codes in the rows past an expert's end up to its next 128-row
+        boundary; gap and tail blocks unwritten (Triton path). An empty expert's scales are
+        ``1e-12 / 448``.
+    Raises:
+        As :func:`quant_token_blocks`.
+    """
+    _check("quant_expert_columns", x_MK, layout)
+    if layout.alignment % TOKEN_BLOCK:
+        raise ValueError(f"quant_expert_columns: expert_alignment={layout.alignment}: the FP8 weight gradient needs "
+                         f"every expert's rows to start on a {TOKEN_BLOCK}-row block (set model.expert_alignment to "
+                         f"a multiple of {TOKEN_BLOCK})")
+    m, k = x_MK.shape
+    e = layout.num_experts
+    nblk = -(-m // TOKEN_BLOCK)
+    mp = nblk * TOKEN_BLOCK
+    if select.use_triton(x_MK):
+        x = x_MK if x_MK.stride(1) == 1 else x_MK.contiguous()
+        q = torch.empty(k, mp, dtype=FP8_DTYPE, device=x.device)
+        amax = torch.zeros(e, k, dtype=torch.float32, device=x.device)
+        flag = torch.zeros(1, dtype=torch.int32, device=x.device)
+        grid = (nblk, triton.cdiv(k, TOKEN_COLS))
+        args = dict(TRANSPOSE=True, UE8M0=ue8m0, E_POW2=max(2, triton.next_power_of_2(max(e, 1))),
+                    BLOCK_R=TOKEN_BLOCK, BLOCK_K=TOKEN_COLS, num_warps=TOKEN_WARPS)
+        if nblk and k and e:
+            _quant_tok_kernel[grid](x, q, amax, flag, layout.start, layout.end, e, k, x.stride(0), q.stride(0),
+                                    PASS=1, **args)
+        s = amax.clamp_min(SCALE_EPS) / FP8_MAX
+        if ue8m0:
+            s = torch.exp2(torch.ceil(torch.log2(s)))
+        if nblk and k and e:
+            _quant_tok_kernel[grid](x, q, s, flag, layout.start, layout.end, e, k, x.stride(0), q.stride(0),
+                                    PASS=2, **args)
+        bad = flag[0]
+    else:
+        live = layout.live_mask()
+        a = torch.where(live.unsqueeze(1), x_MK.float(), torch.zeros((), device=x_MK.device))
+        bad = (~torch.isfinite(a)).sum()
+        rex = layout.row_expert().clamp(0, max(e - 1, 0))
+        amax = torch.zeros(e, k, dtype=torch.float32, device=x_MK.device)
+        amax.scatter_reduce_(0, rex[live].unsqueeze(1).expand(-1, k), a[live].abs(), reduce="amax")
+        s = amax.clamp_min(SCALE_EPS) / FP8_MAX
+        if ue8m0:
+            s = torch.exp2(torch.ceil(torch.log2(s)))
+        q = (a / s[rex]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        q = torch.cat([q, q.new_zeros(mp - m, k)]).t().contiguous()
+    if check_finite:
+        torch._assert_async(bad == 0, NONFINITE_MSG)
+    return q, s
 
 
 def quant_weight(w_eKN: torch.Tensor, contract_dim: int = 1, ue8m0: bool = False

@@ -10,6 +10,12 @@
   (contiguous; fp32, bf16 or fp16), written in place. Products are summed in fp32
   registers; with ``accumulate`` the existing ``dw`` tile is read, added in fp32 and
   stored back in ``dw``'s dtype (a GEMM with ``beta = 1``).
+* :func:`fp8_grouped_wgrad_` — the same from e4m3 operands quantised along the rows
+  (:func:`dropless.ops.fp8_quant.quant_token_blocks`: ``x^T [K, M']`` and ``dy^T [N, M']``
+  row-contiguous, as the FP8 tensor cores read both operands), the rows walked in 128-row
+  blocks that start on the layout's (128-aligned) segment starts; block scales are applied to
+  each block's product (``promote``), per-expert scales once at the end. The tile order,
+  epilogue and tuning are the bf16 kernel's.
 
 One program per (expert, K-tile, N-tile), in a grouped order inside each expert so that
 the programs in flight share their ``x`` and ``dy`` column blocks in L2. Each program
@@ -74,6 +80,15 @@ FP32_CONFIGS = [
 ]
 # The single config under Triton's CPU interpreter (small tiles run fast there).
 INTERPRET_CONFIG = triton.Config({"BLOCK_K": 32, "BLOCK_N": 32, "BLOCK_R": 16}, num_warps=4, num_stages=1)
+# FP8 (e4m3) operands: BLOCK_R is the 128-row scale block of quant_token_blocks in all of them.
+FP8_CONFIGS = [
+    triton.Config({"BLOCK_K": 128, "BLOCK_N": 128, "BLOCK_R": 128}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_K": 128, "BLOCK_N": 128, "BLOCK_R": 128}, num_warps=8, num_stages=4),
+    triton.Config({"BLOCK_K": 128, "BLOCK_N": 128, "BLOCK_R": 128}, num_warps=4, num_stages=4),
+    triton.Config({"BLOCK_K": 128, "BLOCK_N": 256, "BLOCK_R": 128}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_K": 256, "BLOCK_N": 128, "BLOCK_R": 128}, num_warps=8, num_stages=3),
+]
+FP8_INTERPRET_CONFIG = triton.Config({"BLOCK_K": 32, "BLOCK_N": 32, "BLOCK_R": 128}, num_warps=4, num_stages=1)
 _GROUP_K = 8  # K-tiles per group in the program order (L2 reuse of the dy column blocks)
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -93,24 +108,50 @@ def _wgrad_step(acc, x_ptr, dy_ptr, r, row1, offs_k, offs_n, mask_k, mask_n, str
     return tl.dot(tl.trans(xt), dyt, acc, input_precision=PRECISION)
 
 
-@triton.jit(do_not_specialize=["write"])
-def _grouped_wgrad_kernel(x_ptr, dy_ptr, dw_ptr, start_ptr, end_ptr, K, N, stride_xm, stride_dym, write,
-                          ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
-                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                          GROUP_K: tl.constexpr):
-    pid = tl.program_id(0)
+@triton.jit
+def _tile(pid, K, N, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr):
+    """Program ``pid`` -> ``(expert, K-tile, N-tile)``: within an expert, GROUP_K K-tiles side by side,
+    then the next N-tile (the programs in flight share their dy column blocks in L2)."""
     num_k = tl.cdiv(K, BLOCK_K)
     num_n = tl.cdiv(N, BLOCK_N)
     tiles = num_k * num_n
     ex = pid // tiles
     t = pid - ex * tiles
-    # grouped order inside the expert: GROUP_K K-tiles side by side, then the next N-tile
     width = GROUP_K * num_n
     k0 = (t // width) * GROUP_K
     group_k = tl.minimum(num_k - k0, GROUP_K)
-    pid_k = k0 + (t % width) % group_k
-    pid_n = (t % width) // group_k
+    return ex, k0 + (t % width) % group_k, (t % width) // group_k
 
+
+@triton.jit
+def _store_tile(acc, dw_ptr, ex, pid_n, offs_k, offs_n, mask_k, mask_n, K, N, write, ACCUMULATE: tl.constexpr,
+                BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``dw[ex][tile] = acc`` or, with ACCUMULATE, ``+= acc`` (fp32 add, stored in dw's dtype)."""
+    dw_row = dw_ptr + ex.to(tl.int64) * K * N + offs_k[:, None].to(tl.int64) * N
+    if ACCUMULATE:
+        # add the old value in two column halves, so that the old tile and the accumulator do not
+        # both sit whole in registers (that spills at 128x256). The tuning runs (write = 0) add 0:
+        # the same loads and stores as a real run, with dw left as it was.
+        a0, a1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_K, 2, BLOCK_N // 2)), (0, 2, 1)))
+        offs_h = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
+        m0 = mask_k[:, None] & (offs_h < N)[None, :]
+        a0 = tl.where(write != 0, a0, 0.0) + tl.load(dw_row + offs_h[None, :], mask=m0, other=0.0).to(tl.float32)
+        tl.store(dw_row + offs_h[None, :], a0.to(dw_ptr.dtype.element_ty), mask=m0)
+        offs_h += BLOCK_N // 2
+        m1 = mask_k[:, None] & (offs_h < N)[None, :]
+        a1 = tl.where(write != 0, a1, 0.0) + tl.load(dw_row + offs_h[None, :], mask=m1, other=0.0).to(tl.float32)
+        tl.store(dw_row + offs_h[None, :], a1.to(dw_ptr.dtype.element_ty), mask=m1)
+    else:  # an overwrite: a tuning run writes what the real run writes again
+        tl.store(dw_row + offs_n[None, :], acc.to(dw_ptr.dtype.element_ty),
+                 mask=mask_k[:, None] & mask_n[None, :])
+
+
+@triton.jit(do_not_specialize=["write"])
+def _grouped_wgrad_kernel(x_ptr, dy_ptr, dw_ptr, start_ptr, end_ptr, K, N, stride_xm, stride_dym, write,
+                          ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                          GROUP_K: tl.constexpr):
+    ex, pid_k, pid_n = _tile(tl.program_id(0), K, N, BLOCK_K, BLOCK_N, GROUP_K)
     row0 = tl.load(start_ptr + ex)
     row1 = tl.load(end_ptr + ex)
     if ACCUMULATE:
@@ -133,24 +174,65 @@ def _grouped_wgrad_kernel(x_ptr, dy_ptr, dw_ptr, start_ptr, end_ptr, K, N, strid
         for r in range(row0, row1, BLOCK_R):  # a for loop, so that the loads are software-pipelined
             acc = _wgrad_step(acc, x_ptr, dy_ptr, r, row1, offs_k, offs_n, mask_k, mask_n, stride_xm, stride_dym,
                               PRECISION, BLOCK_R)
+    _store_tile(acc, dw_ptr, ex, pid_n, offs_k, offs_n, mask_k, mask_n, K, N, write, ACCUMULATE, BLOCK_K, BLOCK_N)
 
-    dw_row = dw_ptr + ex.to(tl.int64) * K * N + offs_k[:, None].to(tl.int64) * N
+
+@triton.jit
+def _fp8_step(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, r, offs_k, offs_n, mask_k, mask_n, K, N, stride_a, stride_b,
+              TRANSPOSED: tl.constexpr, PROMOTE: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One 128-row block: ``acc += (a_blk^T @ b_blk) · (sa[blk] ⊗ sb[blk])`` from e4m3 codes (rows past the
+    expert's end are zero codes; the block lies inside the expert's aligned segment). Without PROMOTE
+    the codes' product is added unscaled (the scales are per expert, applied once at the end)."""
+    # segment starts are multiples of 128; said after the cast (the hint does not survive it), so that the
+    # loads along the rows are 16-byte cp.async copies (without it: byte loads, 4x slower on an H200)
+    rows = tl.multiple_of(r.to(tl.int64), BLOCK_R) + tl.arange(0, BLOCK_R)
+    if TRANSPOSED:  # aT [K, M'], bT [N, M']: both operands K-major along the rows, as wgmma reads FP8
+        a = tl.load(a_ptr + offs_k[:, None].to(tl.int64) * stride_a + rows[None, :], mask=mask_k[:, None], other=0.0)
+        b = tl.load(b_ptr + offs_n[:, None].to(tl.int64) * stride_b + rows[None, :], mask=mask_n[:, None], other=0.0)
+        part = tl.dot(a, tl.trans(b))
+    else:  # a [M', K], b [M', N]
+        a = tl.load(a_ptr + rows[:, None] * stride_a + offs_k[None, :], mask=mask_k[None, :], other=0.0)
+        b = tl.load(b_ptr + rows[:, None] * stride_b + offs_n[None, :], mask=mask_n[None, :], other=0.0)
+        part = tl.dot(tl.trans(a), b)
+    if PROMOTE:
+        blk = (r // BLOCK_R).to(tl.int64)
+        sa = tl.load(sa_ptr + blk * K + offs_k, mask=mask_k, other=0.0)
+        sb = tl.load(sb_ptr + blk * N + offs_n, mask=mask_n, other=0.0)
+        return acc + part * (sa[:, None] * sb[None, :])
+    return acc + part
+
+
+@triton.jit(do_not_specialize=["write"])
+def _fp8_wgrad_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, dw_ptr, start_ptr, end_ptr, K, N, stride_a, stride_b, write,
+                      ACCUMULATE: tl.constexpr, TRANSPOSED: tl.constexpr, PROMOTE: tl.constexpr,
+                      INTERPRET: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                      GROUP_K: tl.constexpr):
+    ex, pid_k, pid_n = _tile(tl.program_id(0), K, N, BLOCK_K, BLOCK_N, GROUP_K)
+    row0 = tl.load(start_ptr + ex)  # a multiple of BLOCK_R
+    row1 = tl.load(end_ptr + ex)
     if ACCUMULATE:
-        # add the old value in two column halves, so that the old tile and the accumulator do not
-        # both sit whole in registers (that spills at 128x256). The tuning runs (write = 0) add 0:
-        # the same loads and stores as a real run, with dw left as it was.
-        a0, a1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_K, 2, BLOCK_N // 2)), (0, 2, 1)))
-        offs_h = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
-        m0 = mask_k[:, None] & (offs_h < N)[None, :]
-        a0 = tl.where(write != 0, a0, 0.0) + tl.load(dw_row + offs_h[None, :], mask=m0, other=0.0).to(tl.float32)
-        tl.store(dw_row + offs_h[None, :], a0.to(dw_ptr.dtype.element_ty), mask=m0)
-        offs_h += BLOCK_N // 2
-        m1 = mask_k[:, None] & (offs_h < N)[None, :]
-        a1 = tl.where(write != 0, a1, 0.0) + tl.load(dw_row + offs_h[None, :], mask=m1, other=0.0).to(tl.float32)
-        tl.store(dw_row + offs_h[None, :], a1.to(dw_ptr.dtype.element_ty), mask=m1)
-    else:  # an overwrite: a tuning run writes what the real run writes again
-        tl.store(dw_row + offs_n[None, :], acc.to(dw_ptr.dtype.element_ty),
-                 mask=mask_k[:, None] & mask_n[None, :])
+        if row1 <= row0:
+            return
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_k = offs_k < K
+    mask_n = offs_n < N
+    acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
+    if INTERPRET:
+        r = row0
+        while r < row1:
+            acc = _fp8_step(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, r, offs_k, offs_n, mask_k, mask_n, K, N, stride_a,
+                            stride_b, TRANSPOSED, PROMOTE, BLOCK_R)
+            r += BLOCK_R
+    else:
+        for r in range(row0, row1, BLOCK_R):
+            acc = _fp8_step(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, r, offs_k, offs_n, mask_k, mask_n, K, N, stride_a,
+                            stride_b, TRANSPOSED, PROMOTE, BLOCK_R)
+    if not PROMOTE:  # per-expert column scales: sa [e, K], sb [e, N]
+        sa = tl.load(sa_ptr + ex.to(tl.int64) * K + offs_k, mask=mask_k, other=0.0)
+        sb = tl.load(sb_ptr + ex.to(tl.int64) * N + offs_n, mask=mask_n, other=0.0)
+        acc = acc * (sa[:, None] * sb[None, :])
+    _store_tile(acc, dw_ptr, ex, pid_n, offs_k, offs_n, mask_k, mask_n, K, N, write, ACCUMULATE, BLOCK_K, BLOCK_N)
 
 
 def _interpret() -> bool:
@@ -167,30 +249,34 @@ def _launch(cfg: triton.Config, dw_eKN, x_MK, dy_MN, layout, accumulate: bool, w
         INTERPRET=_interpret(), GROUP_K=_GROUP_K, **cfg.all_kwargs())
 
 
-def _pick_config(dw_eKN, x_MK, dy_MN, layout, accumulate: bool) -> triton.Config:
-    if _interpret():
-        return INTERPRET_CONFIG
-    k, n = dw_eKN.shape[1:]
-    key = (x_MK.shape[0], k, n, x_MK.dtype, dw_eKN.dtype, bool(accumulate), x_MK.device.index)
+def _tune(key: tuple, candidates: list, run, what: str) -> triton.Config:
+    """The fastest of ``candidates`` for ``key`` (cached): ``run(cfg)`` launches a timed run with ``write=0``."""
     cfg = _best_config.get(key)
     if cfg is None:
         from triton.runtime.errors import OutOfResources, PTXASError
         from triton.testing import do_bench
 
         best_ms = math.inf
-        for cand in FP32_CONFIGS if x_MK.dtype == torch.float32 else CONFIGS:
+        for cand in candidates:
             try:
-                ms = do_bench(lambda c=cand: _launch(c, dw_eKN, x_MK, dy_MN, layout, accumulate, write=False),
-                              warmup=10, rep=50, return_mode="median")
+                ms = do_bench(lambda c=cand: run(c), warmup=10, rep=50, return_mode="median")
             except (OutOfResources, PTXASError):
                 continue
             if ms < best_ms:
                 cfg, best_ms = cand, ms
         if cfg is None:
-            raise RuntimeError(f"grouped_wgrad_: no tile config compiled for K={k}, N={n}, x {x_MK.dtype}, "
-                               f"dw {dw_eKN.dtype} on {x_MK.device}")
+            raise RuntimeError(f"{what}: no tile config compiled for {key}")
         _best_config[key] = cfg
     return cfg
+
+
+def _pick_config(dw_eKN, x_MK, dy_MN, layout, accumulate: bool) -> triton.Config:
+    if _interpret():
+        return INTERPRET_CONFIG
+    k, n = dw_eKN.shape[1:]
+    key = (x_MK.shape[0], k, n, x_MK.dtype, dw_eKN.dtype, bool(accumulate), x_MK.device.index)
+    return _tune(key, FP32_CONFIGS if x_MK.dtype == torch.float32 else CONFIGS,
+                 lambda c: _launch(c, dw_eKN, x_MK, dy_MN, layout, accumulate, write=False), "grouped_wgrad_")
 
 
 def _check(dw_eKN: torch.Tensor, x_MK: torch.Tensor, dy_MN: torch.Tensor, layout: ExpertLayout) -> None:
@@ -256,4 +342,79 @@ def grouped_wgrad_(dw_eKN: torch.Tensor, x_MK: torch.Tensor, dy_MN: torch.Tensor
         return dw_eKN
     cfg = _pick_config(dw_eKN, x_MK, dy_MN, layout, accumulate)
     _launch(cfg, dw_eKN, x_MK, dy_MN, layout, accumulate, write=True)
+    return dw_eKN
+
+
+# ----------------------------------------------------------------------------- FP8 operands
+def _launch_fp8(cfg, dw_eKN, a, sa, b, sb, layout, accumulate: bool, write: bool, transposed: bool,
+                promote: bool) -> None:
+    e, k, n = dw_eKN.shape
+    grid = (e * triton.cdiv(k, cfg.kwargs["BLOCK_K"]) * triton.cdiv(n, cfg.kwargs["BLOCK_N"]),)
+    _fp8_wgrad_kernel[grid](a, sa, b, sb, dw_eKN, layout.start, layout.end, k, n, a.stride(0), b.stride(0),
+                            int(write), ACCUMULATE=bool(accumulate), TRANSPOSED=transposed, PROMOTE=promote,
+                            INTERPRET=_interpret(), GROUP_K=_GROUP_K, **cfg.all_kwargs())
+
+
+def fp8_grouped_wgrad_(dw_eKN: torch.Tensor, a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor,
+                       b_s: torch.Tensor, layout: ExpertLayout, accumulate: bool, transposed: bool = True,
+                       promote: bool = True) -> torch.Tensor:
+    """Per-expert weight gradient from e4m3 operands with 128-row block scales, written (or added) into ``dw_eKN``.
+
+    ``dw[i] (+)= x[live_i]^T @ dy[live_i]`` where ``x ≈ a_q · a_s`` and ``dy ≈ b_q · b_s`` as
+    :func:`dropless.ops.fp8_quant.quant_token_blocks` makes them: each 128-row block's e4m3
+    product is summed in fp32 by the tensor cores, then scaled by the block's column scales
+    (``a_s[blk] ⊗ b_s[blk]``) into the fp32 accumulator (DeepSeek-V3 §3.3.2's promotion).
+
+    Args:
+        dw_eKN: ``[e, K, N]`` contiguous fp32/bf16/fp16, the output (as :func:`grouped_wgrad_`).
+        a_q, a_s: ``x``'s codes ``[K, M']`` (``transposed``; ``[M', K]`` otherwise) and scales ``[M'/128, K]``.
+        b_q, b_s: ``dy``'s codes ``[N, M']`` (or ``[M', N]``) and scales ``[M'/128, N]``.
+        layout: the rows' layout; its alignment a multiple of 128.
+        accumulate: add into ``dw_eKN`` instead of overwriting.
+        transposed: the codes' orientation (both alike).
+        promote: True: scales per 128-row block (``[M'/128, K]``, ``[M'/128, N]``, as
+            :func:`quant_token_blocks` makes them), applied to each block's product. False: one
+            scale per expert per column (``[e, K]``, ``[e, N]``, :func:`quant_expert_columns`),
+            applied once to the summed product.
+    Returns:
+        ``dw_eKN``; an empty expert gets exact zeros (or is left as it is with ``accumulate``).
+    Raises:
+        ValueError: shapes or dtypes that do not match, an alignment not a multiple of 128, a
+            non-contiguous ``dw``, or CPU tensors without ``TRITON_INTERPRET=1``.
+    """
+    name = "fp8_grouped_wgrad_"
+    e, k, n = dw_eKN.shape if dw_eKN.dim() == 3 else (0, 0, 0)
+    mp = -(-layout.capacity // 128) * 128
+    want_a = (k, mp) if transposed else (mp, k)
+    want_b = (n, mp) if transposed else (mp, n)
+    if dw_eKN.dim() != 3 or tuple(a_q.shape) != want_a or tuple(b_q.shape) != want_b:
+        raise ValueError(f"{name}: need dw [e, K, N] and codes shaped {want_a} and {want_b} (M' = {mp}, "
+                         f"transposed={transposed}); got dw {tuple(dw_eKN.shape)}, a {tuple(a_q.shape)}, "
+                         f"b {tuple(b_q.shape)}")
+    rows_s = mp // 128 if promote else e
+    if tuple(a_s.shape) != (rows_s, k) or tuple(b_s.shape) != (rows_s, n):
+        raise ValueError(f"{name}: scales must be {(rows_s, k)} and {(rows_s, n)} (promote={promote}); "
+                         f"got {tuple(a_s.shape)} and {tuple(b_s.shape)}")
+    if a_q.dtype != torch.float8_e4m3fn or b_q.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"{name}: codes must be float8_e4m3fn, got {a_q.dtype} and {b_q.dtype}")
+    if a_s.dtype != torch.float32 or b_s.dtype != torch.float32:
+        raise ValueError(f"{name}: scales must be float32, got {a_s.dtype} and {b_s.dtype}")
+    if not (a_q.is_contiguous() and b_q.is_contiguous() and a_s.is_contiguous() and b_s.is_contiguous()):
+        raise ValueError(f"{name}: codes and scales must be contiguous (as quant_token_blocks returns them)")
+    if layout.alignment % 128 or e != layout.num_experts:
+        raise ValueError(f"{name}: the layout (alignment {layout.alignment}, {layout.num_experts} experts) must have "
+                         f"an alignment that is a multiple of 128 and dw's {e} experts")
+    if dw_eKN.dtype not in _DTYPES or not dw_eKN.is_contiguous():
+        raise ValueError(f"{name}: dw must be contiguous fp32/bf16/fp16, got {dw_eKN.dtype}, strides {dw_eKN.stride()}")
+    if a_q.device.type != "cuda" and not _interpret():
+        raise ValueError(f"{name}: needs CUDA tensors (got {a_q.device}); on the CPU set TRITON_INTERPRET=1")
+    if e == 0 or k == 0 or n == 0:
+        return dw_eKN
+    if _interpret():
+        cfg = FP8_INTERPRET_CONFIG
+    else:
+        key = ("fp8", mp, k, n, dw_eKN.dtype, bool(accumulate), transposed, promote, a_q.device.index)
+        cfg = _tune(key, FP8_CONFIGS, lambda c: _launch_fp8(c, dw_eKN, a_q, a_s, b_q, b_s, layout, accumulate,
+                                                            False, transposed, promote), name)
+    _launch_fp8(cfg, dw_eKN, a_q, a_s, b_q, b_s, layout, accumulate, True, transposed, promote)
     return dw_eKN
