@@ -68,6 +68,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
         tgt_T = torch.where(valid_T, targets_T, torch.zeros_like(targets_T))
         n_valid = valid_T.sum()
         scale = 1.0 / n_valid.clamp_min(1).to(acc) if mean else torch.ones((), dtype=acc, device=h_TH.device)
+        w_T = valid_T.to(acc) * scale  # 1/n on counted rows (mean), 0 on ignored rows
         h_cd = h_TH.to(compute_dtype)
         w_cd = w_VH.to(compute_dtype)
         loss = torch.zeros((), dtype=acc, device=h_TH.device)
@@ -81,7 +82,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
             # logits in the compute dtype (the GEMM's output); the loss and gradient in fp32 from them,
             # the gradient written over the logits (one chunk's [rows, V] alive at a time)
             z_CV = h_c @ w_cd.t()
-            w_C = valid_T[lo:hi].to(acc) * scale  # 1/n on counted rows (mean), 0 on ignored rows
+            w_C = w_T[lo:hi]
             loss_C = softmax_ce_grad_(z_CV, tgt_T[lo:hi], w_C, grad=need_dh or need_dw)
             loss = loss + (loss_C.to(acc) * w_C).sum()
             if need_dh:

@@ -487,10 +487,9 @@ class Trainer:
             (out.loss / self.accum).backward()  # CE + aux losses (+ MTP): 1/accum scales them all
             loss_sum += out.ce.detach()
             aux_sum += out.aux.detach()
-            for moe in self.moe_layers:
-                d = moe.last_stats.get("rows_dropped")
-                if d is not None:
-                    dropped += d.float()
+            ds = [d for d in (moe.last_stats.get("rows_dropped") for moe in self.moe_layers) if d is not None]
+            if ds:  # one stack and sum for all layers (not two small kernels per layer)
+                dropped += torch.stack(ds).sum().float()
         self.grads.finish()
         fsdp_grads = [p.grad for p in self.fsdp_params if p.grad is not None]
         gnorm = grad_norm(self.grads, fsdp_grads, env)
