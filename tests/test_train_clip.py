@@ -172,3 +172,28 @@ def test_trainer_folded_clip_equals_the_separate_clip(tmp_path, monkeypatch, dty
             assert rc[s][k] == ra[s - 1][k], (s, k)
     for p, q in zip(tr.masters.masters, tr2.masters.masters):
         assert torch.equal(p, q)
+
+
+@pytest.mark.gpu
+def test_folded_clip_equals_clip_then_step_on_cuda():
+    """The same comparison on CUDA's fused AdamW kernel (the trainer's path on one GPU)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    res = []
+    for fold in (True, False):
+        ps = [torch.nn.Parameter(p.clone().cuda()) for p in _params()]
+        opt = _opt(ps, True)
+        for i, s in enumerate([1.0, 0.05, 2.0, 3.0]):
+            for p, g in zip(ps, _grads(i, s)):
+                p.grad = g.cuda()
+            gs = [p.grad for p in ps]
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in gs]))
+            if fold:
+                assert clipped_step(opt, gs, norm, 1.0)
+            else:
+                clip_(gs, norm, 1.0)
+                opt.step()
+        assert not hasattr(opt, "grad_scale")
+        res.append([p.detach().cpu() for p in ps] + [p.grad.cpu() for p in ps])
+    for x, y in zip(*res):
+        torch.testing.assert_close(x, y, **TIGHT)
