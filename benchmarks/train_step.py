@@ -23,7 +23,9 @@ RSS), ``losses`` (every step's training loss, warm-up first), ``kernel_ms_per_st
 category), ``kernel_ms_total_per_step``, ``kernels_per_step`` (launch count), ``build_s``
 (construction, compile excluded: compilation happens in the first steps), ``overrides``;
 with ``--top-kernels N`` also ``top_kernels`` (``[ms per step, calls per step, name]``), with
-``--label`` a ``label``.
+``--label`` a ``label``; ``--copies FILE`` also writes, from one more step profiled with shapes and
+stacks, every copy-like operator with its shapes, dtypes, count and the dropless line that issued
+it (:func:`copy_listing`).
 
 Usage::
 
@@ -38,6 +40,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -121,13 +124,131 @@ def _profile(trainer, steps: int, top: int = 0) -> dict[str, Any]:
     return out
 
 
+#: the operators :func:`copy_listing` reports (a copy, cast, concatenation, gather, fill or large add)
+COPY_OPS = ("aten::copy_", "aten::_to_copy", "aten::cat", "aten::index_select", "aten::gather", "aten::clone",
+            "aten::contiguous", "aten::index", "aten::add_", "aten::add", "aten::zero_", "aten::fill_",
+            "aten::stack", "aten::_foreach_copy_", "aten::_foreach_mul_")
+_ADD_OPS = ("aten::add_", "aten::add")
+
+
+def _numel(shape: Any) -> int:
+    n = 1
+    for d in shape or ():
+        n *= int(d)
+    return n
+
+
+_DROPLESS_FRAME = re.compile(r"(?:^|/)(dropless/\S+\(\d+\): \S+)")
+
+
+def _dropless_frames(ev: Any, n: int = 2) -> list[str]:
+    """The innermost ``n`` dropless Python functions above ``ev`` in the profiler's tree
+    (``with_stack``: Python calls are events named ``path(first line): function``)."""
+    out, p = [], ev.cpu_parent
+    while p is not None and len(out) < n:
+        m = _DROPLESS_FRAME.search(p.name)
+        if m:
+            out.append(m.group(1))
+        p = p.cpu_parent
+    return out
+
+
+def _in_backward(ev: Any) -> bool:
+    p = ev.cpu_parent
+    while p is not None:
+        if p.name.startswith("autograd::engine::evaluate_function: "):
+            return True
+        p = p.cpu_parent
+    return False
+
+
+def _origin(ev: Any, fwd_frames: dict[int, list[str]]) -> str:
+    """Where ``ev`` was issued: the innermost dropless functions above it (``a < b``: ``a``
+    called from ``b``); for an op run by autograd's engine, the backward node and the dropless
+    functions of the forward op that made it (linked by sequence number)."""
+    own = _dropless_frames(ev)
+    node = ev
+    while node is not None and not node.name.startswith("autograd::engine::evaluate_function: "):
+        node = node.cpu_parent
+    if node is None:
+        return " < ".join(own) if own else "(outside dropless)"
+    fn = node.name.split(": ", 1)[1]
+    fwd = fwd_frames.get(node.sequence_nr)
+    return (f"backward {fn}" + (f" (of {' < '.join(fwd)})" if fwd else "")
+            + (f" in {' < '.join(own)}" if own else ""))
+
+
+def copy_listing(trainer: Any, min_add_numel: int = 1 << 16) -> list[dict[str, Any]]:
+    """One training step under :mod:`torch.profiler` (``record_shapes``, ``with_stack``): every
+    top-level copy-like operator (:data:`COPY_OPS`; an op inside another listed op is not counted
+    again; adds only from ``min_add_numel`` output elements), grouped by (op, input shapes,
+    dtypes, origin): ``{"op", "shapes", "dtypes", "origin", "count", "cpu_ms", "bytes"}``, the
+    largest ``bytes`` (count × first input's elements × 4, a size rank, not a traffic count) first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = trainer.env.device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts, record_shapes=True, with_stack=True) as prof:
+        trainer.train_step()
+        if cuda:
+            torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    fwd_frames: dict[int, list[str]] = {}
+    # the forward op that created each autograd node: every op reports the number the next node
+    # will get, and the op that creates it is the last to report it before it is incremented
+    for e in sorted(events, key=lambda x: x.time_range.start):
+        if e.sequence_nr < 0 or e.name.startswith("autograd::") or _in_backward(e):
+            continue
+        fr = _dropless_frames(e)
+        if fr:
+            fwd_frames[e.sequence_nr] = fr
+    groups: dict[tuple, dict[str, Any]] = {}
+    for e in events:
+        if e.name not in COPY_OPS:
+            continue
+        p = e.cpu_parent
+        nested = False
+        while p is not None:
+            if p.name in COPY_OPS:
+                nested = True
+                break
+            p = p.cpu_parent
+        if nested:
+            continue
+        shapes = [list(x) for x in (e.input_shapes or []) if x]
+        if e.name in _ADD_OPS and (not shapes or _numel(shapes[0]) < min_add_numel):
+            continue
+        dtypes = [d for d in (getattr(e, "input_dtypes", None) or []) if d]
+        key = (e.name, str(shapes), str(dtypes), _origin(e, fwd_frames))
+        g = groups.setdefault(key, {"op": e.name, "shapes": shapes, "dtypes": dtypes, "origin": key[3],
+                                    "count": 0, "cpu_ms": 0.0, "bytes": 0})
+        g["count"] += 1
+        g["cpu_ms"] += e.cpu_time_total / 1e3
+        g["bytes"] += (_numel(shapes[0]) if shapes else 0) * 4
+    out = sorted(groups.values(), key=lambda g: (-g["bytes"], g["op"]))
+    for g in out:
+        g["cpu_ms"] = round(g["cpu_ms"], 3)
+    return out
+
+
+def write_copy_listing(rows: list[dict[str, Any]], path: str, header: str = "") -> None:
+    """:func:`copy_listing`'s rows as a text table (one line per group)."""
+    with open(path, "w") as f:
+        if header:
+            f.write(header.rstrip() + "\n\n")
+        f.write(f"{'count':>5} {'cpu_ms':>8}  {'op':<22} {'shapes / dtypes':<60} origin\n")
+        for g in rows:
+            sd = f"{g['shapes']} {g['dtypes']}"
+            f.write(f"{g['count']:>5} {g['cpu_ms']:>8.3f}  {g['op']:<22} {sd:<60} {g['origin']}\n")
+
+
 def run_variant(recipe: str, variant: str, overrides: list[str], warmup: int, steps: int,
-                profile_steps: int, top: int = 0) -> dict[str, Any]:
+                profile_steps: int, top: int = 0, copies: str | None = None) -> dict[str, Any]:
     """Build, warm up, time and profile one variant; returns its JSON record."""
     from dropless.train.config import compose
     from dropless.train.trainer import Trainer
 
-    total = warmup + steps + profile_steps
+    total = warmup + steps + profile_steps + (1 if copies else 0)
     with tempfile.TemporaryDirectory() as rd:
         ov = [f"recipe={recipe}", "logging.mode=disabled", "logging.progress=false", "train.val_every=0",
               "train.ckpt_every=0", f"train.steps={total}", f"run_dir={rd}/run",
@@ -146,6 +267,10 @@ def run_variant(recipe: str, variant: str, overrides: list[str], warmup: int, st
                 if i >= warmup:
                     timed.append(rec)
             prof = _profile(tr, profile_steps, top) if profile_steps > 0 else {}
+            if copies:
+                rows = copy_listing(tr)
+                write_copy_listing(rows, copies, f"copy-like operators of one training step: recipe={recipe} "
+                                                 f"variant={variant} device={tr.env.device} overrides={overrides}")
             from dropless.train.metrics import peak_memory_gib
 
             med = {k: statistics.median(r[k] for r in timed if r[k] is not None) if timed else None
@@ -178,9 +303,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="also report the N kernels (operators on CPU) that take the most time (field top_kernels)")
     p.add_argument("--label", default=None, help="a label copied into each record (field label)")
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")
+    p.add_argument("--copies", default=None, metavar="FILE",
+                   help="after the profiled steps, one more step with shapes and stacks: write every copy-like "
+                        "operator (count, shapes, dtypes, the dropless line that issued it) to FILE "
+                        "(FILE.<variant> with several variants)")
     a = p.parse_args(argv)
     for variant in a.variants:
-        rec = run_variant(a.recipe, variant, a.overrides, a.warmup, a.steps, a.profile_steps, a.top_kernels)
+        copies = None if not a.copies else (a.copies if len(a.variants) == 1 else f"{a.copies}.{variant}")
+        rec = run_variant(a.recipe, variant, a.overrides, a.warmup, a.steps, a.profile_steps, a.top_kernels,
+                          copies)
         if a.label:
             rec = {"label": a.label, **rec}
         line = json.dumps(rec)

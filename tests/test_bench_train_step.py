@@ -54,3 +54,17 @@ def test_gpu_user_annotations_are_not_counted():
     old_torch = SimpleNamespace(device_type=cuda, self_device_time_total=None, self_cuda_time_total=7.0)
     assert counted_device_time_us(kernel) == 15_300.0 and counted_device_time_us(annotation) == 0.0
     assert counted_device_time_us(host) == 0.0 and counted_device_time_us(old_torch) == 7.0
+
+
+def test_copy_listing_names_ops_shapes_and_dropless_origins(tmp_path):
+    """--copies: one profiled step's copy-like ops, each with shapes, dtypes and the dropless function
+    (or backward node) that issued it; the bf16 -> fp32 main-gradient copies of the hooks are there."""
+    out = tmp_path / "copies.txt"
+    assert main(["--recipe", "cpu_default", "--variants", "eager", "--warmup", "1", "--steps", "1",
+                 "--profile-steps", "0", "--copies", str(out), "--set", "model=tiny", "--set", "train.dtype=bf16",
+                 "--set", "train.micro_batch_size=2", "--set", "train.seq_len=32", "--set", "num_threads=1"]) == 0
+    text = out.read_text()
+    assert text.startswith("copy-like operators of one training step: recipe=cpu_default variant=eager")
+    hook = [ln for ln in text.splitlines() if "aten::copy_" in ln and "dropless/train/grads.py" in ln and "_hook" in ln]
+    assert hook and all("'float', 'c10::BFloat16'" in ln for ln in hook)     # fp32 main <- bf16 .grad
+    assert any("backward " in ln and "(of dropless/" in ln for ln in text.splitlines())

@@ -77,6 +77,74 @@ def test_chunk_size_does_not_change_the_result():
     assert chunk_rows(V, 1) == 1 and chunk_rows(V, 4 * V - 1) == 3 and chunk_rows(129280, 1 << 25) == 259
 
 
+def _previous_arithmetic(h, w, y, rows, scale):
+    """The chunked loss as written before the copies were removed (a zero-filled fp32 dW that
+    each chunk adds to, dh rows assigned from a temporary, backward's fp32 ``dW · g`` then a
+    cast): (loss, dh, dw) for the loss multiplied by ``scale``, on CPU."""
+    from dropless.ops.softmax_ce import softmax_ce_grad_
+    cd = torch.promote_types(h.dtype, w.dtype)
+    acc = torch.promote_types(cd, torch.float32)
+    valid = y != -100
+    tgt = torch.where(valid, y, torch.zeros_like(y))
+    n = valid.sum().clamp_min(1).to(acc)
+    loss = torch.zeros((), dtype=acc)
+    dh = torch.empty_like(h)
+    dw = torch.zeros(w.shape, dtype=acc)
+    with torch.no_grad():
+        for lo in range(0, h.shape[0], rows):
+            hc = h[lo:lo + rows].to(cd)
+            z = hc @ w.to(cd).t()
+            wc = valid[lo:lo + rows].to(acc) * (1.0 / n)
+            lc = softmax_ce_grad_(z, tgt[lo:lo + rows], wc, grad=True)
+            loss = loss + (lc.to(acc) * wc).sum()
+            dh[lo:lo + rows] = z @ w.to(cd)
+            if z.dtype == acc:
+                dw.addmm_(z.t(), hc)
+            else:
+                dw.add_(z.t() @ hc)
+    g = torch.tensor(scale, dtype=acc)
+    return loss * g, dh * g.to(dh.dtype), (dw * g.to(dw.dtype)).to(w.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("scale", [1.0, 1 / 3])
+def test_results_bitwise_equal_the_previous_arithmetic(dtype, scale):
+    """The first chunk's product is dW (no zero-filled buffer), dh's rows are GEMM outputs written
+    in place, backward scales and casts dW in one op: the same bits as before, loss scale included."""
+    h, w, y = _inputs(dtype, seed=5)
+    loss = linear_cross_entropy(h, w, y, max_chunk_elements=CHUNK)
+    (loss * scale).backward()
+    want_loss, want_dh, want_dw = _previous_arithmetic(h.detach(), w.detach(), y, 5, scale)
+    assert torch.equal((loss * scale).detach(), want_loss)
+    assert torch.equal(h.grad, want_dh) and torch.equal(w.grad, want_dw)
+
+
+def test_no_zero_filled_dw_and_no_fp32_copy_in_backward():
+    """Per step the head's dW is not zero-filled first and backward makes no fp32 [V, H] copy:
+    the only [V, H] tensors created are the first chunk's product (fp32) and the weight-dtype
+    gradient."""
+    h, w, y = _inputs(torch.bfloat16, seed=2)
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and tuple(out.shape) == (V, H):
+                self.ops.append((func.__name__.split(".")[0], out.dtype))
+            return out
+
+    with Record() as rec:
+        linear_cross_entropy(h, w, y, max_chunk_elements=CHUNK).backward()
+    names = [n for n, _ in rec.ops]
+    assert "zeros" not in names and "zero_" not in names and "fill_" not in names, rec.ops
+    fp32_new = [(n, d) for n, d in rec.ops if d == torch.float32 and not n.endswith("_")]
+    assert fp32_new == [("_to_copy", torch.float32)], rec.ops   # the first chunk's product, on CPU
+    assert ("mul", torch.bfloat16) in rec.ops                   # scaled straight into bf16
+
+
 def test_every_target_ignored_is_zero_not_nan():
     h, w, y = _inputs(torch.float32)
     loss = linear_cross_entropy(h, w, torch.full_like(y, -100))

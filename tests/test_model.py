@@ -168,6 +168,42 @@ def test_rmsnorm_bf16_weight_equals_fp32_compute_and_saves_no_fp32_copy(device):
 
 
 # ----------------------------------------------------------------- whole model
+def test_rope_tables_are_built_once_per_length_device_and_dtype():
+    """The forward reuses the tables of an earlier forward with the same S (no cos/sin kernels),
+    and they equal rope_cos_sin's; another S or dtype builds its own."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    args = tiny_args(num_hidden_layers=2)
+    model = Transformer(args)
+    model.init_weights()
+    tokens = torch.randint(0, args.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func.__name__.split(".")[0] in ("cos", "sin")
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad():
+        with Count() as first:
+            out1 = model(tokens)
+        with Count() as second:
+            out2 = model(tokens)
+    assert first.n == 2 and second.n == 0
+    assert torch.equal(out1, out2)
+    cos, sin = model.rope_tables(12, out1)
+    want = rope_cos_sin(12, args.qk_rope_head_dim, args.rope_theta, max_position_embeddings=64)
+    assert torch.equal(cos, want[0]) and torch.equal(sin, want[1])
+    assert model.rope_tables(12, out1)[0] is cos
+    assert model.rope_tables(8, out1)[0].shape[0] == 8
+    assert model.rope_tables(12, out1.double())[0].dtype == torch.float64
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        model.rope_tables(65, out1)
+
+
 def test_causal_later_tokens_do_not_change_earlier_logits():
     model = Transformer(tiny_args())
     model.init_weights()

@@ -100,6 +100,20 @@ def test_capacity_factor_drops_rows_and_counts_fewer_flops(tmp_path):
     assert records(tmp_path)[-1]["rows_dropped"] >= 0.5 * 512 * 2 * tr.args.num_moe_layers
 
 
+def test_rows_dropped_is_the_sum_over_layers_and_micro_batches(tmp_path):
+    tr = Trainer(compose(QUICK + [f"run_dir={tmp_path}", "train.steps=1", "train.val_every=0",
+                                  "logging.mode=disabled", "model.capacity_factor=0.5", "train.grad_accum=2"]))
+    try:
+        seen = []
+        for m in tr.moe_layers:
+            m.register_forward_hook(lambda mod, a, out: seen.append(int(mod.last_stats["rows_dropped"])))
+        rec = tr.train_step()
+        assert len(seen) == 2 * tr.args.num_moe_layers and sum(seen) > 0
+        assert rec["rows_dropped"] == sum(seen)           # summed over layers and micro-batches
+    finally:
+        tr.close()
+
+
 def test_resume_repeats_the_uninterrupted_run_bitwise(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     common = ["train.steps=6", "train.val_every=3", "train.ckpt_every=3", "train.ckpt_keep=0", "logging.mode=disabled",

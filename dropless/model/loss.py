@@ -68,30 +68,33 @@ class _ChunkedLinearCE(torch.autograd.Function):
         tgt_T = torch.where(valid_T, targets_T, torch.zeros_like(targets_T))
         n_valid = valid_T.sum()
         scale = 1.0 / n_valid.clamp_min(1).to(acc) if mean else torch.ones((), dtype=acc, device=h_TH.device)
+        w_T = valid_T.to(acc) * scale  # 1/n on counted rows (mean), 0 on ignored rows
         h_cd = h_TH.to(compute_dtype)
         w_cd = w_VH.to(compute_dtype)
         loss = torch.zeros((), dtype=acc, device=h_TH.device)
-        dh_TH = torch.empty_like(h_TH) if need_dh else None
-        dw_VH = torch.zeros(w_VH.shape, dtype=acc, device=w_VH.device) if need_dw else None
+        # dh: each chunk's GEMM writes its rows in place; dW: the first chunk's product is dW
+        # (no zero-filled [V, H] buffer), the later chunks add to it
+        dh_TH = torch.empty(h_TH.shape, dtype=h_TH.dtype, device=h_TH.device) if need_dh else None
+        dw_VH = None
         for lo in range(0, T, rows):
             hi = min(T, lo + rows)
             h_c = h_cd[lo:hi]
             # logits in the compute dtype (the GEMM's output); the loss and gradient in fp32 from them,
             # the gradient written over the logits (one chunk's [rows, V] alive at a time)
             z_CV = h_c @ w_cd.t()
-            w_C = valid_T[lo:hi].to(acc) * scale  # 1/n on counted rows (mean), 0 on ignored rows
+            w_C = w_T[lo:hi]
             loss_C = softmax_ce_grad_(z_CV, tgt_T[lo:hi], w_C, grad=need_dh or need_dw)
             loss = loss + (loss_C.to(acc) * w_C).sum()
             if need_dh:
-                dh_TH[lo:hi] = z_CV @ w_cd
+                if dh_TH.dtype == z_CV.dtype:
+                    torch.mm(z_CV, w_cd, out=dh_TH[lo:hi])
+                else:  # autocast over higher-precision h: rounded from the compute dtype
+                    dh_TH[lo:hi] = z_CV @ w_cd
             if need_dw:
-                if z_CV.dtype == acc:
-                    dw_VH.addmm_(z_CV.t(), h_c)
-                elif z_CV.is_cuda:  # bf16/fp16 operands, fp32 product added in the GEMM's epilogue
-                    torch.addmm(dw_VH, z_CV.t(), h_c, out_dtype=acc, out=dw_VH)
-                else:  # CPU: addmm's out_dtype is CUDA-only; the product is rounded to the compute dtype
-                    dw_VH.add_(z_CV.t() @ h_c)
+                dw_VH = _accumulate_dw(dw_VH, z_CV, h_c, acc)
             del z_CV
+        if need_dw and dw_VH is None:  # T = 0
+            dw_VH = torch.zeros(w_VH.shape, dtype=acc, device=w_VH.device)
         ctx.save_for_backward(dh_TH, dw_VH)
         ctx.w_dtype = w_VH.dtype
         return loss
@@ -102,9 +105,27 @@ class _ChunkedLinearCE(torch.autograd.Function):
         dh = dw = None
         if dh_TH is not None:
             dh = dh_TH * grad_loss.to(dh_TH.dtype)
-        if dw_VH is not None:
-            dw = (dw_VH * grad_loss.to(dw_VH.dtype)).to(ctx.w_dtype)
+        if dw_VH is not None:  # scale and round to the weight's dtype in one pass (fp32 product, then cast)
+            dw = torch.empty(dw_VH.shape, dtype=ctx.w_dtype, device=dw_VH.device)
+            torch.mul(dw_VH, grad_loss.to(dw_VH.dtype), out=dw)
         return dh, dw, None, None, None, None, None, None, None
+
+
+def _accumulate_dw(dw_VH: torch.Tensor | None, z_CV: torch.Tensor, h_CH: torch.Tensor,
+                   acc: torch.dtype) -> torch.Tensor:
+    """``dW += z_CVᵀ h_CH`` in ``acc`` (``dw_VH`` None: the first chunk, whose product is dW)."""
+    if z_CV.dtype == acc:
+        if dw_VH is None:
+            return torch.mm(z_CV.t(), h_CH)
+        return dw_VH.addmm_(z_CV.t(), h_CH)
+    if z_CV.is_cuda:  # bf16/fp16 operands, the fp32 product summed inside the GEMM
+        if dw_VH is None:
+            return torch.mm(z_CV.t(), h_CH, out_dtype=acc)
+        return torch.addmm(dw_VH, z_CV.t(), h_CH, out_dtype=acc, out=dw_VH)
+    # CPU: mm/addmm's out_dtype is CUDA-only; the product is rounded to the compute dtype
+    if dw_VH is None:
+        return (z_CV.t() @ h_CH).to(acc)
+    return dw_VH.add_(z_CV.t() @ h_CH)
 
 
 def linear_cross_entropy(h_TH: torch.Tensor, weight_VH: torch.Tensor, targets_T: torch.Tensor, *,

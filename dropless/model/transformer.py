@@ -201,6 +201,25 @@ class Transformer(nn.Module):
         """
         return self(tokens_BS, targets_BS, ignore_index=ignore_index, loss_impl=loss_impl)
 
+    def rope_tables(self, seq_len: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`~dropless.model.rope.rope_cos_sin` for ``seq_len`` positions on ``h``'s device
+        (fp32; fp64 for a float64 model): ``(cos_SP, sin_SP)``, [S, qk_rope_head_dim/2].
+
+        Built once per (S, device, dtype) and kept (the tables depend on nothing else), so a
+        step does not rebuild them with a handful of small kernels per forward. Raises what
+        ``rope_cos_sin`` raises (S beyond ``max_position_embeddings``).
+        """
+        dtype = torch.float64 if h.dtype == torch.float64 else torch.float32
+        key = (int(seq_len), h.device, dtype)
+        cache = self.__dict__.setdefault("_rope_cache", {})
+        if key not in cache:
+            cache[key] = rope_cos_sin(
+                int(seq_len), self.args.qk_rope_head_dim, self.args.rope_theta,
+                max_position_embeddings=self.args.max_position_embeddings, yarn=self.yarn,
+                device=h.device, dtype=dtype,
+            )
+        return cache[key]
+
     def _hidden_states(self, tokens_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``tokens_BS`` -> (final-norm hidden states [B, S, H], Σ aux losses fp32 0-dim)."""
         if tokens_BS.dim() != 2:
@@ -208,12 +227,7 @@ class Transformer(nn.Module):
                              f"got shape {tuple(tokens_BS.shape)}")
         seq_len = tokens_BS.shape[1]
         h_BSH = self.tok_embeddings(tokens_BS)
-        rope_dtype = torch.float64 if h_BSH.dtype == torch.float64 else torch.float32
-        cos_SP, sin_SP = rope_cos_sin(
-            seq_len, self.args.qk_rope_head_dim, self.args.rope_theta,
-            max_position_embeddings=self.args.max_position_embeddings, yarn=self.yarn,
-            device=h_BSH.device, dtype=rope_dtype,
-        )
+        cos_SP, sin_SP = self.rope_tables(seq_len, h_BSH)
         aux_loss = torch.zeros((), dtype=torch.float32, device=h_BSH.device)
         recompute = self.activation_checkpointing and torch.is_grad_enabled()
         for block in self.layers.values():
@@ -265,13 +279,7 @@ class Transformer(nn.Module):
         if self.mtp is None:
             raise ValueError("mtp_loss: the model has no MTP module; build it with "
                              "num_nextn_predict_layers >= 1")
-        seq_len = tokens_BS.shape[1]
-        rope_dtype = torch.float64 if h_BSH.dtype == torch.float64 else torch.float32
-        cos_SP, sin_SP = rope_cos_sin(
-            seq_len, self.args.qk_rope_head_dim, self.args.rope_theta,
-            max_position_embeddings=self.args.max_position_embeddings, yarn=self.yarn,
-            device=h_BSH.device, dtype=rope_dtype,
-        )
+        cos_SP, sin_SP = self.rope_tables(tokens_BS.shape[1], h_BSH)
         recompute = self.activation_checkpointing and torch.is_grad_enabled()
         loss, _ = self.mtp(h_BSH, tokens_BS, labels_BS, self.tok_embeddings,
                            head_loss or dense_head_loss(self.output), cos_SP, sin_SP, recompute=recompute)

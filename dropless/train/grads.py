@@ -33,7 +33,13 @@ own reduce-scatter and are left out.
 :func:`grad_norm` is the global L2 norm of every gradient (device tensor, no host sync):
 replicated buckets once, EP-sharded buckets summed over the EP group, FSDP2 shards over their
 own mesh. :func:`clip_` scales every gradient by ``max_norm / (norm + 1e-6)`` where ``norm > max_norm``,
-on the device.
+on the device. :func:`clipped_step` is the optimizer step on clipped gradients: where every
+param group runs the fused AdamW (CUDA, :func:`folds_clip`) the clip rides inside the optimizer's
+own kernel as ``optimizer.grad_scale = (norm + 1e-6) / max_norm`` (the kernel divides each
+gradient by it and writes the quotient back, as it does for ``torch.amp.GradScaler``), so no
+separate pass over the gradients runs; otherwise :func:`clip_` then ``optimizer.step()``. Both
+give the same update and leave the same clipped gradients, up to the rounding of
+``g · (max/(n + ε))`` against ``g / ((n + ε)/max)``.
 """
 
 from __future__ import annotations
@@ -46,7 +52,8 @@ import torch.distributed as dist
 
 from dropless.train.optim import is_dtensor
 
-__all__ = ["GradBuckets", "grad_norm", "clip_", "sync_gradients", "grad_norm_and_clip", "BUCKET_ELEMS"]
+__all__ = ["GradBuckets", "grad_norm", "clip_", "clip_scale", "folds_clip", "clipped_step", "sync_gradients",
+           "grad_norm_and_clip", "BUCKET_ELEMS"]
 
 #: default elements per bucket (25 MiB of fp32, DDP's default bucket size)
 BUCKET_ELEMS = 25 * 2**20 // 4
@@ -265,6 +272,60 @@ def clip_(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float | None)
     for g in grads:
         if is_dtensor(g):
             g.mul_(coef)
+
+
+def clip_scale(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The divisor of every gradient that clips to ``max_norm``: fp32 0-dim device tensor.
+
+    ``(norm + 1e-6) / max_norm`` where ``norm > max_norm``, else 1: the reciprocal of
+    :func:`clip_`'s coefficient (``norm``: fp32 0-dim, the pre-clip global L2 norm).
+    """
+    norm = norm.float()
+    return torch.where(norm > max_norm, (norm + 1e-6) / max_norm, torch.ones_like(norm))
+
+
+def folds_clip(optimizer: torch.optim.Optimizer) -> bool:
+    """True when the clip can ride inside ``optimizer.step()`` as ``optimizer.grad_scale``.
+
+    Only the fused Adam/AdamW kernels take ``grad_scale`` (the foreach and per-tensor ones
+    refuse it) and torch passes the one attribute to every param group, so: every param
+    group is ``fused`` and ``optimizer`` is a :class:`torch.optim.Adam` / ``AdamW``.
+    """
+    return (isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and bool(optimizer.param_groups)
+            and all(g.get("fused") for g in optimizer.param_groups))
+
+
+@torch.no_grad()
+def clipped_step(optimizer: torch.optim.Optimizer, grads: list[torch.Tensor], norm: torch.Tensor,
+                 max_norm: float) -> bool:
+    """``optimizer.step()`` on the gradients clipped to ``max_norm`` (device-side, no host sync).
+
+    Args:
+        optimizer: the optimizer whose params' ``.grad`` are (views into) ``grads``.
+        grads: every gradient the step reads (main-gradient buckets, FSDP2 DTensor grads).
+        norm: fp32 0-dim, their global L2 norm before clipping.
+        max_norm: the clip threshold (> 0).
+    Returns:
+        True where the clip was folded into the fused kernel (:func:`folds_clip`), False
+        where :func:`clip_` ran first. Either way ``grads`` hold the clipped gradients after
+        the step and ``optimizer`` keeps no ``grad_scale`` attribute (nothing of it reaches
+        ``optimizer.state_dict()``).
+    Raises:
+        RuntimeError: ``optimizer`` already has a ``grad_scale`` (a GradScaler step in flight).
+    """
+    if not folds_clip(optimizer):
+        clip_(grads, norm, max_norm)
+        optimizer.step()
+        return False
+    if getattr(optimizer, "grad_scale", None) is not None:
+        raise RuntimeError("clipped_step: optimizer.grad_scale is set already (a GradScaler step?); "
+                           "clip and scale cannot both be folded")
+    optimizer.grad_scale = clip_scale(norm, max_norm)
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.grad_scale
+    return True
 
 
 # ----------------------------------------------------------------------------- unbucketed reference

@@ -12,7 +12,8 @@ One optimizer step (:meth:`Trainer.train_step`)::
     ONE host sync: loss, aux loss, grad norm, dropped rows, per-expert counts, stop flag
     non-finite loss or grad norm: train.nonfinite=error raises NonFiniteError naming the
         step; skip leaves the weights, masters and moments untouched (skipped_steps += 1)
-    clip (device; skipped when the host norm is within optim.grad_clip),
+    clip (device; skipped when the host norm is within optim.grad_clip; with the fused AdamW
+        folded into its kernel as grad_scale, else a separate pass: dropless.train.grads.clipped_step),
         optimizer.step (fused AdamW on CUDA, foreach on CPU, fp32 masters)
         + step post-hook: router biases += γ·sign(mean − load) (dropless.train.optim)
     refresh the bf16 compute weights from the masters; lr scheduler step
@@ -65,7 +66,7 @@ from dropless.train.compile import check_compile, check_compile_moe, compile_blo
 from dropless.train.config import model_args
 from dropless.train.data import ShardedLoader, load_tokens, val_windows
 from dropless.train.dist import DistEnv, init_distributed
-from dropless.train.grads import GradBuckets, clip_, grad_norm
+from dropless.train.grads import GradBuckets, clipped_step, folds_clip, grad_norm
 from dropless.train.metrics import MetricsLogger, counts_metrics, peak_flops, peak_memory_gib
 from dropless.train.optim import MasterWeights, RouterBiasUpdate, build_optimizer, build_scheduler, is_dtensor, lr_at
 from dropless.train.shard import apply_fsdp, shard_dense_params
@@ -355,6 +356,11 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.steps)
         self.balancer = RouterBiasUpdate(self.model)
         self.balancer.register(self.optimizer)
+        if cfg.optim.grad_clip:
+            self.print("[dropless] grad clip: " + ("inside the fused AdamW kernel (optimizer.grad_scale)"
+                                                   if folds_clip(self.optimizer) else
+                                                   "a separate pass over the gradients (AdamW is not fused in "
+                                                   "every param group)"))
 
         self.param_counts = param_counts(self.args)
         self.peak_flops = peak_flops(env.device, cfg.logging)
@@ -481,10 +487,9 @@ class Trainer:
             (out.loss / self.accum).backward()  # CE + aux losses (+ MTP): 1/accum scales them all
             loss_sum += out.ce.detach()
             aux_sum += out.aux.detach()
-            for moe in self.moe_layers:
-                d = moe.last_stats.get("rows_dropped")
-                if d is not None:
-                    dropped += d.float()
+            ds = [d for d in (moe.last_stats.get("rows_dropped") for moe in self.moe_layers) if d is not None]
+            if ds:  # one stack and sum for all layers (not two small kernels per layer)
+                dropped += torch.stack(ds).sum().float()
         self.grads.finish()
         fsdp_grads = [p.grad for p in self.fsdp_params if p.grad is not None]
         gnorm = grad_norm(self.grads, fsdp_grads, env)
@@ -503,8 +508,9 @@ class Trainer:
         if finite:
             clip = float(self.cfg.optim.grad_clip) if self.cfg.optim.grad_clip else None
             if clip is not None and gnorm_v > clip:  # the host norm is read already: no pass over the grads at 1.0
-                clip_(self.grads.flats + fsdp_grads, gnorm, clip)
-            self.optimizer.step()                   # + RouterBiasUpdate (step post-hook)
+                clipped_step(self.optimizer, self.grads.flats + fsdp_grads, gnorm, clip)  # + RouterBiasUpdate
+            else:
+                self.optimizer.step()               # + RouterBiasUpdate (step post-hook)
             self.masters.refresh()
         elif str(self.cfg.train.nonfinite) == "error":
             raise NonFiniteError(f"step {self.step + 1}: non-finite training loss ({loss_v}) or gradient norm "
