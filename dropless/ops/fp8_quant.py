@@ -186,24 +186,22 @@ if select.HAS_TRITON:
             cmask = cols < K
             m = live[:, None] & cmask[None, :]
             a = tl.load(x_ptr + r64[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            if PASS == 1:
+            if PASS < 2:  # count the non-finite elements once (pass 2 reads the same rows again)
                 bad = tl.sum(tl.sum(tl.where(m & ~(tl.abs(a) <= 3.4028234663852886e38), 1, 0), axis=1), axis=0)
-                tl.atomic_max(s_ptr + ex.to(tl.int64) * K + cols, tl.max(tl.abs(a), axis=0), mask=cmask)
                 tl.atomic_max(flag_ptr, bad, mask=bad > 0)
+            if PASS == 1:
+                tl.atomic_max(s_ptr + ex.to(tl.int64) * K + cols, tl.max(tl.abs(a), axis=0), mask=cmask)
             else:
                 if PASS == 0:
-                    bad = tl.sum(tl.sum(tl.where(m & ~(tl.abs(a) <= 3.4028234663852886e38), 1, 0), axis=1), axis=0)
                     amax = tl.maximum(tl.max(tl.abs(a), axis=0), 1e-12)
                     scale = amax / 448.0  # the expressions of _quant_block
                     if UE8M0:
                         scale = tl.exp2(tl.ceil(tl.log2(scale)))
+                    tl.store(s_ptr + b.to(tl.int64) * K + cols, scale, mask=cmask)
                 else:
                     scale = tl.load(s_ptr + ex.to(tl.int64) * K + cols, mask=cmask, other=1.0)
                 q = tl.clamp(tl.math.div_rn(a, scale[None, :]), -448.0, 448.0)
                 q = q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-                if PASS == 0:
-                    tl.store(s_ptr + b.to(tl.int64) * K + cols, scale, mask=cmask)
-                    tl.atomic_max(flag_ptr, bad, mask=bad > 0)
                 if TRANSPOSE:  # q^T [K, M']: rows contiguous
                     tl.store(q_ptr + cols[:, None].to(tl.int64) * stride_q + r64[None, :], tl.trans(q),
                              mask=cmask[:, None])
@@ -343,6 +341,18 @@ TOKEN_COLS, TOKEN_WARPS = 64, 4  # columns per program and warps of the token-bl
 #                                   launches on an H200 at K 7,168 / 4,096: h200_fp8_wgrad_s10.jsonl)
 
 
+def _token_shape(name: str, x_MK: torch.Tensor, layout: ExpertLayout) -> tuple[int, int, int, int]:
+    """``(M, K, blocks, M')`` of a row-contracted operand, after the checks shared by its two quantisers."""
+    _check(name, x_MK, layout)
+    if layout.alignment % TOKEN_BLOCK:
+        raise ValueError(f"{name}: expert_alignment={layout.alignment}: the FP8 weight gradient needs every "
+                         f"expert's rows to start on a {TOKEN_BLOCK}-row block (set model.expert_alignment to a "
+                         f"multiple of {TOKEN_BLOCK})")
+    m, k = x_MK.shape
+    nblk = -(-m // TOKEN_BLOCK)
+    return m, k, nblk, nblk * TOKEN_BLOCK
+
+
 def quant_token_blocks(x_MK: torch.Tensor, layout: ExpertLayout, ue8m0: bool = False, check_finite: bool = True,
                        transpose: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 quantisation with one scale per column per 128-row block, over the live rows of ``layout``.
@@ -370,14 +380,7 @@ def quant_token_blocks(x_MK: torch.Tensor, layout: ExpertLayout, ue8m0: bool = F
             alignment that is not a multiple of 128.
         RuntimeError: (asynchronously on CUDA) a live row is not finite.
     """
-    _check("quant_token_blocks", x_MK, layout)
-    if layout.alignment % TOKEN_BLOCK:
-        raise ValueError(f"quant_token_blocks: expert_alignment={layout.alignment}: the FP8 weight gradient needs "
-                         f"every expert's rows to start on a {TOKEN_BLOCK}-row block (set model.expert_alignment to "
-                         f"a multiple of {TOKEN_BLOCK})")
-    m, k = x_MK.shape
-    nblk = -(-m // TOKEN_BLOCK)
-    mp = nblk * TOKEN_BLOCK
+    m, k, nblk, mp = _token_shape("quant_token_blocks", x_MK, layout)
     if select.use_triton(x_MK):
         x = x_MK if x_MK.stride(1) == 1 else x_MK.contiguous()
         q = torch.empty((k, mp) if transpose else (mp, k), dtype=FP8_DTYPE, device=x.device)
@@ -385,11 +388,10 @@ def quant_token_blocks(x_MK: torch.Tensor, layout: ExpertLayout, ue8m0: bool = F
         flag = torch.zeros(1, dtype=torch.int32, device=x.device)
         e = layout.num_experts
         if nblk and k and e:
-            block_k = TOKEN_COLS
-            _quant_tok_kernel[(nblk, triton.cdiv(k, block_k))](
+            _quant_tok_kernel[(nblk, triton.cdiv(k, TOKEN_COLS))](
                 x, q, s, flag, layout.start, layout.end, e, k, x.stride(0), q.stride(0), TRANSPOSE=transpose,
                 UE8M0=ue8m0, E_POW2=max(2, triton.next_power_of_2(e)), PASS=0, BLOCK_R=TOKEN_BLOCK,
-                BLOCK_K=block_k, num_warps=TOKEN_WARPS)
+                BLOCK_K=TOKEN_COLS, num_warps=TOKEN_WARPS)
         bad = flag[0]
     else:
         a = torch.where(layout.live_mask().unsqueeze(1), x_MK.float(), torch.zeros((), device=x_MK.device))
@@ -425,15 +427,8 @@ def quant_expert_columns(x_MK: torch.Tensor, layout: ExpertLayout, ue8m0: bool =
     Raises:
         As :func:`quant_token_blocks`.
     """
-    _check("quant_expert_columns", x_MK, layout)
-    if layout.alignment % TOKEN_BLOCK:
-        raise ValueError(f"quant_expert_columns: expert_alignment={layout.alignment}: the FP8 weight gradient needs "
-                         f"every expert's rows to start on a {TOKEN_BLOCK}-row block (set model.expert_alignment to "
-                         f"a multiple of {TOKEN_BLOCK})")
-    m, k = x_MK.shape
+    m, k, nblk, mp = _token_shape("quant_expert_columns", x_MK, layout)
     e = layout.num_experts
-    nblk = -(-m // TOKEN_BLOCK)
-    mp = nblk * TOKEN_BLOCK
     if select.use_triton(x_MK):
         x = x_MK if x_MK.stride(1) == 1 else x_MK.contiguous()
         q = torch.empty(k, mp, dtype=FP8_DTYPE, device=x.device)
