@@ -109,9 +109,11 @@ def _wgrad_step(acc, x_ptr, dy_ptr, r, row1, offs_k, offs_n, mask_k, mask_n, str
 
 
 @triton.jit
-def _tile(pid, K, N, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr):
-    """Program ``pid`` -> ``(expert, K-tile, N-tile)``: within an expert, GROUP_K K-tiles side by side,
-    then the next N-tile (the programs in flight share their dy column blocks in L2)."""
+def _tile(pid, start_ptr, end_ptr, K, N, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr):
+    """Program ``pid`` -> its expert, N-tile, the tile's offsets and masks and the expert's rows ``[row0, row1)``.
+
+    Within an expert, GROUP_K K-tiles side by side, then the next N-tile (the programs in flight
+    share their dy column blocks in L2)."""
     num_k = tl.cdiv(K, BLOCK_K)
     num_n = tl.cdiv(N, BLOCK_N)
     tiles = num_k * num_n
@@ -120,7 +122,11 @@ def _tile(pid, K, N, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_K: tl.c
     width = GROUP_K * num_n
     k0 = (t // width) * GROUP_K
     group_k = tl.minimum(num_k - k0, GROUP_K)
-    return ex, k0 + (t % width) % group_k, (t % width) // group_k
+    pid_k = k0 + (t % width) % group_k
+    pid_n = (t % width) // group_k
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return ex, pid_n, offs_k, offs_n, offs_k < K, offs_n < N, tl.load(start_ptr + ex), tl.load(end_ptr + ex)
 
 
 @triton.jit
@@ -151,17 +157,11 @@ def _grouped_wgrad_kernel(x_ptr, dy_ptr, dw_ptr, start_ptr, end_ptr, K, N, strid
                           ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
                           BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
                           GROUP_K: tl.constexpr):
-    ex, pid_k, pid_n = _tile(tl.program_id(0), K, N, BLOCK_K, BLOCK_N, GROUP_K)
-    row0 = tl.load(start_ptr + ex)
-    row1 = tl.load(end_ptr + ex)
+    ex, pid_n, offs_k, offs_n, mask_k, mask_n, row0, row1 = _tile(tl.program_id(0), start_ptr, end_ptr, K, N,
+                                                                  BLOCK_K, BLOCK_N, GROUP_K)
     if ACCUMULATE:
         if row1 <= row0:  # empty expert: dw[ex] += 0 -- leave it as it is
             return
-
-    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_k = offs_k < K
-    mask_n = offs_n < N
     acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
     if INTERPRET:
         # the interpreter keeps scalars as 1-element arrays, which range() rejects under numpy 2
@@ -207,16 +207,11 @@ def _fp8_wgrad_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, dw_ptr, start_ptr, end_ptr, 
                       ACCUMULATE: tl.constexpr, TRANSPOSED: tl.constexpr, PROMOTE: tl.constexpr,
                       INTERPRET: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
                       GROUP_K: tl.constexpr):
-    ex, pid_k, pid_n = _tile(tl.program_id(0), K, N, BLOCK_K, BLOCK_N, GROUP_K)
-    row0 = tl.load(start_ptr + ex)  # a multiple of BLOCK_R
-    row1 = tl.load(end_ptr + ex)
-    if ACCUMULATE:
+    ex, pid_n, offs_k, offs_n, mask_k, mask_n, row0, row1 = _tile(tl.program_id(0), start_ptr, end_ptr, K, N,
+                                                                  BLOCK_K, BLOCK_N, GROUP_K)
+    if ACCUMULATE:  # row0 is a multiple of BLOCK_R (the layout's alignment)
         if row1 <= row0:
             return
-    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_k = offs_k < K
-    mask_n = offs_n < N
     acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
     if INTERPRET:
         r = row0
