@@ -172,7 +172,8 @@ def main():
         torch.cuda.synchronize()
         mem2, peak_b = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
         print(f"  cuda: before fwd {gib(mem0)}, after fwd {gib(mem1)} (+{gib(mem1 - mem0)}, fwd peak +{gib(peak_f - mem0)}), "
-              f"bwd peak +{gib(peak_b - mem0)} over before-fwd, after bwd {gib(mem2)} (grads {gib(mem2 - mem0)})")
+              f"bwd peak +{gib(peak_b - mem0)} over before-fwd, after bwd +{gib(mem2 - mem0)} (of which parameter and "
+              f"input gradients {gib(sum(t.grad.numel() * t.grad.element_size() for t in [x, *m.parameters()] if t.grad is not None))})")
     import gc
     gc.collect()
     from torch._subclasses.fake_tensor import FakeTensor
