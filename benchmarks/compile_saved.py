@@ -20,6 +20,7 @@ from dropless.train.compile import compile_blocks
 from dropless.model.rope import rope_cos_sin
 
 torch.set_num_threads(1)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 GPUPATH = os.environ.get("TRITON_INTERPRET") == "1" and DEV == "cpu"
 if GPUPATH:  # the CUDA code path on CPU tensors: Triton kernels (interpreted) as the custom ops, bf16 router mm
     from dropless.ops import select
@@ -38,7 +39,6 @@ if GPUPATH:  # the CUDA code path on CPU tensors: Triton kernels (interpreted) a
             return mm_f32(x_TH, weight_EH.t())
         return torch.nn.functional.linear(x_TH.float(), weight_EH.float())
     R._Fp32Logits.forward = staticmethod(fwd)
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DT = {"bf16": torch.bfloat16, "fp32": torch.float32}[os.environ.get("DT", "bf16")]
 B, S = int(os.environ.get("B", 2)), int(os.environ.get("S", 64))
 E, K = int(os.environ.get("E", 8)), int(os.environ.get("K", 2))
@@ -166,8 +166,11 @@ def main():
         torch.cuda.synchronize()
         mem1, peak_f = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
         torch.cuda.reset_peak_memory_stats()
+    import weakref
+    pids = {id(p) for p in m.parameters()} | {id(x)}
+    refs = [weakref.ref(e[3]) for e in out if id(e[3]) not in pids]
     (y.float().square().sum() + aux).backward()
-    del out, y, aux
+    del out, y, aux, t
     if cuda:
         torch.cuda.synchronize()
         mem2, peak_b = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
@@ -176,6 +179,9 @@ def main():
               f"input gradients {gib(sum(t.grad.numel() * t.grad.element_size() for t in [x, *m.parameters()] if t.grad is not None))})")
     import gc
     gc.collect()
+    kept = {id(r()): r() for r in refs if r() is not None}
+    print(f"  saved tensors still alive after backward: {[(tuple(v.shape), str(v.dtype)) for v in kept.values()]}")
+    del kept
     from torch._subclasses.fake_tensor import FakeTensor
     live = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and not isinstance(o, FakeTensor)
             and o.device.type != "meta" and o.dim() == 2 and o.shape[0] > T]
