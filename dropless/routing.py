@@ -111,10 +111,15 @@ class _Fp32Logits(torch.autograd.Function):
     def backward(ctx, dlogits_TE):
         x_TH, weight_EH = ctx.saved_tensors
         dx = dw = None
+        # Each operand is upcast from its transpose: traced, ``x.float()`` would be the forward's own
+        # upcast (the common-subexpression pass merges the two), which inductor's partitioner then
+        # saves in fp32 for this matmul instead of the 16-bit x it saves anyway (T·H·4 bytes a
+        # layer, CPU; likewise the weight). The upcast of ``x.t()`` is another node, rebuilt here
+        # from the saved x; the products are the same.
         if ctx.needs_input_grad[0]:
-            dx = (dlogits_TE @ weight_EH.float()).to(x_TH.dtype)
+            dx = (dlogits_TE @ weight_EH.t().float().t()).to(x_TH.dtype)
         if ctx.needs_input_grad[1]:
-            dw = (dlogits_TE.t() @ x_TH.float()).to(weight_EH.dtype)
+            dw = (dlogits_TE.t() @ x_TH.t().float().t()).to(weight_EH.dtype)
         return dx, dw
 
 

@@ -222,3 +222,56 @@ def test_moe_layer_compiles_with_inductor_on_gpu():
     for a, b in zip(eager, compiled):
         assert torch.isfinite(b).all()
         assert ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item() < 2e-2
+
+
+def _block_saved_large(moe: bool) -> tuple[int, list]:
+    """Bytes (distinct storages) of the tensors of at least ``T·H`` elements that MoE decoder block 1
+    of a scaled-down ``h200_single`` model (bf16, recompute_gather, local dispatcher) saves for
+    backward, compiled by :func:`dropless.train.compile.compile_blocks` with inductor; parameters
+    and the block input left out. ``moe=False`` is ``train.compile``'s block (the MoE layer eager)."""
+    from dropless.model.rope import rope_cos_sin
+    from dropless.model.transformer import Transformer
+    from dropless.train.compile import compile_blocks
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    args = ModelArgs(vocab_size=64, hidden_size=96, intermediate_size=160, moe_intermediate_size=40,
+                     num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=2, q_lora_rank=24,
+                     kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=8,
+                     n_shared_experts=2, num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                     aux_loss_alpha=1e-4, expert_alignment=8, recompute_gather=True)
+    model = Transformer(args)
+    model.init_weights()
+    model = model.to(torch.bfloat16).train()
+    compile_blocks(model, "inductor", moe=moe)
+    b, s = 2, 64
+    cos, sin = rope_cos_sin(s, args.qk_rope_head_dim, args.rope_theta, max_position_embeddings=4096)
+    x = torch.randn(b, s, args.hidden_size).to(torch.bfloat16).requires_grad_()
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()} | {x.untyped_storage().data_ptr()}
+    seen: dict[int, tuple] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if t.numel() >= b * s * args.hidden_size and ptr not in skip:
+            seen[ptr] = (tuple(t.shape), t.dtype, t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y, aux = model.layers["1"](x, cos, sin)
+    (y.float().square().sum() + aux).backward()
+    return sum(v[2] for v in seen.values()), sorted(seen.values(), key=lambda v: -v[2])
+
+
+@_NEEDS_CXX
+def test_compiled_moe_block_saves_no_more_than_the_eager_moe_block():
+    """``train.compile_moe``'s decoder block (router, dispatch, experts, combine in the graph) saves
+    no more bytes in tensors of ``T·H`` elements or more than ``train.compile``'s block, whose MoE
+    layer runs eagerly. Under inductor on CPU two things broke it: the partitioner saved the router's
+    fp32 upcast of x (``[T, H]`` fp32, a forward value that the backward's matmul re-read through the
+    common-subexpression pass), and before the opaque re-gather it saved the transposed ``[H, M]``
+    landed rows. The eager block's list holds the ``[M, ...]`` expert buffers (the probe sees them)."""
+    eager_moe, eager_list = _block_saved_large(moe=False)
+    compiled_moe, compiled_list = _block_saved_large(moe=True)
+    rows = 2 * 64 * 2  # T·k
+    assert any(shape[0] >= rows for shape, _, _ in eager_list), eager_list
+    assert compiled_moe <= eager_moe, (compiled_list, eager_list)
