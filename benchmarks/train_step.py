@@ -18,8 +18,10 @@ operator (CPU) self times are summed per category of issue 12's table:
 ``other``         everything else (elementwise, reductions, the Triton SwiGLU and combine, ...)
 
 Fields: ``variant``, ``recipe``, ``device``, ``tokens_per_s``, ``mfu``, ``tflops``,
-``step_ms`` (median), ``peak_mem_gib`` (``torch.cuda.max_memory_allocated`` or the CPU peak
-RSS), ``losses`` (every step's training loss, warm-up first), ``kernel_ms_per_step`` (per
+``step_ms`` (median), ``peak_mem_gib`` (``torch.cuda.max_memory_allocated`` over the whole run,
+or the CPU peak RSS), ``steady_peak_mem_gib`` and ``warmup_peak_mem_gib`` (CUDA: the peak over the
+timed and profiled steps, and over the warm-up steps, where compilation happens; None on CPU),
+``losses`` (every step's training loss, warm-up first), ``kernel_ms_per_step`` (per
 category), ``kernel_ms_total_per_step``, ``kernels_per_step`` (launch count), ``build_s``
 (construction, compile excluded: compilation happens in the first steps), ``overrides``;
 with ``--top-kernels N`` also ``top_kernels`` (``[ms per step, calls per step, name]``), with
@@ -261,11 +263,16 @@ def run_variant(recipe: str, variant: str, overrides: list[str], warmup: int, st
             if tr.env.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(tr.env.device)
             losses, timed = [], []
+            warm_peak = None
             for i in range(warmup + steps):
+                if i == warmup and tr.env.device.type == "cuda":  # the warm-up's peak (compilation included)
+                    warm_peak = torch.cuda.max_memory_allocated(tr.env.device) / 2**30
+                    torch.cuda.reset_peak_memory_stats(tr.env.device)
                 rec = tr.train_step()
                 losses.append(rec["loss"])
                 if i >= warmup:
                     timed.append(rec)
+            steady = torch.cuda.max_memory_allocated(tr.env.device) / 2**30 if warm_peak is not None else None
             prof = _profile(tr, profile_steps, top) if profile_steps > 0 else {}
             if copies:
                 rows = copy_listing(tr)
@@ -280,7 +287,9 @@ def run_variant(recipe: str, variant: str, overrides: list[str], warmup: int, st
                     "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                     "tokens_per_s": med["tokens_per_s"], "mfu": med["mfu"], "tflops": med["tflops"],
                     "step_ms": None if med["step_time_s"] is None else med["step_time_s"] * 1e3,
-                    "peak_mem_gib": peak_memory_gib(dev), "losses": losses, "warmup": warmup, "steps": steps,
+                    "peak_mem_gib": peak_memory_gib(dev) if steady is None else max(steady, warm_peak),
+                    "steady_peak_mem_gib": steady, "warmup_peak_mem_gib": warm_peak, "losses": losses,
+                    "warmup": warmup, "steps": steps,
                     "profile_steps": profile_steps, "build_s": build_s, "overrides": list(overrides), **prof}
         finally:
             tr.close()
