@@ -21,6 +21,8 @@ Fields: ``variant``, ``recipe``, ``device``, ``tokens_per_s``, ``mfu``, ``tflops
 ``step_ms`` (median), ``peak_mem_gib`` (``torch.cuda.max_memory_allocated`` over the whole run,
 or the CPU peak RSS), ``steady_peak_mem_gib`` and ``warmup_peak_mem_gib`` (CUDA: the peak over the
 timed and profiled steps, and over the warm-up steps, where compilation happens; None on CPU),
+``resident_at_start_gib`` (CUDA memory still allocated when the variant started: an earlier
+variant's leftovers, 0 when nothing leaked),
 ``losses`` (every step's training loss, warm-up first), ``kernel_ms_per_step`` (per
 category), ``kernel_ms_total_per_step``, ``kernels_per_step`` (launch count), ``build_s``
 (construction, compile excluded: compilation happens in the first steps), ``overrides``;
@@ -256,6 +258,8 @@ def run_variant(recipe: str, variant: str, overrides: list[str], warmup: int, st
               "train.ckpt_every=0", f"train.steps={total}", f"run_dir={rd}/run",
               f"train.compile={'true' if variant != 'eager' else 'false'}",
               f"train.compile_moe={'true' if variant == 'compile_moe' else 'false'}", *overrides]
+        # memory still allocated from an earlier variant of this process (0 unless something leaked)
+        resident = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else None
         t0 = time.perf_counter()
         tr = Trainer(compose(ov))
         build_s = time.perf_counter() - t0
@@ -288,7 +292,8 @@ def run_variant(recipe: str, variant: str, overrides: list[str], warmup: int, st
                     "tokens_per_s": med["tokens_per_s"], "mfu": med["mfu"], "tflops": med["tflops"],
                     "step_ms": None if med["step_time_s"] is None else med["step_time_s"] * 1e3,
                     "peak_mem_gib": peak_memory_gib(dev) if steady is None else max(steady, warm_peak),
-                    "steady_peak_mem_gib": steady, "warmup_peak_mem_gib": warm_peak, "losses": losses,
+                    "steady_peak_mem_gib": steady, "warmup_peak_mem_gib": warm_peak,
+                    "resident_at_start_gib": resident, "losses": losses,
                     "warmup": warmup, "steps": steps,
                     "profile_steps": profile_steps, "build_s": build_s, "overrides": list(overrides), **prof}
         finally:

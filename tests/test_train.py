@@ -318,3 +318,22 @@ def test_resumed_wandb_run_that_holds_later_steps_is_reported(tmp_path, monkeypa
     m = MetricsLogger(tmp_path, {"mode": "offline"}, resume=True, start_step=40)  # nothing trained again
     m.close()
     assert m.note is None or "wandb" not in m.note
+
+
+def test_closed_trainer_releases_its_parameters(tmp_path):
+    """After ``close()`` nothing keeps a trainer's parameters alive: its gradient hooks (bound methods
+    holding the buckets and every parameter, stored on the C++ side of each parameter, a cycle the
+    garbage collector cannot see) are removed, so a second trainer in the same process does not run
+    beside the first one's weights and fp32 gradient buckets."""
+    import gc
+    import weakref
+
+    tr = Trainer(compose(QUICK + [f"run_dir={tmp_path / 'run'}", "train.steps=1", "train.val_every=0",
+                                  "train.ckpt_every=0"]))
+    tr.train_step()
+    refs = [weakref.ref(p) for p in tr.model.parameters()]
+    flat = weakref.ref(tr.grads.flats[0])
+    tr.close()
+    del tr
+    gc.collect()
+    assert all(r() is None for r in refs) and flat() is None

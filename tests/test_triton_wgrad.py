@@ -206,6 +206,9 @@ def test_case01_empty_experts_through_two_accumulated_chunks(A):
 
 
 # ----------------------------------------------------------------------------- FP8 operands
+FP8_ACC_TOL = 1e-3 if DEV == "cuda" else 1e-5
+
+
 def _fp8_operands(counts, K, N, promote, seed=0):
     """A layout at A = 128 (gaps, an empty expert, a tail), NaN padding rows, and the FP8 operands of
     x and dy as the backend makes them (the quantisation's own kernels on CUDA, its torch reference on
@@ -244,13 +247,15 @@ def test_fp8_wgrad_is_the_dequantised_product(promote, dw_dtype):
         if t == s0:
             assert (dw[i] == 0).all()
             continue
-        assert rel(dw[i], a[s0:t].t() @ b[s0:t]) < (1e-2 if dw_dtype == torch.bfloat16 else 1e-5)
+        # fp32 dw: the fp32 sums of the interpreter; on CUDA Hopper's FP8 MMA accumulates each block's
+        # products in reduced precision (1.3e-4 at the seed's shape, h200_fp8_wgrad_s10.jsonl)
+        assert rel(dw[i], a[s0:t].t() @ b[s0:t]) < (1e-2 if dw_dtype == torch.bfloat16 else FP8_ACC_TOL)
         assert 0.005 < rel(dw[i], exact[i]) < 0.06  # FP8 really ran, within the e4m3 bound
     old = torch.randn(dw.shape, device=DEV).to(dw_dtype)
     acc = old.clone()
     tw.fp8_grouped_wgrad_(acc, aq, a_s, bq, b_s, lay, accumulate=True, promote=promote)
     assert torch.equal(acc[1], old[1])
-    assert rel(acc.double() - old.double(), dw) < (2e-2 if dw_dtype == torch.bfloat16 else 1e-5)
+    assert rel(acc.double() - old.double(), dw) < (2e-2 if dw_dtype == torch.bfloat16 else FP8_ACC_TOL)
 
 
 def test_fp8_wgrad_clear_errors():

@@ -667,7 +667,19 @@ class Trainer:
         return summary
 
     def close(self) -> None:
-        """Tear down the process group (if this run made it)."""
+        """Release the run: drop the gradient hooks on the parameters, tear down the process group
+        (if this run made it).
+
+        The hooks (:class:`~dropless.train.grads.GradBuckets`' post-accumulate-grad hooks, bound
+        methods holding the buckets and every parameter) sit in the parameters' C++ side, where
+        Python's garbage collector cannot see the cycle: without removing them, the parameters and
+        the fp32 gradient buckets of a closed trainer stayed allocated for the life of the process
+        (a second trainer in one process, e.g. ``benchmarks/train_step.py``'s next variant, then
+        ran with the first one's ~17 GiB still resident at ``recipe=h200_single``).
+        """
+        grads = getattr(self, "grads", None)
+        if grads is not None:
+            grads.remove()
         if self.env.distributed and dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
