@@ -18,9 +18,10 @@ operator (CPU) self times are summed per category of issue 12's table:
 ``other``         everything else (elementwise, reductions, the Triton SwiGLU and combine, ...)
 
 Fields: ``variant``, ``recipe``, ``device``, ``tokens_per_s``, ``mfu``, ``tflops``,
-``step_ms`` (median), ``peak_mem_gib`` (``torch.cuda.max_memory_allocated`` over the whole run,
-or the CPU peak RSS), ``steady_peak_mem_gib`` and ``warmup_peak_mem_gib`` (CUDA: the peak over the
-timed and profiled steps, and over the warm-up steps, where compilation happens; None on CPU),
+``step_ms`` (median), ``peak_mem_gib`` (``torch.cuda.max_memory_allocated`` from the first step
+on, the build excluded; or the CPU peak RSS), ``steady_peak_mem_gib`` and ``warmup_peak_mem_gib``
+(CUDA: the peak over the timed, profiled and ``--copies`` steps, and over the warm-up steps, where
+compilation happens; None on CPU, and both None with ``--steps 0``),
 ``resident_at_start_gib`` (CUDA memory still allocated when the variant started: an earlier
 variant's leftovers, 0 when nothing leaked),
 ``losses`` (every step's training loss, warm-up first), ``kernel_ms_per_step`` (per
@@ -42,6 +43,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import re
@@ -276,12 +278,12 @@ def run_variant(recipe: str, variant: str, overrides: list[str], warmup: int, st
                 losses.append(rec["loss"])
                 if i >= warmup:
                     timed.append(rec)
-            steady = torch.cuda.max_memory_allocated(tr.env.device) / 2**30 if warm_peak is not None else None
             prof = _profile(tr, profile_steps, top) if profile_steps > 0 else {}
             if copies:
                 rows = copy_listing(tr)
                 write_copy_listing(rows, copies, f"copy-like operators of one training step: recipe={recipe} "
                                                  f"variant={variant} device={tr.env.device} overrides={overrides}")
+            steady = torch.cuda.max_memory_allocated(tr.env.device) / 2**30 if warm_peak is not None else None
             from dropless.train.metrics import peak_memory_gib
 
             med = {k: statistics.median(r[k] for r in timed if r[k] is not None) if timed else None
@@ -324,8 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     for variant in a.variants:
         copies = None if not a.copies else (a.copies if len(a.variants) == 1 else f"{a.copies}.{variant}")
-        rec = run_variant(a.recipe, variant, a.overrides, a.warmup, a.steps, a.profile_steps, a.top_kernels,
-                          copies)
+        with contextlib.redirect_stdout(sys.stderr):  # the trainer's own lines: stdout carries only JSON
+            rec = run_variant(a.recipe, variant, a.overrides, a.warmup, a.steps, a.profile_steps, a.top_kernels,
+                              copies)
         if a.label:
             rec = {"label": a.label, **rec}
         line = json.dumps(rec)

@@ -337,3 +337,14 @@ def test_closed_trainer_releases_its_parameters(tmp_path):
     del tr
     gc.collect()
     assert all(r() is None for r in refs) and flat() is None
+
+
+def test_closed_trainer_refuses_to_train(tmp_path):
+    """A step after ``close()`` would run without its gradient hooks (bf16: every main gradient zero,
+    the weights still moved by the moments): it raises instead, saying to build a new trainer."""
+    tr = Trainer(compose(QUICK + [f"run_dir={tmp_path / 'run'}", "train.steps=2", "train.val_every=0",
+                                  "train.ckpt_every=0"]))
+    tr.train_step()
+    tr.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        tr.train_step()

@@ -198,3 +198,15 @@ def test_folded_clip_equals_clip_then_step_on_cuda():
         res.append([p.detach().cpu() for p in ps] + [p.grad.cpu() for p in ps])
     for x, y in zip(*res):
         torch.testing.assert_close(x, y, **TIGHT)
+
+
+@pytest.mark.parametrize("max_norm", [0.0, -1.0, None, float("nan")])
+def test_clipped_step_refuses_a_threshold_that_is_not_positive(max_norm):
+    """0, a negative, None or NaN as the clip threshold: a ValueError before the optimizer steps (the
+    folded path would divide by zero or flip the gradients' sign)."""
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.ones(4)
+    opt = torch.optim.AdamW([p], lr=0.1, fused=True)
+    with pytest.raises(ValueError, match="positive"):
+        clipped_step(opt, [p.grad], torch.tensor(2.0), max_norm)
+    assert torch.equal(p.detach(), torch.ones(4))

@@ -6,6 +6,7 @@ set before triton is imported; fp32 inputs there); skipped where triton is not i
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -272,3 +273,8 @@ def test_fp8_wgrad_clear_errors():
     lay64 = ExpertLayout.from_counts(torch.tensor(counts, device=DEV), 64, capacity=lay.capacity)
     with pytest.raises(ValueError, match="multiple of 128"):
         tw.fp8_grouped_wgrad_(dw, aq, a_s, bq, b_s, lay64, accumulate=False)
+    lay_i64 = dataclasses.replace(lay, start=lay.start.long(), end=lay.end.long())
+    with pytest.raises(ValueError, match="int32"):
+        tw.fp8_grouped_wgrad_(dw, aq, a_s, bq, b_s, lay_i64, accumulate=False)
+    with pytest.raises(ValueError, match="one device"):
+        tw.fp8_grouped_wgrad_(torch.empty(2, K, N, device="meta"), aq, a_s, bq, b_s, lay, accumulate=False)

@@ -245,7 +245,9 @@ class Fp8Backend:
             raise ValueError(f"gemm={self.name}: the FP8 weight gradient (wgrad={self.wgrad}) needs an expert "
                              f"alignment that is a multiple of {TOKEN_BLOCK}, the layout has {layout.alignment}; "
                              f"set model.expert_alignment={TOKEN_BLOCK}")
-        quant = quant_token_blocks if self.wgrad == "fp8" else quant_expert_columns
+        quant = {"fp8": quant_token_blocks, "fp8_expert": quant_expert_columns}.get(self.wgrad)
+        if quant is None:
+            raise ValueError(f"gemm={self.name}: wgrad={self.wgrad!r}; choose one of {WGRAD_MODES}")
         aq, a_s = quant(x_MK, layout, self.ue8m0)
         bq, b_s = quant(dy_MN, layout, self.ue8m0)
         if not self.emulate:

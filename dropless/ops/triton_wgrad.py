@@ -401,6 +401,13 @@ def fp8_grouped_wgrad_(dw_eKN: torch.Tensor, a_q: torch.Tensor, a_s: torch.Tenso
                          f"an alignment that is a multiple of 128 and dw's {e} experts")
     if dw_eKN.dtype not in _DTYPES or not dw_eKN.is_contiguous():
         raise ValueError(f"{name}: dw must be contiguous fp32/bf16/fp16, got {dw_eKN.dtype}, strides {dw_eKN.stride()}")
+    if layout.start.dtype != torch.int32 or layout.end.dtype != torch.int32:
+        raise ValueError(f"{name}: layout.start/end must be int32 (build the layout with ExpertLayout.from_counts); "
+                         f"got {layout.start.dtype}/{layout.end.dtype}")
+    devs = {t.device for t in (dw_eKN, a_q, a_s, b_q, b_s, layout.start, layout.end)}
+    if len(devs) != 1:
+        raise ValueError(f"{name}: dw, the codes, the scales and the layout must be on one device; got "
+                         f"{sorted(map(str, devs))}")
     if a_q.device.type != "cuda" and not _interpret():
         raise ValueError(f"{name}: needs CUDA tensors (got {a_q.device}); on the CPU set TRITON_INTERPRET=1")
     if e == 0 or k == 0 or n == 0:

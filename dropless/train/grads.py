@@ -311,8 +311,12 @@ def clipped_step(optimizer: torch.optim.Optimizer, grads: list[torch.Tensor], no
         the step and ``optimizer`` keeps no ``grad_scale`` attribute (nothing of it reaches
         ``optimizer.state_dict()``).
     Raises:
+        ValueError: ``max_norm`` is not a positive number (for no clipping, call ``optimizer.step()``).
         RuntimeError: ``optimizer`` already has a ``grad_scale`` (a GradScaler step in flight).
     """
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+        raise ValueError(f"clipped_step: max_norm must be a positive number, got {max_norm!r}; "
+                         "without clipping call optimizer.step() instead")
     if not folds_clip(optimizer):
         clip_(grads, norm, max_norm)
         optimizer.step()

@@ -468,7 +468,11 @@ class Trainer:
 
         Raises:
             NonFiniteError: a NaN/Inf loss or gradient norm with ``train.nonfinite=error``.
+            RuntimeError: the trainer was closed (:meth:`close` removed its gradient hooks).
         """
+        if getattr(self, "_closed", False):
+            raise RuntimeError("Trainer.train_step: this trainer was closed (close() removed its gradient hooks, "
+                               "so its steps would see no gradients); build a new Trainer to train again")
         env, dev = self.env, self.env.device
         for moe in self.moe_layers:  # count this step's traffic only (not the validation's)
             comm = getattr(getattr(moe, "dispatcher", None), "comm", None)
@@ -680,6 +684,7 @@ class Trainer:
         grads = getattr(self, "grads", None)
         if grads is not None:
             grads.remove()
+        self._closed = True
         if self.env.distributed and dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
