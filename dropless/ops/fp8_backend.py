@@ -251,7 +251,7 @@ class Fp8Backend:
         aq, a_s = quant(x_MK, layout, self.ue8m0)
         bq, b_s = quant(dy_MN, layout, self.ue8m0)
         if not self.emulate:
-            triton_wgrad.fp8_grouped_wgrad_(dw_eKN, aq, a_s, bq, b_s, layout, accumulate, transposed=True,
+            triton_wgrad.fp8_grouped_wgrad_(dw_eKN, aq, a_s, bq, b_s, layout, accumulate,
                                             promote=self.wgrad == "fp8")
             return
         # emulation: the same codes and scales dequantised, one fp32 matmul per expert (host loop)

@@ -164,7 +164,7 @@ if select.HAS_TRITON:
 
     @triton.jit
     def _quant_tok_kernel(x_ptr, q_ptr, s_ptr, flag_ptr, start_ptr, end_ptr, E, K, stride_x, stride_q,
-                          TRANSPOSE: tl.constexpr, UE8M0: tl.constexpr, E_POW2: tl.constexpr, PASS: tl.constexpr,
+                          UE8M0: tl.constexpr, E_POW2: tl.constexpr, PASS: tl.constexpr,
                           BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
         """Program ``(b, j)``: rows ``[b·BLOCK_R, (b+1)·BLOCK_R)`` (one scale block), columns ``[j·BLOCK_K, …)``.
 
@@ -202,11 +202,8 @@ if select.HAS_TRITON:
                     scale = tl.load(s_ptr + ex.to(tl.int64) * K + cols, mask=cmask, other=1.0)
                 q = tl.clamp(tl.math.div_rn(a, scale[None, :]), -448.0, 448.0)
                 q = q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-                if TRANSPOSE:  # q^T [K, M']: rows contiguous
-                    tl.store(q_ptr + cols[:, None].to(tl.int64) * stride_q + r64[None, :], tl.trans(q),
-                             mask=cmask[:, None])
-                else:
-                    tl.store(q_ptr + r64[:, None] * stride_q + cols[None, :], q, mask=cmask[None, :])
+                # q^T [K, M']: rows contiguous
+                tl.store(q_ptr + cols[:, None].to(tl.int64) * stride_q + r64[None, :], tl.trans(q), mask=cmask[:, None])
 
 
 #: The 1x128 launch (``group=128``): blocks of 4 rows x up to 1,024 columns (8 scale groups), each
@@ -353,8 +350,8 @@ def _token_shape(name: str, x_MK: torch.Tensor, layout: ExpertLayout) -> tuple[i
     return m, k, nblk, nblk * TOKEN_BLOCK
 
 
-def quant_token_blocks(x_MK: torch.Tensor, layout: ExpertLayout, ue8m0: bool = False, check_finite: bool = True,
-                       transpose: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def quant_token_blocks(x_MK: torch.Tensor, layout: ExpertLayout, ue8m0: bool = False, check_finite: bool = True
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 quantisation with one scale per column per 128-row block, over the live rows of ``layout``.
 
     The operand of a GEMM that contracts over the rows (the weight gradient ``x^T @ dy``): the
@@ -367,11 +364,10 @@ def quant_token_blocks(x_MK: torch.Tensor, layout: ExpertLayout, ue8m0: bool = F
             (``layout.alignment`` a multiple of 128), so no block holds two experts' rows.
         ue8m0: power-of-two scales.
         check_finite: raise (device-side) when a live row holds NaN/Inf.
-        transpose: store the codes as ``qT [K, M']`` (rows contiguous: what the GEMM's tensor
-            cores read without a transpose); False: ``q [M', K]``.
     Returns:
-        ``(q, scale)``: ``M' = ceil(M / 128)·128``; ``scale [M'/128, K]`` fp32 with
-        ``x[r, c] ≈ q[r, c] · scale[r // 128, c]`` (``qT[c, r]`` when transposed). In a block
+        ``(qT, scale)``: ``M' = ceil(M / 128)·128``; ``qT [K, M']`` e4m3 (rows contiguous: what the
+        GEMM's tensor cores read without a transpose), ``scale [M'/128, K]`` fp32 with
+        ``x[r, c] ≈ qT[c, r] · scale[r // 128, c]``. In a block
         holding live rows, the rows past the expert's end are zero codes; blocks holding no live
         row (alignment gaps, the tail) are left unwritten on the Triton path. A block's scale
         covers its live rows only.
@@ -383,14 +379,14 @@ def quant_token_blocks(x_MK: torch.Tensor, layout: ExpertLayout, ue8m0: bool = F
     m, k, nblk, mp = _token_shape("quant_token_blocks", x_MK, layout)
     if select.use_triton(x_MK):
         x = x_MK if x_MK.stride(1) == 1 else x_MK.contiguous()
-        q = torch.empty((k, mp) if transpose else (mp, k), dtype=FP8_DTYPE, device=x.device)
+        q = torch.empty(k, mp, dtype=FP8_DTYPE, device=x.device)
         s = torch.empty(nblk, k, dtype=torch.float32, device=x.device)
         flag = torch.zeros(1, dtype=torch.int32, device=x.device)
         e = layout.num_experts
         if nblk and k and e:
             _quant_tok_kernel[(nblk, triton.cdiv(k, TOKEN_COLS))](
-                x, q, s, flag, layout.start, layout.end, e, k, x.stride(0), q.stride(0), TRANSPOSE=transpose,
-                UE8M0=ue8m0, E_POW2=max(2, triton.next_power_of_2(e)), PASS=0, BLOCK_R=TOKEN_BLOCK,
+                x, q, s, flag, layout.start, layout.end, e, k, x.stride(0), q.stride(0), UE8M0=ue8m0,
+                E_POW2=max(2, triton.next_power_of_2(e)), PASS=0, BLOCK_R=TOKEN_BLOCK,
                 BLOCK_K=TOKEN_COLS, num_warps=TOKEN_WARPS)
         bad = flag[0]
     else:
@@ -400,9 +396,7 @@ def quant_token_blocks(x_MK: torch.Tensor, layout: ExpertLayout, ue8m0: bool = F
         s = a.abs().amax(1).clamp_min(SCALE_EPS) / FP8_MAX
         if ue8m0:
             s = torch.exp2(torch.ceil(torch.log2(s)))
-        q = (a / s.unsqueeze(1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(mp, k)
-        if transpose:
-            q = q.t().contiguous()
+        q = (a / s.unsqueeze(1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(mp, k).t().contiguous()
     if check_finite:
         torch._assert_async(bad == 0, NONFINITE_MSG)
     return q, s
@@ -418,7 +412,7 @@ def quant_expert_columns(x_MK: torch.Tensor, layout: ExpertLayout, ue8m0: bool =
     scales for the grouped weight gradient). Two passes over ``x``: the columns' amax per
     expert, then the codes.
 
-    Args: as :func:`quant_token_blocks` (``transpose`` always on).
+    Args: as :func:`quant_token_blocks`.
     Returns:
         ``(qT [K, M'], scale [e, K])``: ``x[r, c] ≈ qT[c, r] · scale[i, c]`` for a live row ``r`` of
         expert ``i``; zero codes in the rows past an expert's end up to its next 128-row
@@ -435,7 +429,7 @@ def quant_expert_columns(x_MK: torch.Tensor, layout: ExpertLayout, ue8m0: bool =
         amax = torch.zeros(e, k, dtype=torch.float32, device=x.device)
         flag = torch.zeros(1, dtype=torch.int32, device=x.device)
         grid = (nblk, triton.cdiv(k, TOKEN_COLS))
-        args = dict(TRANSPOSE=True, UE8M0=ue8m0, E_POW2=max(2, triton.next_power_of_2(max(e, 1))),
+        args = dict(UE8M0=ue8m0, E_POW2=max(2, triton.next_power_of_2(max(e, 1))),
                     BLOCK_R=TOKEN_BLOCK, BLOCK_K=TOKEN_COLS, num_warps=TOKEN_WARPS)
         if nblk and k and e:
             _quant_tok_kernel[grid](x, q, amax, flag, layout.start, layout.end, e, k, x.stride(0), q.stride(0),

@@ -179,21 +179,18 @@ def _grouped_wgrad_kernel(x_ptr, dy_ptr, dw_ptr, start_ptr, end_ptr, K, N, strid
 
 @triton.jit
 def _fp8_step(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, r, offs_k, offs_n, mask_k, mask_n, K, N, stride_a, stride_b,
-              TRANSPOSED: tl.constexpr, PROMOTE: tl.constexpr, BLOCK_R: tl.constexpr):
+              PROMOTE: tl.constexpr, BLOCK_R: tl.constexpr):
     """One 128-row block: ``acc += (a_blk^T @ b_blk) · (sa[blk] ⊗ sb[blk])`` from e4m3 codes (rows past the
     expert's end are zero codes; the block lies inside the expert's aligned segment). Without PROMOTE
     the codes' product is added unscaled (the scales are per expert, applied once at the end)."""
     # segment starts are multiples of 128; said after the cast (the hint does not survive it), so that the
     # loads along the rows are 16-byte cp.async copies (without it: byte loads, 4x slower on an H200)
     rows = tl.multiple_of(r.to(tl.int64), BLOCK_R) + tl.arange(0, BLOCK_R)
-    if TRANSPOSED:  # aT [K, M'], bT [N, M']: both operands K-major along the rows, as wgmma reads FP8
-        a = tl.load(a_ptr + offs_k[:, None].to(tl.int64) * stride_a + rows[None, :], mask=mask_k[:, None], other=0.0)
-        b = tl.load(b_ptr + offs_n[:, None].to(tl.int64) * stride_b + rows[None, :], mask=mask_n[:, None], other=0.0)
-        part = tl.dot(a, tl.trans(b))
-    else:  # a [M', K], b [M', N]
-        a = tl.load(a_ptr + rows[:, None] * stride_a + offs_k[None, :], mask=mask_k[None, :], other=0.0)
-        b = tl.load(b_ptr + rows[:, None] * stride_b + offs_n[None, :], mask=mask_n[None, :], other=0.0)
-        part = tl.dot(tl.trans(a), b)
+    # aT [K, M'], bT [N, M']: both operands K-major along the rows, as wgmma reads FP8 (the row-major
+    # [M', K] codes, transposed in the kernel, ran at half the speed on an H200)
+    a = tl.load(a_ptr + offs_k[:, None].to(tl.int64) * stride_a + rows[None, :], mask=mask_k[:, None], other=0.0)
+    b = tl.load(b_ptr + offs_n[:, None].to(tl.int64) * stride_b + rows[None, :], mask=mask_n[:, None], other=0.0)
+    part = tl.dot(a, tl.trans(b))
     if PROMOTE:
         blk = (r // BLOCK_R).to(tl.int64)
         sa = tl.load(sa_ptr + blk * K + offs_k, mask=mask_k, other=0.0)
@@ -204,7 +201,7 @@ def _fp8_step(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, r, offs_k, offs_n, mask_k, mask
 
 @triton.jit(do_not_specialize=["write"])
 def _fp8_wgrad_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, dw_ptr, start_ptr, end_ptr, K, N, stride_a, stride_b, write,
-                      ACCUMULATE: tl.constexpr, TRANSPOSED: tl.constexpr, PROMOTE: tl.constexpr,
+                      ACCUMULATE: tl.constexpr, PROMOTE: tl.constexpr,
                       INTERPRET: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
                       GROUP_K: tl.constexpr):
     ex, pid_n, offs_k, offs_n, mask_k, mask_n, row0, row1 = _tile(tl.program_id(0), start_ptr, end_ptr, K, N,
@@ -217,12 +214,12 @@ def _fp8_wgrad_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, dw_ptr, start_ptr, end_ptr, 
         r = row0
         while r < row1:
             acc = _fp8_step(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, r, offs_k, offs_n, mask_k, mask_n, K, N, stride_a,
-                            stride_b, TRANSPOSED, PROMOTE, BLOCK_R)
+                            stride_b, PROMOTE, BLOCK_R)
             r += BLOCK_R
     else:
         for r in range(row0, row1, BLOCK_R):
             acc = _fp8_step(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, r, offs_k, offs_n, mask_k, mask_n, K, N, stride_a,
-                            stride_b, TRANSPOSED, PROMOTE, BLOCK_R)
+                            stride_b, PROMOTE, BLOCK_R)
     if not PROMOTE:  # per-expert column scales: sa [e, K], sb [e, N]
         sa = tl.load(sa_ptr + ex.to(tl.int64) * K + offs_k, mask=mask_k, other=0.0)
         sb = tl.load(sb_ptr + ex.to(tl.int64) * N + offs_n, mask=mask_n, other=0.0)
@@ -341,18 +338,17 @@ def grouped_wgrad_(dw_eKN: torch.Tensor, x_MK: torch.Tensor, dy_MN: torch.Tensor
 
 
 # ----------------------------------------------------------------------------- FP8 operands
-def _launch_fp8(cfg, dw_eKN, a, sa, b, sb, layout, accumulate: bool, write: bool, transposed: bool,
-                promote: bool) -> None:
+def _launch_fp8(cfg, dw_eKN, a, sa, b, sb, layout, accumulate: bool, write: bool, promote: bool) -> None:
     e, k, n = dw_eKN.shape
     grid = (e * triton.cdiv(k, cfg.kwargs["BLOCK_K"]) * triton.cdiv(n, cfg.kwargs["BLOCK_N"]),)
     _fp8_wgrad_kernel[grid](a, sa, b, sb, dw_eKN, layout.start, layout.end, k, n, a.stride(0), b.stride(0),
-                            int(write), ACCUMULATE=bool(accumulate), TRANSPOSED=transposed, PROMOTE=promote,
+                            int(write), ACCUMULATE=bool(accumulate), PROMOTE=promote,
                             INTERPRET=_interpret(), GROUP_K=_GROUP_K, **cfg.all_kwargs())
 
 
 def fp8_grouped_wgrad_(dw_eKN: torch.Tensor, a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor,
-                       b_s: torch.Tensor, layout: ExpertLayout, accumulate: bool, transposed: bool = True,
-                       promote: bool = True) -> torch.Tensor:
+                       b_s: torch.Tensor, layout: ExpertLayout, accumulate: bool, promote: bool = True
+                       ) -> torch.Tensor:
     """Per-expert weight gradient from e4m3 operands with 128-row block scales, written (or added) into ``dw_eKN``.
 
     ``dw[i] (+)= x[live_i]^T @ dy[live_i]`` where ``x ≈ a_q · a_s`` and ``dy ≈ b_q · b_s`` as
@@ -362,11 +358,10 @@ def fp8_grouped_wgrad_(dw_eKN: torch.Tensor, a_q: torch.Tensor, a_s: torch.Tenso
 
     Args:
         dw_eKN: ``[e, K, N]`` contiguous fp32/bf16/fp16, the output (as :func:`grouped_wgrad_`).
-        a_q, a_s: ``x``'s codes ``[K, M']`` (``transposed``; ``[M', K]`` otherwise) and scales ``[M'/128, K]``.
-        b_q, b_s: ``dy``'s codes ``[N, M']`` (or ``[M', N]``) and scales ``[M'/128, N]``.
+        a_q, a_s: ``x``'s codes ``[K, M']`` (rows contiguous) and scales (see ``promote``).
+        b_q, b_s: ``dy``'s codes ``[N, M']`` and scales.
         layout: the rows' layout; its alignment a multiple of 128.
         accumulate: add into ``dw_eKN`` instead of overwriting.
-        transposed: the codes' orientation (both alike).
         promote: True: scales per 128-row block (``[M'/128, K]``, ``[M'/128, N]``, as
             :func:`quant_token_blocks` makes them), applied to each block's product. False: one
             scale per expert per column (``[e, K]``, ``[e, N]``, :func:`quant_expert_columns`),
@@ -380,11 +375,10 @@ def fp8_grouped_wgrad_(dw_eKN: torch.Tensor, a_q: torch.Tensor, a_s: torch.Tenso
     name = "fp8_grouped_wgrad_"
     e, k, n = dw_eKN.shape if dw_eKN.dim() == 3 else (0, 0, 0)
     mp = -(-layout.capacity // 128) * 128
-    want_a = (k, mp) if transposed else (mp, k)
-    want_b = (n, mp) if transposed else (mp, n)
+    want_a, want_b = (k, mp), (n, mp)
     if dw_eKN.dim() != 3 or tuple(a_q.shape) != want_a or tuple(b_q.shape) != want_b:
         raise ValueError(f"{name}: need dw [e, K, N] and codes shaped {want_a} and {want_b} (M' = {mp}, "
-                         f"transposed={transposed}); got dw {tuple(dw_eKN.shape)}, a {tuple(a_q.shape)}, "
+                         f"as quant_token_blocks writes them); got dw {tuple(dw_eKN.shape)}, a {tuple(a_q.shape)}, "
                          f"b {tuple(b_q.shape)}")
     rows_s = mp // 128 if promote else e
     if tuple(a_s.shape) != (rows_s, k) or tuple(b_s.shape) != (rows_s, n):
@@ -415,8 +409,8 @@ def fp8_grouped_wgrad_(dw_eKN: torch.Tensor, a_q: torch.Tensor, a_s: torch.Tenso
     if _interpret():
         cfg = FP8_INTERPRET_CONFIG
     else:
-        key = ("fp8", mp, k, n, dw_eKN.dtype, bool(accumulate), transposed, promote, a_q.device.index)
+        key = ("fp8", mp, k, n, dw_eKN.dtype, bool(accumulate), promote, a_q.device.index)
         cfg = _tune(key, FP8_CONFIGS, lambda c: _launch_fp8(c, dw_eKN, a_q, a_s, b_q, b_s, layout, accumulate,
-                                                            False, transposed, promote), name)
-    _launch_fp8(cfg, dw_eKN, a_q, a_s, b_q, b_s, layout, accumulate, True, transposed, promote)
+                                                            False, promote), name)
+    _launch_fp8(cfg, dw_eKN, a_q, a_s, b_q, b_s, layout, accumulate, True, promote)
     return dw_eKN
