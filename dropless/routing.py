@@ -377,7 +377,7 @@ class Router(nn.Module):
 
     # ------------------------------------------------------------ balancing
     @torch.no_grad()
-    def update_bias(self, counts_E: torch.Tensor | None = None) -> torch.Tensor:
+    def update_bias(self, counts_E: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
         """Aux-loss-free balancing step: ``bias += γ·sign(mean(load) − load)``.
 
         Args:
@@ -386,6 +386,9 @@ class Router(nn.Module):
                 holding whole numbers); default: this router's
                 ``tokens_per_expert`` (local only — use
                 :func:`update_router_biases` to sum over ranks).
+            keep: a 0-dim device tensor, 1 or 0 (any dtype): the step is applied (1)
+                or skipped (0: the bias does not move, the counter is still reset),
+                decided on the device (the trainer's non-finite skip) without a host sync.
         Returns: the int64 [E] load that was used (a copy, on the device).
         Resets ``tokens_per_expert`` to 0. No host sync. The sign is exact at any
         count: ``sign(mean − load_i) = sign(Σ_j load_j − E·load_i)`` in int64.
@@ -398,6 +401,8 @@ class Router(nn.Module):
             load_E = load_E.round()
         load_E = load_E.to(device=self.e_score_correction_bias.device, dtype=torch.int64, copy=True)
         direction_E = torch.sign(load_E.sum() - self.n_experts * load_E).to(torch.float32)
+        if keep is not None:
+            direction_E = direction_E * keep.to(torch.float32)
         self.e_score_correction_bias.add_(direction_E, alpha=self.bias_update_speed)
         self.tokens_per_expert.zero_()
         return load_E
@@ -457,11 +462,12 @@ def summed_router_counts(routers: list[Router], group: Any = None) -> torch.Tens
 
 
 @torch.no_grad()
-def apply_router_bias_updates(routers: list[Router], summed_flat: torch.Tensor) -> list[torch.Tensor]:
+def apply_router_bias_updates(routers: list[Router], summed_flat: torch.Tensor, keep: torch.Tensor | None = None
+                              ) -> list[torch.Tensor]:
     """Move every router's bias once with its slice of ``summed_flat`` (from :func:`summed_router_counts`).
 
-    Calls :meth:`Router.update_bias` per router (which resets its counter); returns the int64
-    ``[E_l]`` loads used. No host sync.
+    Calls :meth:`Router.update_bias` per router (which resets its counter; ``keep``: its 0-dim
+    device flag, 0 = leave every bias where it is); returns the int64 ``[E_l]`` loads used. No host sync.
 
     Raises:
         ValueError: ``summed_flat`` does not hold ``Σ E_l`` counts.
@@ -469,7 +475,7 @@ def apply_router_bias_updates(routers: list[Router], summed_flat: torch.Tensor) 
     sizes = [r.n_experts for r in routers]
     if summed_flat.numel() != sum(sizes):
         raise ValueError(f"apply_router_bias_updates: {summed_flat.numel()} counts for routers of {sizes} experts")
-    return [r.update_bias(load_E) for r, load_E in zip(routers, summed_flat.reshape(-1).split(sizes))]
+    return [r.update_bias(load_E, keep) for r, load_E in zip(routers, summed_flat.reshape(-1).split(sizes))]
 
 
 @torch.no_grad()

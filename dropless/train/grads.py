@@ -39,7 +39,9 @@ own kernel as ``optimizer.grad_scale = (norm + 1e-6) / max_norm`` (the kernel di
 gradient by it and writes the quotient back, as it does for ``torch.amp.GradScaler``), so no
 separate pass over the gradients runs; otherwise :func:`clip_` then ``optimizer.step()``. Both
 give the same update and leave the same clipped gradients, up to the rounding of
-``g · (max/(n + ε))`` against ``g / ((n + ε)/max)``.
+``g · (max/(n + ε))`` against ``g / ((n + ε)/max)``. :func:`guarded_step` is the fused path with
+the decisions on the device: the clip always folded (a divisor of exactly 1 within the threshold)
+and a non-finite step skipped by the kernel's ``found_inf``, so the host need not read the norm first.
 """
 
 from __future__ import annotations
@@ -52,8 +54,8 @@ import torch.distributed as dist
 
 from dropless.train.optim import is_dtensor
 
-__all__ = ["GradBuckets", "grad_norm", "clip_", "clip_scale", "folds_clip", "clipped_step", "sync_gradients",
-           "grad_norm_and_clip", "BUCKET_ELEMS"]
+__all__ = ["GradBuckets", "grad_norm", "clip_", "clip_scale", "folds_clip", "clipped_step", "guarded_step",
+           "sync_gradients", "grad_norm_and_clip", "BUCKET_ELEMS"]
 
 #: default elements per bucket (25 MiB of fp32, DDP's default bucket size)
 BUCKET_ELEMS = 25 * 2**20 // 4
@@ -330,6 +332,44 @@ def clipped_step(optimizer: torch.optim.Optimizer, grads: list[torch.Tensor], no
     finally:
         del optimizer.grad_scale
     return True
+
+
+@torch.no_grad()
+def guarded_step(optimizer: torch.optim.Optimizer, norm: torch.Tensor, max_norm: float | None,
+                 finite: torch.Tensor) -> None:
+    """``optimizer.step()`` decided on the device: skipped where ``finite`` is false, the gradients
+    clipped to ``max_norm``; no host sync (the fused AdamW's ``found_inf`` and ``grad_scale``).
+
+    Args:
+        optimizer: Adam/AdamW with every param group fused (:func:`folds_clip`).
+        norm: fp32 0-dim, the gradients' global L2 norm before clipping.
+        max_norm: the clip threshold (> 0), or None / 0 for no clipping.
+        finite: bool 0-dim device tensor: apply the step (True) or leave the parameters, the moments
+            and the step count as they were (False; the kernel's ``found_inf = 1``, as
+            ``torch.amp.GradScaler`` uses it). Step post-hooks run either way and see the flag as
+            ``optimizer.found_inf`` (:class:`~dropless.train.optim.RouterBiasUpdate` moves no bias).
+    The update equals :func:`clipped_step`'s (or a plain step within the threshold: the gradients are
+    divided by exactly 1, which the fused kernel then writes back unchanged). The optimizer keeps no
+    ``found_inf``/``grad_scale`` attribute afterwards.
+
+    Raises:
+        ValueError: ``optimizer`` is not fused in every param group.
+        RuntimeError: ``optimizer`` already has a ``grad_scale`` or ``found_inf`` (a GradScaler step in flight).
+    """
+    if not folds_clip(optimizer):
+        raise ValueError("guarded_step: needs Adam/AdamW fused in every param group (the device-side skip and "
+                         "clip are the fused kernel's found_inf and grad_scale); use clipped_step")
+    if getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None:
+        raise RuntimeError("guarded_step: optimizer.grad_scale or found_inf is set already (a GradScaler step?)")
+    optimizer.found_inf = (~finite).to(torch.float32)
+    if max_norm:
+        optimizer.grad_scale = clip_scale(norm, max_norm)
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf
+        if max_norm:
+            del optimizer.grad_scale
 
 
 # ----------------------------------------------------------------------------- unbucketed reference

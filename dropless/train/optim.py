@@ -18,9 +18,10 @@ and FSDP2 parameters), so a checkpoint is fp32 whatever ``train.dtype`` was, and
 AdamW state by the model's FQNs.
 
 AdamW (:func:`build_optimizer`): ``torch.optim.AdamW(fused=True)`` when every plain parameter
-is on CUDA, ``foreach=True`` on CPU; FSDP2 DTensor parameters get their own param group with
-the per-tensor implementation (logged once: foreach and fused kernels take one tensor kind and
-one mesh per call). Weight decay on matrices (dim >= 2) except the token embedding.
+is on CUDA, ``foreach=True`` on CPU (``optim.fused``: true/false forces either); FSDP2 DTensor
+parameters get their own param group with the per-tensor implementation (logged once: foreach
+and fused kernels take one tensor kind and one mesh per call). Weight decay on matrices
+(dim >= 2) except the token embedding.
 
 Schedule (:func:`build_scheduler`): :class:`torch.optim.lr_scheduler.LambdaLR` on
 :func:`lr_at` (linear warmup, then cosine to ``min_lr_ratio · lr``).
@@ -85,18 +86,19 @@ def build_scheduler(optimizer: torch.optim.Optimizer, optim_cfg: Any, total_step
 
 
 # ----------------------------------------------------------------------------- AdamW
-def adamw_impl(params: Iterable[torch.Tensor]) -> tuple[dict[str, bool], str]:
+def adamw_impl(params: Iterable[torch.Tensor], fused: bool | None = None) -> tuple[dict[str, bool], str]:
     """The AdamW implementation for one param group: ``({"fused"|"foreach": ...}, why)``.
 
-    fused on CUDA (all fp32/bf16 plain tensors on CUDA), foreach on CPU, per-tensor for
-    DTensors (FSDP2) with the reason.
+    ``fused`` (``optim.fused``): None = fused on CUDA (all plain tensors on CUDA), foreach
+    elsewhere; True = fused on any device (torch has a fused CPU kernel too); False = foreach.
+    DTensors (FSDP2) always get the per-tensor implementation, with the reason.
     """
     ps = list(params)
     if any(is_dtensor(p) for p in ps):
         why = "FSDP2 DTensor parameters use the per-tensor AdamW (foreach/fused take one tensor kind and mesh)"
         return {"foreach": False, "fused": False}, why
-    if ps and all(p.device.type == "cuda" for p in ps):
-        return {"foreach": False, "fused": True}, "fused (CUDA)"
+    if fused or (fused is None and ps and all(p.device.type == "cuda" for p in ps)):
+        return {"foreach": False, "fused": True}, "fused" + (" (CUDA)" if fused is None else " (optim.fused=true)")
     return {"foreach": True, "fused": False}, "foreach"
 
 
@@ -115,8 +117,9 @@ def build_optimizer(named_params: Iterable[tuple[str, torch.Tensor]], optim_cfg:
         groups.setdefault((decay, is_dtensor(p)), []).append(p)
     wd = float(optim_cfg.weight_decay)
     param_groups = []
+    fused = getattr(optim_cfg, "fused", None)
     for (decay, _), ps in sorted(groups.items(), key=lambda kv: (kv[0][1], not kv[0][0])):
-        impl, why = adamw_impl(ps)
+        impl, why = adamw_impl(ps, fused)
         if not impl["fused"] and not impl["foreach"]:
             log.warning("AdamW: %d parameters: %s", len(ps), why)
         param_groups.append({"params": ps, "weight_decay": wd if decay else 0.0, **impl})
@@ -203,7 +206,9 @@ class RouterBiasUpdate:
     :func:`dropless.routing.apply_router_bias_updates` with those counts (bias
     ``+= γ·sign(mean − load)``, the counters reset): the same two calls as
     :func:`dropless.routing.update_router_biases`, which adds the host-side stats. :meth:`discard`
-    resets the counters of a step whose optimizer step was skipped.
+    resets the counters of a step whose optimizer step was skipped. Where the optimizer carries a
+    ``found_inf`` tensor (the fused AdamW's device-side skip, as ``torch.amp.GradScaler`` sets it), a
+    step it skips moves no bias either: the hook multiplies the update by ``1 − found_inf`` on the device.
 
     Args:
         model: the model holding the routers.
@@ -229,7 +234,8 @@ class RouterBiasUpdate:
         summed = self.counts()
         if summed is None:
             return
-        apply_router_bias_updates(self.routers, summed.reshape(-1))
+        found_inf = getattr(optimizer, "found_inf", None)
+        apply_router_bias_updates(self.routers, summed.reshape(-1), None if found_inf is None else 1 - found_inf)
         self._summed = None
 
     def discard(self) -> None:

@@ -71,6 +71,7 @@ class OptimConfig:
     warmup_steps: int = MISSING
     min_lr_ratio: float = MISSING
     grad_clip: Optional[float] = MISSING      # max global grad norm; 0 or null: none
+    fused: Optional[bool] = None              # AdamW kernel: null = fused on CUDA, foreach on CPU; true/false
 
 
 @dataclass
