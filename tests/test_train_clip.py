@@ -16,7 +16,6 @@ import pytest
 import torch
 
 import dropless.train.grads as grads_mod
-import dropless.train.optim as optim_mod
 from dropless.train.grads import clip_, clip_scale, clipped_step, folds_clip
 from tests.test_train import records, run
 
@@ -131,30 +130,31 @@ CLIP = ["device=cpu", "logging.mode=disabled", "train.val_every=0", "optim.grad_
         "train.ckpt_every=2", "train.ckpt_keep=0", "train.grad_accum=2"]
 
 
-def _fused_everywhere(monkeypatch):
-    monkeypatch.setattr(optim_mod, "adamw_impl", lambda ps: ({"foreach": False, "fused": True}, "fused (test)"))
-
-
 # fp32: the fold's rounding (g / s against g · c) stays below the weights' ulp here (equal to 1e-6);
 # bf16: a master that moved by an fp32 ulp can round to another bf16 compute weight, which the
 # next gradients see (measured: losses within 3e-5, grad norms within 7e-4 over 6 steps)
 @pytest.mark.parametrize("dtype,loss_rel,norm_rel", [("fp32", 1e-6, 1e-6), ("bf16", 1e-4, 3e-3)])
 def test_trainer_folded_clip_equals_the_separate_clip(tmp_path, monkeypatch, dtype, loss_rel, norm_rel):
-    _fused_everywhere(monkeypatch)
+    """optim.fused=true (CPU's fused AdamW): the trainer decides the clip and the skip on the device
+    (grads.guarded_step, the clip folded into the kernel); against the host deciding and clipping in a
+    separate pass (clipped_step with folds_clip off)."""
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
-    over = CLIP + [f"train.dtype={dtype}"]
-    calls = []
-    real = grads_mod.clipped_step
+    over = CLIP + [f"train.dtype={dtype}", "optim.fused=true"]
+    guarded, calls = [], []
+    real_guarded, real = grads_mod.guarded_step, grads_mod.clipped_step
+    monkeypatch.setattr("dropless.train.trainer.guarded_step", lambda *args: guarded.append(1) or real_guarded(*args))
     monkeypatch.setattr("dropless.train.trainer.clipped_step",
                         lambda *args: calls.append(real(*args)) or calls[-1])
     _, tr = run([f"run_dir={a}"] + over)
-    assert all(g["fused"] for g in tr.optimizer.param_groups) and not hasattr(tr.optimizer, "grad_scale")
-    assert calls == [True] * 4                       # every step clipped, every clip folded
-    with monkeypatch.context() as m:                 # the same run with the separate clip pass
+    assert all(g["fused"] for g in tr.optimizer.param_groups) and tr.device_guarded
+    assert not hasattr(tr.optimizer, "grad_scale") and not hasattr(tr.optimizer, "found_inf")
+    assert guarded == [1] * 4 and calls == []         # every step decided on the device
+    with monkeypatch.context() as m:                 # the same run, the host deciding, the separate clip pass
+        m.setattr("dropless.train.trainer.folds_clip", lambda opt: False)
         m.setattr(grads_mod, "folds_clip", lambda opt: False)
-        calls.clear()
+        guarded.clear()
         run([f"run_dir={b}"] + over)
-        assert calls == [False] * 4
+        assert calls == [False] * 4 and guarded == []
     ra, rb = records(a), records(b)
     assert ra[0]["loss"] == rb[0]["loss"] and ra[0]["grad_norm"] == rb[0]["grad_norm"]  # before any update
     for x, y in zip(ra, rb):

@@ -4,7 +4,8 @@ A whole :meth:`Trainer.train_step` (pinned, non-blocking input copies, forward, 
 the main-gradient hooks, grad norm, clipping, fused AdamW, the router-bias hook, the bf16
 refresh, the scheduler) of a tiny bf16 config runs under
 ``torch.cuda.set_sync_debug_mode("error")``; only :meth:`Trainer._read_metrics` (the step's one
-``.tolist()``) runs with the mode off, and it runs exactly once per step. Also on the GPU:
+``.tolist()``) runs with the mode off, and it runs exactly once per step, also when
+:meth:`Trainer.iter_steps` pipelines the steps. Also on the GPU:
 fused AdamW is picked, and ``train.compile=true`` gives eager's losses.
 """
 
@@ -30,7 +31,7 @@ def _need_cuda():
 
 def test_train_step_syncs_only_for_its_metrics(tmp_path):
     _need_cuda()
-    tr = Trainer(compose(GPU + [f"run_dir={tmp_path}", "train.steps=4"]))
+    tr = Trainer(compose(GPU + [f"run_dir={tmp_path}", "train.steps=5"]))
     reads = []
     plain = tr._read_metrics
 
@@ -52,6 +53,13 @@ def test_train_step_syncs_only_for_its_metrics(tmp_path):
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert len(reads) == 2
+        reads.clear()
+        torch.cuda.set_sync_debug_mode("error")
+        try:  # pipelined (as Trainer.train runs): each step's read after the next one's forward and backward
+            recs += list(tr.iter_steps(tr.step + 2))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert len(reads) == 2 and [r["tokens"] for r in recs[2:]] == [4 * tr.tokens_per_step, 5 * tr.tokens_per_step]
         assert all(r["loss"] == r["loss"] and r["grad_norm"] > 0 for r in recs)
         assert all(g["fused"] for g in tr.optimizer.param_groups)
         assert all(p.dtype == torch.bfloat16 for p in tr.masters.compute)

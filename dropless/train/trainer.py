@@ -9,14 +9,27 @@ One optimizer step (:meth:`Trainer.train_step`)::
             on the last micro-batch each full bucket's all-reduce starts at once
             (dropless.train.grads: groups, buckets, the / world scaling)
     finish the all-reduces; grad_norm (device); router counts summed over ranks (device)
-    ONE host sync: loss, aux loss, grad norm, dropped rows, per-expert counts, stop flag
-    non-finite loss or grad norm: train.nonfinite=error raises NonFiniteError naming the
-        step; skip leaves the weights, masters and moments untouched (skipped_steps += 1)
-    clip (device; skipped when the host norm is within optim.grad_clip; with the fused AdamW
-        folded into its kernel as grad_scale, else a separate pass: dropless.train.grads.clipped_step),
-        optimizer.step (fused AdamW on CUDA, foreach on CPU, fp32 masters)
-        + step post-hook: router biases += γ·sign(mean − load) (dropless.train.optim)
+    the metrics (loss, aux loss, grad norm, dropped rows, per-expert counts, stop flag): one
+        all-reduce, one fp64 vector
+    fused AdamW in every param group (CUDA): the update is decided on the device
+        (dropless.train.grads.guarded_step): a non-finite loss or grad norm sets the kernel's
+        found_inf (nothing moves), optim.grad_clip is folded in as its grad_scale; the metrics
+        go to pinned host memory (non_blocking, an event behind them)
+    otherwise (foreach AdamW on CPU): ONE host sync reads the metrics first; non-finite skips
+        the step, the clip is a separate pass only when the host norm is above the threshold
+        (dropless.train.grads.clipped_step)
+    optimizer.step (fp32 masters) + step post-hook: router biases += γ·sign(mean − load)
+        (dropless.train.optim; a found_inf step moves no bias)
     refresh the bf16 compute weights from the masters; lr scheduler step
+    the record: the fused path's ONE host sync (the event, then the pinned copy's .tolist()); a non-finite
+        step: train.nonfinite=error raises NonFiniteError naming it (the weights are those of
+        the step before), skip counts it (skipped_steps += 1)
+
+:meth:`Trainer.train` runs the steps through :meth:`Trainer.iter_steps`, which pipelines them
+where the update is decided on the device: step N's record is read after step N+1's forward and
+backward are launched (the host queues N+1's kernels while the GPU finishes N), and N+1's update
+after N's read, so an error or a stop at N applies nothing of N+1. Steps before a validation or
+a checkpoint, and the last, are read before the next starts.
 
 Precision (``train.dtype``; auto = bf16 on CUDA, fp32 on CPU): bf16 means bf16 parameters
 (the compute copy) with fp32 masters, moments and main gradients
@@ -44,13 +57,15 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.profiler import record_function
 
 from dropless.config import ConfigError, ModelArgs
 from dropless.convert import init_from
@@ -66,7 +81,7 @@ from dropless.train.compile import check_compile, check_compile_moe, compile_blo
 from dropless.train.config import model_args
 from dropless.train.data import ShardedLoader, load_tokens, val_windows
 from dropless.train.dist import DistEnv, init_distributed
-from dropless.train.grads import GradBuckets, clipped_step, folds_clip, grad_norm
+from dropless.train.grads import GradBuckets, clipped_step, folds_clip, grad_norm, guarded_step
 from dropless.train.metrics import MetricsLogger, counts_metrics, peak_flops, peak_memory_gib
 from dropless.train.optim import MasterWeights, RouterBiasUpdate, build_optimizer, build_scheduler, is_dtensor, lr_at
 from dropless.train.shard import apply_fsdp, shard_dense_params
@@ -77,6 +92,35 @@ __all__ = ["Trainer", "lr_at", "check_train_config", "resolve_run_dir", "NonFini
 
 class NonFiniteError(FloatingPointError):
     """A NaN/Inf training loss or gradient norm with ``train.nonfinite=error`` (names the step)."""
+
+
+@dataclass
+class _Launched:
+    """One step's micro-batches, launched: the device sums of their losses, and the host's bookkeeping."""
+
+    loss_sum: torch.Tensor      # fp32 0-dim: Σ cross-entropy over the micro-batches
+    aux_sum: torch.Tensor       # fp32 0-dim: Σ aux losses
+    dropped: torch.Tensor       # fp32 0-dim: Σ rows dropped (capacity factor)
+    sent: int                   # dispatcher bytes sent / received (EP dispatchers)
+    recv: int
+    t0: float                   # perf_counter at launch
+    lr: float                   # the step's learning rate
+    loader_state: dict          # the data loader before the step's windows were drawn
+
+
+@dataclass
+class _Pending:
+    """A step whose update is launched and whose metrics are on their way to the host."""
+
+    step: int
+    lr: float
+    t0: float
+    sent: int
+    recv: int
+    has_counts: bool
+    values: torch.Tensor | None = None          # fp64 [5 (+ L·E)]: on the device, or its pinned host copy
+    event: torch.cuda.Event | None = None       # recorded after the copy (CUDA, device-guarded steps)
+    host: list[float] | None = None             # read already (steps the host decided)
 
 
 # ----------------------------------------------------------------------------- checks
@@ -356,9 +400,12 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.steps)
         self.balancer = RouterBiasUpdate(self.model)
         self.balancer.register(self.optimizer)
+        #: the clip and the non-finite skip are decided on the device (the fused AdamW's grad_scale and
+        #: found_inf), so a step's metrics can be read after the next step is launched (iter_steps)
+        self.device_guarded = folds_clip(self.optimizer)
         if cfg.optim.grad_clip:
             self.print("[dropless] grad clip: " + ("inside the fused AdamW kernel (optimizer.grad_scale)"
-                                                   if folds_clip(self.optimizer) else
+                                                   if self.device_guarded else
                                                    "a separate pass over the gradients (AdamW is not fused in "
                                                    "every param group)"))
 
@@ -369,6 +416,7 @@ class Trainer:
         self.step = 0
         self.skipped_steps = 0
         self.interrupted = False
+        self.stopping = False  # iter_steps: a stop request was seen; the last record yielded is the last step
         self._stop_signal: int | None = None
         self._stop_time = 0.0
         self._stop_agreed = False
@@ -427,9 +475,12 @@ class Trainer:
         return self.model.loss(x, y, loss_impl=self.loss_impl)
 
     @staticmethod
-    def _read_metrics(values: torch.Tensor) -> list[float]:
-        """The step's one host sync: every logged device scalar, read in one ``.tolist()``."""
-        return values.tolist()
+    def _read_metrics(p: _Pending) -> list[float]:
+        """The step's one host sync: every logged scalar, read in one ``.tolist()`` (of the device
+        tensor, or of its pinned host copy once the step's event has passed)."""
+        if p.event is not None:
+            p.event.synchronize()
+        return p.values.tolist()
 
     def print(self, *a: Any) -> None:
         if self.main:
@@ -466,20 +517,67 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         """One optimizer step; returns its metrics record (every rank computes the same).
 
+        The forward and backward, the update and the metrics read of one step, in that order
+        (:meth:`iter_steps` overlaps the read with the next step's forward and backward).
+
         Raises:
             NonFiniteError: a NaN/Inf loss or gradient norm with ``train.nonfinite=error``.
             RuntimeError: the trainer was closed (:meth:`close` removed its gradient hooks).
         """
+        return self._finish(self._update(self._forward_backward()))
+
+    def iter_steps(self, until: int, finish_at: Any = None) -> Iterator[dict[str, Any]]:
+        """Run optimizer steps until :attr:`step` reaches ``until``, yielding each step's record in order.
+
+        Where the update is decided on the device (:attr:`device_guarded`: fused AdamW in every
+        param group) the steps are pipelined: step ``N``'s metrics are read (the step's one host
+        sync) only after step ``N+1``'s forward and backward are launched, so the host queues the
+        next step's kernels while the GPU still runs this step's backward and optimizer instead of
+        waiting for it; step ``N+1``'s update is launched after step ``N``'s record is read (a
+        non-finite step ``N`` raises before anything of ``N+1`` is applied). A step for which
+        ``finish_at(step)`` is true, and the last one, is read before the next one starts (for
+        validation and checkpoints). :attr:`step` equals the record's step when it is yielded.
+        A stop request (Ctrl-C, or any rank's, agreed through the metrics all-reduce) seen at a
+        read drops the step launched behind it (its router counts discarded, the data loader
+        rewound to its start), sets :attr:`stopping` and ends the iteration after that record.
+        Without :attr:`device_guarded` every step is read before its update (no overlap).
+
+        Raises:
+            NonFiniteError: as :meth:`train_step`.
+        """
+        self.stopping = False
+        pending: _Pending | None = None
+        while self.step < until:
+            launched = self._forward_backward()
+            if pending is not None:
+                rec = self._finish(pending)
+                pending = None
+                if self._stop_requested():
+                    self._abandon(launched)
+                    self.stopping = True
+                    yield rec
+                    return
+                yield rec
+            pending = self._update(launched)
+            if not self.device_guarded or self.step >= until or (finish_at is not None and finish_at(self.step)):
+                rec = self._finish(pending)
+                pending = None
+                self.stopping = self._stop_requested()
+                yield rec
+                if self.stopping:
+                    return
+
+    def _forward_backward(self) -> _Launched:
+        """Launch one step's micro-batches (forward, backward, gradient all-reduces)."""
         if getattr(self, "_closed", False):
             raise RuntimeError("Trainer.train_step: this trainer was closed (close() removed its gradient hooks, "
                                "so its steps would see no gradients); build a new Trainer to train again")
-        env, dev = self.env, self.env.device
-        for moe in self.moe_layers:  # count this step's traffic only (not the validation's)
-            comm = getattr(getattr(moe, "dispatcher", None), "comm", None)
-            if comm is not None:
-                comm.reset()
+        dev = self.env.device
+        for comm in self._comms():  # count this step's traffic only (not the validation's)
+            comm.reset()
         t0 = time.perf_counter()
         lr = float(self.optimizer.param_groups[0]["lr"])
+        loader_state = self.loader.state_dict()
         self.grads.zero_()
         loss_sum = torch.zeros((), dtype=torch.float32, device=dev)
         aux_sum = torch.zeros((), dtype=torch.float32, device=dev)
@@ -487,82 +585,141 @@ class Trainer:
         for i in range(self.accum):
             w = self.loader.next_window().to(dev, non_blocking=True)  # pinned on CUDA
             self.grads.start(sync=i == self.accum - 1)
-            out = self._loss(w[:, :-1], w[:, 1:])
-            (out.loss / self.accum).backward()  # CE + aux losses (+ MTP): 1/accum scales them all
+            with record_function("dropless.forward"):
+                out = self._loss(w[:, :-1], w[:, 1:])
+            with record_function("dropless.backward"):
+                (out.loss / self.accum).backward()  # CE + aux losses (+ MTP): 1/accum scales them all
             loss_sum += out.ce.detach()
             aux_sum += out.aux.detach()
             ds = [d for d in (moe.last_stats.get("rows_dropped") for moe in self.moe_layers) if d is not None]
             if ds:  # one stack and sum for all layers (not two small kernels per layer)
                 dropped += torch.stack(ds).sum().float()
-        self.grads.finish()
-        fsdp_grads = [p.grad for p in self.fsdp_params if p.grad is not None]
-        gnorm = grad_norm(self.grads, fsdp_grads, env)
-        counts = self.balancer.counts()            # int64 [L, E], summed over ranks
-        stop = 1.0 if self._stop_signal is not None else 0.0
-        red = torch.stack([loss_sum / self.accum, aux_sum / self.accum, dropped,  # means over micro-batches
-                           torch.full((), stop, device=dev)])
-        if env.distributed:
-            dist.all_reduce(red)
-            red[:2] /= env.world_size
-        parts = [red, gnorm.reshape(1)] + ([counts.reshape(-1)] if counts is not None else [])
-        host = self._read_metrics(torch.cat([v.double() for v in parts]))  # the one host sync (fp64: exact counts)
-        loss_v, aux_v, dropped_v, stop_v, gnorm_v = host[:5]
-        self._stop_agreed = stop_v > 0
-        finite = math.isfinite(loss_v) and math.isfinite(gnorm_v)
-        if finite:
-            clip = float(self.cfg.optim.grad_clip) if self.cfg.optim.grad_clip else None
-            if clip is not None and gnorm_v > clip:  # the host norm is read already: no pass over the grads at 1.0
-                clipped_step(self.optimizer, self.grads.flats + fsdp_grads, gnorm, clip)  # + RouterBiasUpdate
+        with record_function("dropless.grad_sync"):
+            self.grads.finish()
+        sent = recv = 0
+        for comm in self._comms():
+            b = comm.reset()
+            sent += int(b.get("bytes_sent", 0))
+            recv += int(b.get("bytes_received", 0))
+        return _Launched(loss_sum, aux_sum, dropped, sent, recv, t0, lr, loader_state)
+
+    def _update(self, fb: _Launched) -> _Pending:
+        """Grad norm, the metrics all-reduce and the optimizer step of a launched step; :attr:`step` += 1.
+
+        :attr:`device_guarded`: the fused AdamW's own ``found_inf`` skips a non-finite step and its
+        ``grad_scale`` clips, both computed on the device, and the metrics go to pinned host memory
+        without a sync. Otherwise the metrics are read here (the host decides the clip and the skip).
+        """
+        env, dev = self.env, self.env.device
+        with record_function("dropless.grad_sync"):
+            fsdp_grads = [p.grad for p in self.fsdp_params if p.grad is not None]
+            gnorm = grad_norm(self.grads, fsdp_grads, env)
+            counts = self.balancer.counts()            # int64 [L, E], summed over ranks
+            stop = 1.0 if self._stop_signal is not None else 0.0
+            red = torch.stack([fb.loss_sum / self.accum, fb.aux_sum / self.accum,  # means over micro-batches
+                               fb.dropped, torch.full((), stop, device=dev)])
+            if env.distributed:
+                dist.all_reduce(red)
+                red[:2] /= env.world_size
+            parts = [red, gnorm.reshape(1)] + ([counts.reshape(-1)] if counts is not None else [])
+            values = torch.cat([v.double() for v in parts])  # fp64: exact counts
+        step = self.step + 1
+        clip = float(self.cfg.optim.grad_clip) if self.cfg.optim.grad_clip else None
+        pending = _Pending(step, fb.lr, fb.t0, fb.sent, fb.recv, counts is not None)
+        if self.device_guarded:
+            with record_function("dropless.optimizer"):
+                finite = torch.isfinite(red[0]) & torch.isfinite(gnorm)
+                guarded_step(self.optimizer, gnorm, clip, finite)  # + RouterBiasUpdate (step post-hook)
+                self.masters.refresh()
+            if dev.type == "cuda":
+                pending.values = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+                pending.values.copy_(values, non_blocking=True)
+                pending.event = torch.cuda.Event()
+                pending.event.record()
             else:
-                self.optimizer.step()               # + RouterBiasUpdate (step post-hook)
-            self.masters.refresh()
-        elif str(self.cfg.train.nonfinite) == "error":
-            raise NonFiniteError(f"step {self.step + 1}: non-finite training loss ({loss_v}) or gradient norm "
-                                 f"({gnorm_v}); the weights are those after step {self.step}. Lower optim.lr, "
-                                 "check the data, or set train.nonfinite=skip to skip such steps")
+                pending.values = values
         else:
-            self.balancer.discard()
-            self.skipped_steps += 1
-            self.print(f"[dropless] step {self.step + 1}: non-finite loss ({loss_v}) or gradient norm ({gnorm_v}); "
-                       f"optimizer step skipped (train.nonfinite=skip; {self.skipped_steps} skipped so far)")
+            with record_function("dropless.metrics_read"):
+                pending.values = values
+                pending.host = self._read_metrics(pending)  # the one host sync
+            loss_v, gnorm_v = pending.host[0], pending.host[4]
+            if math.isfinite(loss_v) and math.isfinite(gnorm_v):
+                with record_function("dropless.optimizer"):
+                    if clip is not None and gnorm_v > clip:  # the host norm is read already: no pass at 1.0
+                        clipped_step(self.optimizer, self.grads.flats + fsdp_grads, gnorm, clip)  # + RouterBiasUpdate
+                    else:
+                        self.optimizer.step()               # + RouterBiasUpdate (step post-hook)
+                    self.masters.refresh()
+            elif str(self.cfg.train.nonfinite) == "error":
+                raise self._nonfinite_error(step, loss_v, gnorm_v)
+            else:
+                self.balancer.discard()
         for p in self.fsdp_params:
             p.grad = None
         self.scheduler.step()
-        now = time.perf_counter()
-        dt = now - (self._t_mark if self._t_mark is not None else t0)
-        self._t_mark = now
-        self.step += 1
+        self.step = step
+        return pending
 
-        sent = recv = 0
-        for moe in self.moe_layers:
-            comm = getattr(getattr(moe, "dispatcher", None), "comm", None)
-            if comm is not None:
-                b = comm.reset()
-                sent += int(b.get("bytes_sent", 0))
-                recv += int(b.get("bytes_received", 0))
+    def _finish(self, p: _Pending) -> dict[str, Any]:
+        """Read a step's metrics (its one host sync, unless :meth:`_update` read them) and make its record.
+
+        Raises:
+            NonFiniteError: the step's loss or gradient norm is not finite and ``train.nonfinite=error``
+                (the update was skipped on the device: the weights are those after the step before).
+        """
+        host = p.host if p.host is not None else self._read_metrics(p)
+        loss_v, aux_v, dropped_v, stop_v, gnorm_v = host[:5]
+        self._stop_agreed = stop_v > 0
+        if not (math.isfinite(loss_v) and math.isfinite(gnorm_v)):
+            if str(self.cfg.train.nonfinite) == "error":
+                raise self._nonfinite_error(p.step, loss_v, gnorm_v)
+            self.skipped_steps += 1
+            self.print(f"[dropless] step {p.step}: non-finite loss ({loss_v}) or gradient norm ({gnorm_v}); "
+                       f"optimizer step skipped (train.nonfinite=skip; {self.skipped_steps} skipped so far)")
+        now = time.perf_counter()
+        dt = now - (self._t_mark if self._t_mark is not None else p.t0)
+        self._t_mark = now
         tok_s = self.tokens_per_step / dt
         rows = self.args.num_experts_per_tok
         if self.moe_layers and dropped_v:
             rows -= dropped_v / (self.tokens_per_step * len(self.moe_layers))
         fpt = moe_flops_per_token(self.args, self.seq_len, rows)
-        flops_dev = fpt * tok_s / env.world_size
+        flops_dev = fpt * tok_s / self.env.world_size
         rec: dict[str, Any] = {
-            "loss": loss_v, "aux_loss": aux_v, "lr": lr, "grad_norm": gnorm_v,
+            "loss": loss_v, "aux_loss": aux_v, "lr": p.lr, "grad_norm": gnorm_v,
             "tokens_per_s": tok_s, "tflops": flops_dev / 1e12,
             "mfu": flops_dev / self.peak_flops if self.peak_flops else None,
-            "peak_mem_gib": peak_memory_gib(dev), "step_time_s": dt,
-            "tokens": self.step * self.tokens_per_step,
-            "rows_dropped": dropped_v, "dispatch_bytes_sent": sent, "dispatch_bytes_received": recv,
+            "peak_mem_gib": peak_memory_gib(self.env.device), "step_time_s": dt,
+            "tokens": p.step * self.tokens_per_step,
+            "rows_dropped": dropped_v, "dispatch_bytes_sent": p.sent, "dispatch_bytes_received": p.recv,
             "skipped_steps": self.skipped_steps,
         }
         self._router_counts = {}
-        if counts is not None:
-            E = counts.shape[1]
+        if p.has_counts:
+            E = self.args.n_routed_experts
             flat = host[5:]
             for j, r in enumerate(self.balancer.routers):
                 self._router_counts[f"layer{r.layer_id}"] = [int(v) for v in flat[j * E:(j + 1) * E]]
             rec.update(counts_metrics(self._router_counts))
         return rec
+
+    def _abandon(self, fb: _Launched) -> None:
+        """Drop a launched step that will not be applied (a stop seen at the previous step's read):
+        its router counts are discarded and the data loader rewound to where the step began."""
+        self.balancer.discard()
+        self.loader.load_state_dict(fb.loader_state)
+        for p in self.fsdp_params:
+            p.grad = None
+
+    def _nonfinite_error(self, step: int, loss_v: float, gnorm_v: float) -> NonFiniteError:
+        return NonFiniteError(f"step {step}: non-finite training loss ({loss_v}) or gradient norm ({gnorm_v}); the "
+                              f"weights are those after step {step - 1}. Lower optim.lr, check the data, or set "
+                              "train.nonfinite=skip to skip such steps")
+
+    def _comms(self) -> list[Any]:
+        """The dispatchers' byte counters (EP dispatchers only)."""
+        return [c for c in (getattr(getattr(m, "dispatcher", None), "comm", None) for m in self.moe_layers)
+                if c is not None]
 
     # ------------------------------------------------------------------ loop
     def _on_signal(self, signum, frame):  # noqa: ARG002
@@ -624,8 +781,11 @@ class Trainer:
                 first_val = last_val = self.validate()
                 self.metrics.log(0, {"val_loss": first_val})
                 self.print(f"[dropless] step 0 val_loss {first_val:.4f}")
-            while self.step < self.steps:
-                rec = self.train_step()
+
+            def finish_at(step: int) -> bool:  # validation and checkpoints see a finished step
+                return bool((val_every and step % val_every == 0) or (ckpt_every and step % ckpt_every == 0))
+
+            for rec in self.iter_steps(self.steps, finish_at):
                 last = self.step == self.steps
                 if val_every and (self.step % val_every == 0 or last):
                     rec["val_loss"] = last_val = self.validate()
@@ -637,7 +797,7 @@ class Trainer:
                     self.history.append({"step": self.step, **rec})
                 bar.update(1)
                 bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}", refresh=False)
-                if self._stop_requested():
+                if self.stopping:
                     self.interrupted = True
                     path = self.save_checkpoint()
                     self.print(f"[dropless] stopped at step {self.step}; checkpoint {path}; continue with "
