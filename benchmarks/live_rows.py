@@ -19,10 +19,11 @@ this file existed) at the same shapes. Needs CUDA and triton; no hydra/wandb.
 ``--probe [--dump DIR]``: also time the floors at 3,072 live rows (an empty launch, every expert empty, a
 copy of the same bytes, torch.compile over a 3,072-row buffer) and write torch.compile's full-buffer kernel under DIR.
 Times: :func:`timeit` (median of 200 CUDA-event timings, L2 flushed before each; ``--timing rotate``:
-the SwiGLU ops rotate among 8 input sets instead, see ``TIMING``).
+the SwiGLU ops rotate among 8 input sets instead; ``--timing graph``: rotating, 40 calls per CUDA graph,
+see ``TIMING``).
 
 Usage: ``python benchmarks/live_rows.py [--old DIR] [--no-compile] [--sweep] [--probe [--dump DIR]]
-[--timing flush|rotate] [--only seed|rank|rows]``.
+[--timing flush|rotate|graph] [--only seed|rank|rows]``.
 """
 
 from __future__ import annotations
@@ -46,8 +47,37 @@ _FLUSH = []
 #: before each call (triton.testing.do_bench's way; the timed call then also pays for evicting those
 #: dirty lines, about 50 MB of writes, which dominates a call that moves little); ``"rotate"`` gives
 #: each call the next of several input sets (METHOD.md's way), so the call finds its inputs in HBM and
-#: the cache holds only other calls' rows, as in a training step.
+#: the cache holds only other calls' rows, as in a training step; ``"graph"`` rotates the same way with 40
+#: calls captured in one CUDA graph, timed per replay (:func:`graph_time`): no host launch or event per
+#: call, as when the layer runs captured (only the SwiGLU ops; the others keep the flush).
 TIMING = "flush"
+
+
+def graph_time(calls, per_graph: int = 40, reps: int = 20) -> float:
+    """Median microseconds per call when ``per_graph`` calls (cycling through ``calls``) are captured in
+    one CUDA graph and the graph is replayed (``TIMING="graph"``, METHOD.md's timer for short launches):
+    the kernels run back to back as in a captured layer, so the host's launch and the events' own
+    overhead are spread over ``per_graph`` calls instead of added to each."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(per_graph):
+            calls[i % len(calls)]()
+    for _ in range(3):
+        g.replay()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for a, b in ev:
+        torch.cuda._sleep(100_000)
+        a.record()
+        g.replay()
+        b.record()
+    torch.cuda.synchronize()
+    return 1e3 * sorted(a.elapsed_time(b) for a, b in ev)[reps // 2] / per_graph
 
 
 def timeit(fn, reps: int = 200, sets=None) -> float:
@@ -58,8 +88,10 @@ def timeit(fn, reps: int = 200, sets=None) -> float:
     tuples): ``fn(*sets[i])``; under ``TIMING="flush"`` always the first set with the flush, under
     ``"rotate"`` the sets in turn and no flush (pass enough sets that one turn touches several times the
     L2's 50 MB)."""
-    rotate = sets is not None and TIMING == "rotate"
+    rotate = sets is not None and TIMING in ("rotate", "graph")
     calls = [lambda: fn()] if sets is None else [(lambda s=s: fn(*s)) for s in (sets if rotate else sets[:1])]
+    if TIMING == "graph" and sets is not None:
+        return graph_time(calls)
     if not rotate and not _FLUSH:
         _FLUSH.append(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
     for i in range(max(5, len(calls))):
@@ -99,7 +131,11 @@ def layout_for(counts, A, M):
 
 # (schedule, block_m, block_n, num_warps, programs_per_sm) variants timed with --sweep
 _FWD = [("flat", 4, 1024, 4, 32), ("flat", 1, 2048, 8, 16), ("flat", 1, 1024, 4, 16), ("flat", 2, 2048, 8, 8),
-        ("flat", 1, 1024, 4, 32), ("expert", 4, 1024, 4, 16)]
+        ("flat", 1, 1024, 4, 32), ("expert", 4, 1024, 4, 16),
+        # one resident wave and multiples of it (sm_90a: 52 registers at 4x1024, 4 warps -> 9 programs per
+        # SM; 32 registers at 2x1024 / 1x1024, 4 warps -> 16; 1x2048, 8 warps -> 8)
+        ("flat", 4, 1024, 4, 9), ("flat", 4, 1024, 4, 18), ("flat", 4, 1024, 4, 64), ("flat", 2, 1024, 4, 32),
+        ("flat", 1, 1024, 4, 48), ("flat", 1, 2048, 8, 8), ("flat", 1, 2048, 8, 24)]
 SWEEP = {"swiglu_fwd": _FWD, "swiglu_bwd": _FWD[:3], "swiglu_quant": _FWD[:3]}
 
 
@@ -111,7 +147,7 @@ def swiglu_suite(tag, M, I, layouts, copy, old, compile_, sweep, n_sets=1):
     torch.manual_seed(0)
     dt = torch.bfloat16
     sets = [(torch.randn(M, 2 * I, device="cuda", dtype=dt), torch.randn(M, I, device="cuda", dtype=dt),
-             torch.rand(M, device="cuda")) for _ in range(n_sets if TIMING == "rotate" else 1)]
+             torch.rand(M, device="cuda")) for _ in range(n_sets if TIMING in ("rotate", "graph") else 1)]
     h13, dout, rw = sets[0]
     esz = 2
 
@@ -279,9 +315,9 @@ def main(argv=None) -> int:
     p.add_argument("--only", choices=["seed", "rank", "rows"], default=None)
     p.add_argument("--probe", action="store_true", help="also time the floors at 3,072 rows, dump torch.compile's code")
     p.add_argument("--dump", default=None, help="where --probe writes torch.compile's kernel source")
-    p.add_argument("--timing", choices=["flush", "rotate"], default="flush",
+    p.add_argument("--timing", choices=["flush", "rotate", "graph"], default="flush",
                    help="keep the SwiGLU inputs out of L2 by a 256 MiB write before each call, or by rotating "
-                        "among input sets (see TIMING)")
+                        "among input sets; graph: rotating, 40 calls captured in one CUDA graph (see TIMING)")
     a = p.parse_args(argv)
     global TIMING
     TIMING = a.timing

@@ -3,7 +3,8 @@
 For a recipe (default ``h200_single``) and each variant (``eager``, ``compile``: ``train.compile=true``,
 ``compile_moe``: also ``train.compile_moe=true``)
 it builds a :class:`~dropless.train.trainer.Trainer` with ``logging.mode=disabled``, no validation
-and no checkpoints, runs ``--warmup`` steps, then ``--steps`` timed steps (the trainer's own
+and no checkpoints, runs ``--warmup`` steps, then ``--steps`` timed steps (pipelined by
+:meth:`~dropless.train.trainer.Trainer.iter_steps` as ``Trainer.train`` runs them; the trainer's own
 ``tokens_per_s``, ``mfu`` and ``tflops``: wall time between two steps' metric reads; medians
 reported), then ``--profile-steps`` steps under :mod:`torch.profiler`, whose kernel (CUDA) or
 operator (CPU) self times are summed per category of issue 12's table:
@@ -28,7 +29,10 @@ variant's leftovers, 0 when nothing leaked),
 category), ``kernel_ms_total_per_step``, ``kernels_per_step`` (launch count), ``build_s``
 (construction, compile excluded: compilation happens in the first steps), ``overrides``;
 with ``--top-kernels N`` also ``top_kernels`` (``[ms per step, calls per step, name]``), with
-``--label`` a ``label``; ``--copies FILE`` also writes, from one more step profiled with shapes and
+``--label`` a ``label``; on CUDA also where the GPU sits idle between kernels, in which phase of the
+step and after which operator's launch (``gpu_busy_ms_per_step``, ``gpu_idle_ms_per_step``,
+``idle_host_bound_ms_per_step``, ``idle_gaps_per_step``, ``idle_by_phase``, ``idle_top``:
+:func:`idle_gaps`); ``--copies FILE`` also writes, from one more step profiled with shapes and
 stacks, every copy-like operator with its shapes, dtypes, count and the dropless line that issued
 it (:func:`copy_listing`).
 
@@ -43,6 +47,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import gc
 import json
@@ -94,16 +99,119 @@ def counted_device_time_us(ev: Any) -> float:
     return float(ev.self_cuda_time_total if us is None else us)
 
 
+#: the device-side event categories of a Kineto chrome trace (what occupies the GPU)
+_DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+#: the host-side launch categories (their ``correlation`` names the device event they launched)
+_LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+
+
+def _containing(starts: list[float], spans: list[tuple[float, float, str]], t: float, walk: int = 256) -> str | None:
+    """The name of the latest-starting span of ``spans`` (sorted by start; ``starts`` their
+    starts) that contains ``t``: for properly nested spans, the innermost one."""
+    i = bisect.bisect_right(starts, t) - 1
+    for j in range(i, max(-1, i - walk), -1):
+        s, e, name = spans[j]
+        if e > t:
+            return name
+    return None
+
+
+def idle_gaps(trace: dict[str, Any], steps: int, min_gap_us: float = 1.0, top: int = 15) -> dict[str, Any]:
+    """Where the GPU waits, from a Kineto chrome trace (``prof.export_chrome_trace``) of ``steps`` steps.
+
+    The device events (kernels, copies, fills) are merged into busy intervals from the first
+    one's start to the last one's end; every hole of at least ``min_gap_us`` between them is an
+    idle gap. Each gap is charged to the event that ends it: to the ``dropless.*`` range of the
+    trainer (:meth:`~dropless.train.trainer.Trainer.train_step`'s ``record_function`` phases,
+    ``(no phase)`` outside them) in which the host *launched* that event, and to the operator that
+    launched it (the outermost operator of the launching thread at that moment, and the innermost,
+    i.e. the one whose ``External id`` the event carries). A gap whose ending event was launched
+    after the previous busy interval ended is the GPU waiting for the host (``host_bound``); the
+    rest are the device's own launch latency.
+
+    Returns:
+        ``gpu_busy_ms_per_step`` (the span less the gaps), ``gpu_idle_ms_per_step`` (the gaps),
+        ``idle_host_bound_ms_per_step``,
+        ``idle_gaps_per_step`` (their count), ``idle_by_phase`` (ms per step), ``idle_top``:
+        ``[ms per step, gaps per step, phase, outer operator, launching operator]``, the largest first.
+    """
+    evs = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    dev = sorted((e for e in evs if e.get("cat") in _DEVICE_CATS), key=lambda e: float(e["ts"]))
+    out: dict[str, Any] = {"gpu_busy_ms_per_step": 0.0, "gpu_idle_ms_per_step": 0.0,
+                           "idle_host_bound_ms_per_step": 0.0, "idle_gaps_per_step": 0.0, "idle_by_phase": {},
+                           "idle_top": []}
+    if not dev:
+        return out
+    launch = {e["args"]["correlation"]: e for e in evs
+              if e.get("cat") in _LAUNCH_CATS and "correlation" in e.get("args", {})}
+    ext = {e["args"]["External id"]: e["name"] for e in evs
+           if e.get("cat") == "cpu_op" and "External id" in e.get("args", {})}
+    phases = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"]) for e in evs
+                    if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("dropless."))
+    phase_starts = [p[0] for p in phases]
+    ops_by_tid: dict[Any, list[tuple[float, float, str]]] = {}
+    for e in evs:
+        if e.get("cat") == "cpu_op":
+            t0 = float(e["ts"])
+            ops_by_tid.setdefault(e.get("tid"), []).append((t0, t0 + float(e["dur"]), e["name"]))
+    outer: dict[Any, tuple[list[float], list[tuple[float, float, str]]]] = {}
+    for tid, ops in ops_by_tid.items():  # the top-level operators of each thread: disjoint, sorted
+        ops.sort(key=lambda x: (x[0], -x[1]))
+        tops, end = [], float("-inf")
+        for o in ops:
+            if o[0] >= end:
+                tops.append(o)
+                end = o[1]
+        outer[tid] = ([o[0] for o in tops], tops)
+
+    busy = idle = host = 0.0
+    n_gaps = 0
+    by_phase: dict[str, float] = {}
+    groups: dict[tuple[str, str, str], list[float]] = {}
+    cur_start, cur_end = float(dev[0]["ts"]), float(dev[0]["ts"]) + float(dev[0]["dur"])
+    for e in dev[1:]:
+        s, d = float(e["ts"]), float(e["dur"])
+        gap = s - cur_end
+        if gap >= min_gap_us:
+            busy += cur_end - cur_start
+            idle += gap
+            n_gaps += 1
+            args = e.get("args", {})
+            ln = launch.get(args.get("correlation"))
+            lt = float(ln["ts"]) if ln is not None else s
+            if ln is not None and lt >= cur_end:
+                host += gap
+            phase = _containing(phase_starts, phases, lt) or "(no phase)"
+            tid = ln.get("tid") if ln is not None else None
+            top_op = _containing(*outer[tid], lt) if tid in outer else None
+            key = (phase, top_op or "?", ext.get(args.get("External id"), "?"))
+            g = groups.setdefault(key, [0.0, 0])
+            g[0] += gap
+            g[1] += 1
+            by_phase[phase] = by_phase.get(phase, 0.0) + gap
+            cur_start = s
+        cur_end = max(cur_end, s + d)
+    busy += cur_end - cur_start
+    n = max(1, steps)
+    out.update(gpu_busy_ms_per_step=round(busy / 1e3 / n, 3), gpu_idle_ms_per_step=round(idle / 1e3 / n, 3),
+               idle_host_bound_ms_per_step=round(host / 1e3 / n, 3), idle_gaps_per_step=round(n_gaps / n, 1),
+               idle_by_phase={k: round(v / 1e3 / n, 3) for k, v in sorted(by_phase.items(), key=lambda kv: -kv[1])})
+    rows = sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
+    out["idle_top"] = [[round(v[0] / 1e3 / n, 3), round(v[1] / n, 1), *k] for k, v in rows]
+    return out
+
+
 def _profile(trainer, steps: int, top: int = 0) -> dict[str, Any]:
     """Per-step self time per category (ms) and launches, over ``steps`` profiled steps
-    (and the ``top`` kernels / operators by time: ``[ms per step, calls per step, name]``)."""
+    (and the ``top`` kernels / operators by time: ``[ms per step, calls per step, name]``);
+    on CUDA also where the GPU sits idle (:func:`idle_gaps`)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = trainer.env.device.type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
-        for _ in range(steps):
-            trainer.train_step()
+        for _ in trainer.iter_steps(trainer.step + steps):  # pipelined, as Trainer.train runs them
+            pass
         if cuda:
             torch.cuda.synchronize()
     per = dict.fromkeys(CATEGORIES, 0.0)
@@ -125,6 +233,12 @@ def _profile(trainer, steps: int, top: int = 0) -> dict[str, Any]:
     per = {k: round(v / steps, 3) for k, v in per.items()}
     out = {"kernel_ms_per_step": per, "kernel_ms_total_per_step": round(sum(per.values()), 3),
            "kernels_per_step": launches // steps}
+    if cuda:
+        with tempfile.TemporaryDirectory() as td:
+            path = f"{td}/trace.json"
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                out.update(idle_gaps(json.load(f), steps))
     if top:
         out["top_kernels"] = [list(r) for r in sorted(rows, reverse=True)[:top]]
     return out
@@ -270,14 +384,15 @@ def run_variant(recipe: str, variant: str, overrides: list[str], warmup: int, st
                 torch.cuda.reset_peak_memory_stats(tr.env.device)
             losses, timed = [], []
             warm_peak = None
-            for i in range(warmup + steps):
-                if i == warmup and tr.env.device.type == "cuda":  # the warm-up's peak (compilation included)
-                    warm_peak = torch.cuda.max_memory_allocated(tr.env.device) / 2**30
-                    torch.cuda.reset_peak_memory_stats(tr.env.device)
-                rec = tr.train_step()
+            if warmup == 0 and tr.env.device.type == "cuda":
+                warm_peak = torch.cuda.max_memory_allocated(tr.env.device) / 2**30
+            for i, rec in enumerate(tr.iter_steps(warmup + steps)):  # pipelined, as Trainer.train runs them
                 losses.append(rec["loss"])
                 if i >= warmup:
                     timed.append(rec)
+                if i == warmup - 1 and tr.env.device.type == "cuda":  # the warm-up's peak (compilation included)
+                    warm_peak = torch.cuda.max_memory_allocated(tr.env.device) / 2**30
+                    torch.cuda.reset_peak_memory_stats(tr.env.device)
             prof = _profile(tr, profile_steps, top) if profile_steps > 0 else {}
             if copies:
                 rows = copy_listing(tr)

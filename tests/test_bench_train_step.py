@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from benchmarks.train_step import CATEGORIES, category, counted_device_time_us, main
+from benchmarks.train_step import CATEGORIES, category, counted_device_time_us, idle_gaps, main
 
 
 def test_train_step_benchmark_json_fields(capsys):
@@ -68,3 +68,36 @@ def test_copy_listing_names_ops_shapes_and_dropless_origins(tmp_path):
     hook = [ln for ln in text.splitlines() if "aten::copy_" in ln and "dropless/train/grads.py" in ln and "_hook" in ln]
     assert hook and all("'float', 'c10::BFloat16'" in ln for ln in hook)     # fp32 main <- bf16 .grad
     assert any("backward " in ln and "(of dropless/" in ln for ln in text.splitlines())
+
+
+def test_idle_gaps_charge_each_gap_to_the_phase_and_operator_that_launched_its_end():
+    """A synthetic Kineto trace of one step: kernels k1 [0, 10), k2 [30, 40), k3 [40.5, 50), k4 [80, 90) µs.
+    k2 was launched at 25 (after k1 ended: host-bound, 20 µs) from aten::mm inside aten::linear during
+    dropless.forward; k3's 0.5 µs gap is under the threshold (counted busy); k4 was launched at 45 (before k3
+    ended: the device's own latency, 30 µs) by the backward thread's aten::add_ during dropless.backward."""
+    def x(cat, name, ts, dur, tid=1, **args):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "args": args}
+
+    trace = {"traceEvents": [
+        x("user_annotation", "dropless.forward", 0, 42), x("user_annotation", "dropless.backward", 42, 68),
+        x("user_annotation", "unrelated", 0, 200),
+        x("cpu_op", "aten::linear", 20, 10, **{"External id": 1}), x("cpu_op", "aten::mm", 22, 5, **{"External id": 2}),
+        x("cpu_op", "autograd::engine::evaluate_function: AddBackward0", 43, 10, tid=2, **{"External id": 3}),
+        x("cpu_op", "aten::add_", 44, 3, tid=2, **{"External id": 4}),
+        x("cuda_runtime", "cudaLaunchKernel", -5, 1, correlation=10), x("kernel", "k1", 0, 10, tid=7, correlation=10),
+        x("cuda_runtime", "cudaLaunchKernel", 25, 1, correlation=11),
+        x("kernel", "k2", 30, 10, tid=7, correlation=11, **{"External id": 2}),
+        x("cuda_runtime", "cudaLaunchKernel", 35, 1, correlation=12),
+        x("kernel", "k3", 40.5, 9.5, tid=7, correlation=12),
+        x("cuda_runtime", "cudaLaunchKernel", 45, 1, tid=2, correlation=13),
+        x("kernel", "k4", 80, 10, tid=7, correlation=13, **{"External id": 4}),
+    ]}
+    r = idle_gaps(trace, steps=1)
+    assert r["gpu_idle_ms_per_step"] == pytest.approx(0.050) and r["gpu_busy_ms_per_step"] == pytest.approx(0.040)
+    assert r["idle_host_bound_ms_per_step"] == pytest.approx(0.020) and r["idle_gaps_per_step"] == 2
+    assert r["idle_by_phase"] == {"dropless.backward": pytest.approx(0.030), "dropless.forward": pytest.approx(0.020)}
+    assert r["idle_top"] == [[0.03, 1, "dropless.backward", "autograd::engine::evaluate_function: AddBackward0",
+                              "aten::add_"], [0.02, 1, "dropless.forward", "aten::linear", "aten::mm"]]
+    assert idle_gaps({"traceEvents": []}, steps=2)["gpu_idle_ms_per_step"] == 0.0
+    half = idle_gaps(trace, steps=2)
+    assert half["gpu_idle_ms_per_step"] == pytest.approx(0.025) and half["idle_top"][0][1] == 0.5
