@@ -38,7 +38,7 @@ fault_ranks = [int(r) for r in os.environ.get("FAULT_RANK", "1").split(",")]
 
 if start == 0 and rank in fault_ranks:
     if fault == "stall":
-        train_step = Trainer.train_step
+        forward_backward = Trainer._forward_backward  # where every step starts, pipelined or not
 
         def stalled_step(self):
             if self.step == at:
@@ -46,9 +46,9 @@ if start == 0 and rank in fault_ranks:
                     Path(os.environ["FAULT_MARK"]).write_text(repr(time.time()))
                 while True:
                     time.sleep(60)
-            return train_step(self)
+            return forward_backward(self)
 
-        Trainer.train_step = stalled_step
+        Trainer._forward_backward = stalled_step
     elif fault == "kill_in_save":
         dcp_save = dcp.save
 

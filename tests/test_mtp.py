@@ -96,12 +96,14 @@ def test_depth_k_sees_tokens_up_to_i_plus_k_and_scores_i_plus_k_plus_1():
         y1[:, 1] = (y1[:, 1] + 1) % 48
         diff = (model.mtp(h, x, y1, model.tok_embeddings, ce, cos, sin)[1][0] - per_pos).view(2, 11)
         assert (diff[:, 0] != 0).all() and (diff[:, 1:] == 0).all()
-        # causal: changing token t_7 leaves depth 1's predictions at i < 6 (inputs t_{<=i+1}) unchanged
+        # causal: changing token t_7 leaves depth 1's predictions at i < 6 (inputs t_{<=i+1}) unchanged, up
+        # to fp32 rounding: the changed tokens route elsewhere, which changes the experts' row counts and
+        # with them the GEMM kernels' summation order for every row (seen: 2.4e-7 on a 2-core CPU)
         x2 = x.clone()
         x2[:, 7] = (x2[:, 7] + 5) % 48
         _, h2 = _final_hidden(model, x2)
         d = (model.mtp(h2, x2, y, model.tok_embeddings, ce, cos, sin)[1][0] - per_pos).view(2, 11)
-        assert (d[:, :6] == 0).all() and (d[:, 6:].abs() > 0).any()
+        assert d[:, :6].abs().max() < 1e-5 and d[:, 6:].abs().max() > 1e-3, d
 
 
 def test_gradients_reach_the_module_and_the_shared_embedding_and_head():
