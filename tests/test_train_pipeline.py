@@ -9,7 +9,9 @@ clip), step N's metrics are read after step N+1's forward and backward are launc
   unpipelined run); ``error`` raises naming it, with the weights of the step before, although the
   next step's forward and backward were launched;
 * a stop seen at a read drops the step launched behind it (loader rewound, router counts
-  discarded): a checkpoint there resumes to the uninterrupted run's losses bitwise.
+  discarded): a checkpoint there resumes to the uninterrupted run's losses bitwise; so does a
+  caller's ``break`` (closed or not), and an error in the next step's forward still gives the
+  applied step's record first.
 """
 
 from __future__ import annotations
@@ -166,3 +168,46 @@ def test_train_logs_every_step_once_in_order_when_pipelined(tmp_path):
     from dropless.train.checkpoint import latest_checkpoint
     assert latest_checkpoint(tmp_path)[0] == 6
     assert (tmp_path / "checkpoints" / "step_00000004").is_dir()
+
+
+@pytest.mark.parametrize("close", [True, False])
+def test_leaving_early_drops_the_launched_step(tmp_path, close):
+    ref = _trainer(tmp_path / "ref", "train.steps=6")
+    try:
+        want = [r["loss"] for r in ref.iter_steps(6)]
+    finally:
+        ref.close()
+    tr = _trainer(tmp_path / "run", "train.steps=6")
+    try:
+        it = tr.iter_steps(6)
+        got = [next(it)["loss"] for _ in range(3)]   # step 4 is launched behind step 3's record
+        if close:
+            it.close()
+        else:
+            keep = it  # noqa: F841  (still referenced: the next iter_steps drops the launched step)
+        assert tr.step == 3
+        got += [r["loss"] for r in tr.iter_steps(6)]
+        assert got == want
+    finally:
+        tr.close()
+
+
+def test_an_error_in_the_next_forward_still_yields_the_applied_step(tmp_path):
+    tr = _trainer(tmp_path, "train.steps=5")
+    calls = []
+    plain = tr._loss
+
+    def loss(x, y):
+        calls.append(1)
+        if len(calls) == 5:                          # step 3's first micro-batch
+            raise RuntimeError("boom")
+        return plain(x, y)
+    tr._loss = loss
+    try:
+        recs = []
+        with pytest.raises(RuntimeError, match="boom"):
+            for r in tr.iter_steps(5):
+                recs.append(r)
+        assert [r["tokens"] // tr.tokens_per_step for r in recs] == [1, 2] and tr.step == 2
+    finally:
+        tr.close()

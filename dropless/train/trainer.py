@@ -417,6 +417,7 @@ class Trainer:
         self.skipped_steps = 0
         self.interrupted = False
         self.stopping = False  # iter_steps: a stop request was seen; the last record yielded is the last step
+        self._launched: _Launched | None = None  # iter_steps: launched, not yet applied
         self._stop_signal: int | None = None
         self._stop_time = 0.0
         self._stop_agreed = False
@@ -524,6 +525,7 @@ class Trainer:
             NonFiniteError: a NaN/Inf loss or gradient norm with ``train.nonfinite=error``.
             RuntimeError: the trainer was closed (:meth:`close` removed its gradient hooks).
         """
+        self._drop_launched()  # an iter_steps left early (e.g. a break) that was not closed yet
         return self._finish(self._update(self._forward_backward()))
 
     def iter_steps(self, until: int, finish_at: Any = None) -> Iterator[dict[str, Any]]:
@@ -540,32 +542,51 @@ class Trainer:
         A stop request (Ctrl-C, or any rank's, agreed through the metrics all-reduce) seen at a
         read drops the step launched behind it (its router counts discarded, the data loader
         rewound to its start), sets :attr:`stopping` and ends the iteration after that record.
+        Leaving early (``break``, an error raised in the caller's loop or here) drops the launched
+        step the same way, when the generator closes or at the next ``iter_steps``/``train_step``,
+        so the data and the router counts continue where the last record left them. An error in
+        step ``N+1``'s forward or backward still yields step ``N``'s record (applied already) first.
         Without :attr:`device_guarded` every step is read before its update (no overlap).
 
         Raises:
             NonFiniteError: as :meth:`train_step`.
         """
         self.stopping = False
+        self._drop_launched()
         pending: _Pending | None = None
-        while self.step < until:
-            launched = self._forward_backward()
-            if pending is not None:
-                rec = self._finish(pending)
-                pending = None
-                if self._stop_requested():
-                    self._abandon(launched)
-                    self.stopping = True
+        try:
+            while self.step < until:
+                try:
+                    self._launched = self._forward_backward()
+                except Exception:
+                    if pending is not None:  # the step before is applied: its record still comes out first
+                        rec, pending = self._finish(pending), None
+                        yield rec
+                    raise
+                if pending is not None:
+                    rec, pending = self._finish(pending), None
+                    if self._stop_requested():
+                        self._drop_launched()
+                        self.stopping = True
+                        yield rec
+                        return
                     yield rec
-                    return
-                yield rec
-            pending = self._update(launched)
-            if not self.device_guarded or self.step >= until or (finish_at is not None and finish_at(self.step)):
-                rec = self._finish(pending)
-                pending = None
-                self.stopping = self._stop_requested()
-                yield rec
-                if self.stopping:
-                    return
+                launched, self._launched = self._launched, None
+                pending = self._update(launched)
+                if not self.device_guarded or self.step >= until or (finish_at is not None and finish_at(self.step)):
+                    rec, pending = self._finish(pending), None
+                    self.stopping = self._stop_requested()
+                    yield rec
+                    if self.stopping:
+                        return
+        finally:  # an error, or a caller that left early: the step launched behind the last record is dropped
+            self._drop_launched()
+
+    def _drop_launched(self) -> None:
+        """Abandon the step :meth:`iter_steps` launched and did not apply, if there is one."""
+        if getattr(self, "_launched", None) is not None:
+            launched, self._launched = self._launched, None
+            self._abandon(launched)
 
     def _forward_backward(self) -> _Launched:
         """Launch one step's micro-batches (forward, backward, gradient all-reduces)."""
