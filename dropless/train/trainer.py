@@ -571,6 +571,8 @@ class Trainer:
                         yield rec
                         return
                     yield rec
+                    if self._launched is None:  # a later iter_steps/train_step dropped it: this one is stale
+                        return
                 launched, self._launched = self._launched, None
                 pending = self._update(launched)
                 if not self.device_guarded or self.step >= until or (finish_at is not None and finish_at(self.step)):
