@@ -34,21 +34,7 @@ import sys
 
 import torch
 
-
-def bench(fn, warmup: int = 5, iters: int = 30) -> float:
-    """Median milliseconds of ``fn()`` (CUDA events)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+from benchmarks.moe_layer import bench  # median ms of CUDA-event timings
 
 
 def counts_for(rows: int, experts: int, seed: int = 0, sigma: float = 0.3) -> list[int]:
@@ -109,7 +95,7 @@ def run(experts: int, rows: int, hidden: int, inter: int, align: int, device: st
         for op, (fn, ref, mask) in ops.items():
             got = fn()
             err = rel_err(got[mask], ref[mask]) if mask is not None else rel_err(got, ref)
-            ms = bench(fn) if timed else float("nan")
+            ms = bench(fn, iters=30) if timed else float("nan")
             out.append({"bench": "grouped_gemm", "gemm": gemm, "op": op, "experts": experts, "rows": rows,
                         "K": K, "N": N, "align": align, "ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1),
                         "rel_err": err, **({"out_contiguous": mm_contig} if op == "wgrad_mm" else {})})
@@ -117,7 +103,7 @@ def run(experts: int, rows: int, hidden: int, inter: int, align: int, device: st
         triton_wgrad.grouped_wgrad_(dw32, x, dy, layout, accumulate=True)
         err = rel_err(dw32, dw_ref)
         acc = lambda: triton_wgrad.grouped_wgrad_(dw32, x, dy, layout, accumulate=True)  # noqa: E731
-        ms = bench(acc) if timed else float("nan")
+        ms = bench(acc, iters=30) if timed else float("nan")
         out.append({"bench": "grouped_gemm", "gemm": gemm, "op": "wgrad_triton_f32acc", "experts": experts,
                     "rows": rows, "K": K, "N": N, "align": align, "ms": round(ms, 4),
                     "tflops": round(flops / ms / 1e9, 1), "rel_err": err})
