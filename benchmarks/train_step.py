@@ -1,7 +1,8 @@
 """Training-step benchmark (issue 12): one JSON line per variant.
 
 For a recipe (default ``h200_single``) and each variant (``eager``, ``compile``: ``train.compile=true``,
-``compile_moe``: also ``train.compile_moe=true``)
+``compile_moe``: also ``train.compile_moe=true``; each with ``+graph``: also ``train.cuda_graph=true``, the
+warm-up then at least the graph's eager micro-batches and its capture, so every timed step replays)
 it builds a :class:`~dropless.train.trainer.Trainer` with ``logging.mode=disabled``, no validation
 and no checkpoints, runs ``--warmup`` steps, then ``--steps`` timed steps (pipelined by
 :meth:`~dropless.train.trainer.Trainer.iter_steps` as ``Trainer.train`` runs them; the trainer's own
@@ -22,7 +23,9 @@ Fields: ``variant``, ``recipe``, ``device``, ``tokens_per_s``, ``mfu``, ``tflops
 ``step_ms`` (median), ``peak_mem_gib`` (``torch.cuda.max_memory_allocated`` from the first step
 on, the build excluded; or the CPU peak RSS), ``steady_peak_mem_gib`` and ``warmup_peak_mem_gib``
 (CUDA: the peak over the timed, profiled and ``--copies`` steps, and over the warm-up steps, where
-compilation happens; None on CPU, and both None with ``--steps 0``),
+compilation and a CUDA graph's capture happen; None on CPU, and both None with ``--steps 0``),
+``peak_reserved_gib`` (CUDA ``max_memory_reserved`` over the timed steps: what the caching allocator and a
+graph's pool held),
 ``resident_at_start_gib`` (CUDA memory still allocated when the variant started: an earlier
 variant's leftovers, 0 when nothing leaked),
 ``losses`` (every step's training loss, warm-up first), ``kernel_ms_per_step`` (per
@@ -362,18 +365,27 @@ def write_copy_listing(rows: list[dict[str, Any]], path: str, header: str = "") 
             f.write(f"{g['count']:>5} {g['cpu_ms']:>8.3f}  {g['op']:<22} {sd:<60} {g['origin']}\n")
 
 
+BASE_VARIANTS = ("eager", "compile", "compile_moe")
+
+
 def run_variant(recipe: str, variant: str, overrides: list[str], warmup: int, steps: int,
                 profile_steps: int, top: int = 0, copies: str | None = None) -> dict[str, Any]:
     """Build, warm up, time and profile one variant; returns its JSON record."""
     from dropless.train.config import compose
-    from dropless.train.trainer import Trainer
+    from dropless.train.trainer import GRAPH_WARMUP, Trainer
 
+    base, _, extra = variant.partition("+")
+    if base not in BASE_VARIANTS or extra not in ("", "graph"):
+        raise ValueError(f"variant {variant!r}: one of {BASE_VARIANTS}, optionally with '+graph'")
+    if extra == "graph":  # every timed step a replay: the eager warm-up micro-batches and the capture come first
+        warmup = max(warmup, GRAPH_WARMUP + 1)
     total = warmup + steps + profile_steps + (1 if copies else 0)
     with tempfile.TemporaryDirectory() as rd:
         ov = [f"recipe={recipe}", "logging.mode=disabled", "logging.progress=false", "train.val_every=0",
               "train.ckpt_every=0", f"train.steps={total}", f"run_dir={rd}/run",
-              f"train.compile={'true' if variant != 'eager' else 'false'}",
-              f"train.compile_moe={'true' if variant == 'compile_moe' else 'false'}", *overrides]
+              f"train.compile={'true' if base != 'eager' else 'false'}",
+              f"train.compile_moe={'true' if base == 'compile_moe' else 'false'}",
+              f"train.cuda_graph={'true' if extra == 'graph' else 'false'}", *overrides]
         # memory still allocated from an earlier variant of this process (0 unless something leaked)
         resident = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else None
         t0 = time.perf_counter()
@@ -410,6 +422,7 @@ def run_variant(recipe: str, variant: str, overrides: list[str], warmup: int, st
                     "step_ms": None if med["step_time_s"] is None else med["step_time_s"] * 1e3,
                     "peak_mem_gib": peak_memory_gib(dev) if steady is None else max(steady, warm_peak),
                     "steady_peak_mem_gib": steady, "warmup_peak_mem_gib": warm_peak,
+                    "peak_reserved_gib": torch.cuda.max_memory_reserved(dev) / 2**30 if dev.type == "cuda" else None,
                     "resident_at_start_gib": resident, "losses": losses,
                     "warmup": warmup, "steps": steps,
                     "profile_steps": profile_steps, "build_s": build_s, "overrides": list(overrides), **prof}
@@ -424,7 +437,8 @@ def run_variant(recipe: str, variant: str, overrides: list[str], warmup: int, st
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipe", default="h200_single")
-    p.add_argument("--variants", nargs="+", default=["eager", "compile"], choices=["eager", "compile", "compile_moe"])
+    p.add_argument("--variants", nargs="+", default=["eager", "compile"],
+                   choices=[b + g for b in BASE_VARIANTS for g in ("", "+graph")])
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile happens here)")
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--profile-steps", type=int, default=2, help="profiled steps after the timed ones (0: none)")

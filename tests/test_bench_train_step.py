@@ -28,6 +28,13 @@ def test_train_step_benchmark_json_fields(capsys):
     assert r["kernel_ms_total_per_step"] == pytest.approx(sum(k.values()), abs=0.01) and r["kernels_per_step"] > 100
 
 
+def test_variant_names_are_checked_before_any_build():
+    from benchmarks.train_step import run_variant
+    for bad in ("eager+fast", "graph", "compile_moe+graph+graph"):
+        with pytest.raises(ValueError, match="optionally with '\\+graph'"):
+            run_variant("cpu_default", bad, [], 0, 0, 0)
+
+
 def test_kernel_categories():
     assert category("void cutlass::Kernel2<cutlass_sm90_grouped_gemm>") == "grouped_gemm"
     assert category("aten::_grouped_mm") == "grouped_gemm"

@@ -115,6 +115,19 @@ def test_train_config_checks():
             check_train_config(compose([ov]))
 
 
+def test_cuda_graph_config_errors(tmp_path):
+    """train.cuda_graph refuses what a captured forward/backward cannot hold, before any step."""
+    from dropless.train.trainer import Trainer
+    for ov, match in ((["dispatcher=a2a"], "dispatcher=a2a"), (["train.shard_dense=true"], "shard_dense"),
+                      (["gemm=loop"], "gemm=loop"), (["gemm=fp8"], "gemm=fp8")):
+        with pytest.raises(ConfigError, match=match):
+            check_train_config(compose(["train.cuda_graph=true", *ov]))
+    check_train_config(compose(["train.cuda_graph=true"]))  # local dispatcher: accepted from the config alone
+    with pytest.raises(ConfigError, match="CUDA graphs need a CUDA GPU"):
+        Trainer(compose(["train.cuda_graph=true", "device=cpu", f"run_dir={tmp_path}", "logging.mode=disabled"]))
+    assert not (tmp_path / "config.yaml").exists()  # refused before the run dir is written
+
+
 def test_alignment_note_warns_when_padding_outgrows_the_routed_rows():
     """A huge model.expert_alignment is valid but pads each expert's segment far beyond its rows (a user saw
     the CPU recipe run 4x slower at A = 100000): the note names the alignment and both row counts; the

@@ -6,7 +6,9 @@ refresh, the scheduler) of a tiny bf16 config runs under
 ``torch.cuda.set_sync_debug_mode("error")``; only :meth:`Trainer._read_metrics` (the step's one
 ``.tolist()``) runs with the mode off, and it runs exactly once per step, also when
 :meth:`Trainer.iter_steps` pipelines the steps. Also on the GPU:
-fused AdamW is picked, and ``train.compile=true`` gives eager's losses.
+fused AdamW is picked, ``train.compile=true`` gives eager's losses, and ``train.cuda_graph=true``
+(:class:`~dropless.train.graph.MicroBatchGraphs`) gives eager's losses and gradient norms with its
+steps replayed from graphs.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import pytest
 import torch
 
 from dropless.train.config import compose
-from dropless.train.trainer import Trainer
+from dropless.train.graph import MicroBatchGraphs
+from dropless.train.trainer import GRAPH_WARMUP, Trainer
 
 pytestmark = pytest.mark.gpu
 
@@ -78,3 +81,54 @@ def test_compile_gives_eager_losses_on_gpu(tmp_path):
             tr.close()
     for a, b in zip(out["compiled"], out["eager"]):
         assert abs(a - b) <= 2e-2 * abs(b), out    # bf16: compiled kernels round differently
+
+
+def test_micro_batch_graphs_warm_up_capture_and_replay():
+    """Eager calls first, then one capture, then replays on new inputs: outputs and the in-place
+    gradient accumulation follow every input (the capturing call itself runs once, by its replay)."""
+    _need_cuda()
+    w = torch.nn.Parameter(torch.randn(8, device="cuda"))
+    ran = []
+
+    def fn(x):
+        ran.append(1)
+        loss = (w * x.float()).square().sum()
+        loss.backward()
+        return (loss.detach(),)
+
+    g = MicroBatchGraphs(fn, torch.device("cuda"), warmup=2)
+    xs = [torch.arange(8).add(i).pin_memory() for i in range(5)]
+    for i, x in enumerate(xs):
+        (loss,), replayed = g("first", x)
+        assert replayed == (i >= 2)
+        torch.testing.assert_close(loss, (w.detach() * x.cuda().float()).square().sum())
+    assert len(ran) == 3 and g.replays == {"first": 3}
+    want = sum(2 * w.detach() * x.cuda().float().square() for x in xs)   # d/dw sum((w x)^2), five times
+    torch.testing.assert_close(w.grad, want)
+    with pytest.raises(ValueError, match="captured for a"):
+        g("first", torch.arange(4))
+
+
+@pytest.mark.parametrize("extra", [[], ["train.activation_checkpointing=true"], ["train.compile=true"]],
+                         ids=["plain", "activation_checkpointing", "compile"])
+def test_cuda_graph_gives_eager_losses_and_grad_norms(tmp_path, extra):
+    """grad_accum=2: both kinds of micro-batch (the first copies into the main gradients, the second
+    adds) are captured after GRAPH_WARMUP eager steps and replayed; the losses and gradient norms of
+    every step equal eager's up to GPU rounding (a replay whose main gradients were zeroed, or
+    written twice, or not accumulated would move the norm by far more)."""
+    _need_cuda()
+    n = GRAPH_WARMUP + 4
+    out = {}
+    for name, flag in (("eager", "false"), ("graph", "true")):
+        tr = Trainer(compose(GPU + [f"run_dir={tmp_path / name}", f"train.steps={n}", f"train.cuda_graph={flag}",
+                                    *extra]))
+        try:
+            recs = list(tr.iter_steps(n))
+            out[name] = [(r["loss"], r["grad_norm"]) for r in recs]
+            if flag == "true":
+                assert tr.graphs.replays == {"first": n - GRAPH_WARMUP, "rest": n - GRAPH_WARMUP}
+        finally:
+            tr.close()
+    for (la, ga), (lb, gb) in zip(out["graph"], out["eager"]):
+        assert abs(la - lb) <= 2e-2 * abs(lb) and abs(ga - gb) <= 5e-2 * abs(gb), out
+    assert out["graph"][-1][0] < out["graph"][0][0]  # it trains

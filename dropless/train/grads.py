@@ -149,6 +149,15 @@ class GradBuckets:
             for p in self.params:
                 p.grad = None
 
+    def written(self) -> frozenset[int]:
+        """Ids of the parameters whose main gradient holds this step's value so far."""
+        return frozenset(self._written)
+
+    def mark_written(self, ids: frozenset[int] | set[int]) -> None:
+        """Record gradients written without the hooks' host code running (a CUDA graph replay of a
+        captured backward: ``dropless/train/graph.py``), so :meth:`finish` does not zero them."""
+        self._written |= set(ids)
+
     def detach_(self) -> None:
         """Set every owner's and parameter's ``.grad`` to None (until the next :meth:`zero_`)."""
         for t in self.owners + self.params:

@@ -57,6 +57,7 @@ class TrainConfig:
     compile: bool = MISSING                   # torch.compile each decoder block
     compile_backend: str = MISSING            # inductor | aot_eager | eager
     compile_moe: bool = MISSING               # with compile: the MoE router and routed part too (local dispatcher)
+    cuda_graph: bool = MISSING                # each micro-batch's forward + backward as one CUDA graph (CUDA, local)
 
 
 @dataclass

@@ -82,6 +82,7 @@ from dropless.train.config import model_args
 from dropless.train.data import ShardedLoader, load_tokens, val_windows
 from dropless.train.dist import DistEnv, init_distributed
 from dropless.train.grads import GradBuckets, clipped_step, folds_clip, grad_norm, guarded_step
+from dropless.train.graph import MicroBatchGraphs
 from dropless.train.metrics import MetricsLogger, counts_metrics, peak_flops, peak_memory_gib
 from dropless.train.optim import MasterWeights, RouterBiasUpdate, build_optimizer, build_scheduler, is_dtensor, lr_at
 from dropless.train.shard import apply_fsdp, shard_dense_params
@@ -154,6 +155,18 @@ def check_train_config(cfg: DictConfig) -> None:
          "compiles the MoE part of each block compiled by train.compile; set train.compile=true as well")
     if t.compile and t.compile_moe:
         check_compile_moe(str(cfg.dispatcher.name), bool(t.activation_checkpointing))
+    need(isinstance(t.cuda_graph, bool), "train.cuda_graph", t.cuda_graph, "must be true or false")
+    if t.cuda_graph:
+        need(str(cfg.dispatcher.name) == "local", "train.cuda_graph", True,
+             f"captures forward and backward without collectives, but dispatcher={cfg.dispatcher.name} "
+             "moves tokens between ranks inside them; use dispatcher=local or train.cuda_graph=false")
+        need(str(cfg.gemm.backend) == "torch", "train.cuda_graph", True,
+             f"is supported with gemm=torch only, got gemm={cfg.gemm.backend} (gemm=loop reads the expert "
+             "offsets on the host, which a capture forbids; the FP8 backends keep their weight cache in host "
+             "logic that a replay would skip); use gemm=torch or train.cuda_graph=false")
+        need(not t.get("shard_dense", False), "train.cuda_graph", True,
+             "train.shard_dense=true all-gathers parameters inside forward and backward (FSDP2), which a "
+             "captured graph cannot hold; set one of them to false")
     need(isinstance(cfg.deterministic, bool), "deterministic", cfg.deterministic, "must be true or false")
     need(isinstance(t.get("shard_dense", False), bool), "train.shard_dense", t.get("shard_dense"),
          "must be true or false")
@@ -316,6 +329,7 @@ def build_model(args: ModelArgs, cfg: DictConfig, env: DistEnv, dtype: torch.dty
 
 
 _ABORT_AFTER_S = 3.0  # a second SIGINT/SIGTERM later than this after the first aborts at once
+GRAPH_WARMUP = 3  # train.cuda_graph: eager micro-batches of each kind before its capture (compile happens here)
 
 
 # ----------------------------------------------------------------------------- trainer
@@ -374,6 +388,9 @@ class Trainer:
 
         if t.compile:
             check_compile(env.device, str(t.compile_backend))
+        if t.get("cuda_graph") and env.device.type != "cuda":
+            raise ConfigError(f"train.cuda_graph=true: CUDA graphs need a CUDA GPU, but the run's device is "
+                              f"{env.device}; set train.cuda_graph=false (or device=cuda on a GPU machine)")
         self.model = build_model(self.args, cfg, env, self.dtype)
         if cfg.get("init_from") and not (cfg.resume and ckpt.latest_checkpoint(self.run_dir)):  # weights only
             init_from(self.model, cfg.init_from, mesh=env.mesh if env.ep_size > 1 else None)
@@ -396,6 +413,12 @@ class Trainer:
                             if env.distributed else None)
         self.grads = GradBuckets(self.masters.compute, sharded, self.masters.grads_are_params, env.world_size,
                                  self._grad_group, env.dp_group, env.dp_size, owners=self.masters.masters)
+        #: train.cuda_graph: each kind of micro-batch (the step's first, the later ones) runs eagerly for
+        #: GRAPH_WARMUP calls, then is captured and replayed as one CUDA graph (dropless/train/graph.py)
+        self.graphs = MicroBatchGraphs(self._micro, env.device, GRAPH_WARMUP) if t.get("cuda_graph") else None
+        self._graph_written: dict[str, frozenset[int]] = {}
+        if self.graphs is not None:
+            self.grads.overlap = False  # no collective inside a captured backward: all-reduce after the last one
         self.optimizer = build_optimizer(self.masters.named_masters, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.steps)
         self.balancer = RouterBiasUpdate(self.model)
@@ -474,6 +497,19 @@ class Trainer:
     def _loss(self, x: torch.Tensor, y: torch.Tensor):
         """:meth:`Transformer.loss` of one micro-batch, the one model call: ``(loss, ce, aux, mtp)``."""
         return self.model.loss(x, y, loss_impl=self.loss_impl)
+
+    def _micro(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One micro-batch on the device window ``w [B, S + 1]``: forward, loss, backward (gradients into
+        the main-gradient buckets by their hooks); returns 0-dim fp32 ``(ce, aux, rows dropped)``.
+        What :class:`~dropless.train.graph.MicroBatchGraphs` captures with ``train.cuda_graph``."""
+        with record_function("dropless.forward"):
+            out = self._loss(w[:, :-1], w[:, 1:])
+        with record_function("dropless.backward"):
+            (out.loss / self.accum).backward()  # CE + aux losses (+ MTP): 1/accum scales them all
+        ds = [d for d in (moe.last_stats.get("rows_dropped") for moe in self.moe_layers) if d is not None]
+        # one stack and sum for all layers (not two small kernels per layer)
+        drop = torch.stack(ds).sum().float() if ds else torch.zeros((), dtype=torch.float32, device=w.device)
+        return out.ce.detach().float(), out.aux.detach().float(), drop
 
     @staticmethod
     def _read_metrics(p: _Pending) -> list[float]:
@@ -606,17 +642,19 @@ class Trainer:
         aux_sum = torch.zeros((), dtype=torch.float32, device=dev)
         dropped = torch.zeros((), dtype=torch.float32, device=dev)
         for i in range(self.accum):
-            w = self.loader.next_window().to(dev, non_blocking=True)  # pinned on CUDA
+            w = self.loader.next_window()  # pinned on CUDA
             self.grads.start(sync=i == self.accum - 1)
-            with record_function("dropless.forward"):
-                out = self._loss(w[:, :-1], w[:, 1:])
-            with record_function("dropless.backward"):
-                (out.loss / self.accum).backward()  # CE + aux losses (+ MTP): 1/accum scales them all
-            loss_sum += out.ce.detach()
-            aux_sum += out.aux.detach()
-            ds = [d for d in (moe.last_stats.get("rows_dropped") for moe in self.moe_layers) if d is not None]
-            if ds:  # one stack and sum for all layers (not two small kernels per layer)
-                dropped += torch.stack(ds).sum().float()
+            if self.graphs is not None:
+                kind = "first" if i == 0 else "rest"  # copies into the main gradients, or adds
+                (ce, aux, drop), replayed = self.graphs(kind, w)
+                if replayed:  # the hooks' host-side record of the main gradients written ran at capture only
+                    self._graph_written.setdefault(kind, self.grads.written())
+                    self.grads.mark_written(self._graph_written[kind])
+            else:
+                ce, aux, drop = self._micro(w.to(dev, non_blocking=True))
+            loss_sum += ce
+            aux_sum += aux
+            dropped += drop
         with record_function("dropless.grad_sync"):
             self.grads.finish()
         sent = recv = 0
@@ -867,6 +905,8 @@ class Trainer:
         grads = getattr(self, "grads", None)
         if grads is not None:
             grads.remove()
+        if getattr(self, "graphs", None) is not None:
+            self.graphs.reset()  # the graphs' memory pool goes with them
         self._closed = True
         if self.env.distributed and dist.is_initialized():
             dist.barrier()
