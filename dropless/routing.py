@@ -96,6 +96,15 @@ class _Fp32Logits(torch.autograd.Function):
     shared experts keep anyway). Backward re-casts it; the gradients are the same
     (the upcast is exact). On CUDA, 16-bit ``x`` and ``weight`` of one dtype go through
     ``torch.mm(..., out_dtype=torch.float32)`` (fp32 accumulation and output).
+
+    Backward on CUDA with bf16 ``x`` and ``weight``: the fp32 ``dlogits`` is split into two bf16
+    parts, ``hi = bf16(dlogits)``, ``lo = bf16(dlogits − hi)`` (16 significant bits together; bf16
+    has fp32's exponent range), and both gradients come from bf16 tensor-core GEMMs with fp32
+    accumulation over ``[hi | lo]`` (K = 2E): ``dx = [hi | lo] @ [w ; w]``, ``dw = hiᵀx + loᵀx``.
+    They are rounded to bf16 once, as the fp32 path rounds them, and differ from it by at most
+    one bf16 rounding (``tests/test_routing.py``, GPU). The fp32 GEMMs they replace are SIMT
+    kernels (no fp32 tensor-core path without TF32): 3.6 ms of a ``recipe=h200_single`` step.
+    Elsewhere (CPU, fp16, fp32) the fp32 products as written below.
     """
 
     @staticmethod
@@ -111,6 +120,16 @@ class _Fp32Logits(torch.autograd.Function):
     def backward(ctx, dlogits_TE):
         x_TH, weight_EH = ctx.saved_tensors
         dx = dw = None
+        if dlogits_TE.is_cuda and x_TH.dtype == weight_EH.dtype == torch.bfloat16:
+            hi = dlogits_TE.to(torch.bfloat16)
+            d2_T2E = torch.cat([hi, (dlogits_TE - hi.float()).to(torch.bfloat16)], dim=1)  # dlogits ≈ hi + lo
+            if ctx.needs_input_grad[0]:
+                dx = d2_T2E @ torch.cat([weight_EH, weight_EH], dim=0)  # fp32 accumulation, one bf16 rounding
+            if ctx.needs_input_grad[1]:
+                p_2EH = torch.mm(d2_T2E.t(), x_TH, out_dtype=torch.float32)
+                e = weight_EH.shape[0]
+                dw = (p_2EH[:e] + p_2EH[e:]).to(torch.bfloat16)
+            return dx, dw
         # Each operand is upcast from its transpose: traced, ``x.float()`` would be the forward's own
         # upcast (the common-subexpression pass merges the two), which inductor's partitioner then
         # saves in fp32 for this matmul instead of the 16-bit x it saves anyway (T·H·4 bytes a
