@@ -118,14 +118,17 @@ def test_train_config_checks():
 def test_cuda_graph_config_errors(tmp_path):
     """train.cuda_graph refuses what a captured forward/backward cannot hold, before any step."""
     from dropless.train.trainer import Trainer
-    for ov, match in ((["dispatcher=a2a"], "dispatcher=a2a"), (["train.shard_dense=true"], "shard_dense"),
-                      (["gemm=loop"], "gemm=loop"), (["gemm=fp8"], "gemm=fp8")):
+    for ov, match in ((["dispatcher=a2a"], "dispatcher=a2a"), (["dispatcher=fsdp"], "fsdp all-gathers"),
+                      (["train.shard_dense=true"], "shard_dense"), (["gemm=loop"], "model.gemm=loop"),
+                      (["gemm=fp8"], "model.gemm=fp8"), (["model.gemm=loop"], "model.gemm=loop"),
+                      (["train.loss_impl=liger"], "loss_impl=liger")):
         with pytest.raises(ConfigError, match=match):
             check_train_config(compose(["train.cuda_graph=true", *ov]))
     check_train_config(compose(["train.cuda_graph=true"]))  # local dispatcher: accepted from the config alone
     with pytest.raises(ConfigError, match="CUDA graphs need a CUDA GPU"):
-        Trainer(compose(["train.cuda_graph=true", "device=cpu", f"run_dir={tmp_path}", "logging.mode=disabled"]))
-    assert not (tmp_path / "config.yaml").exists()  # refused before the run dir is written
+        Trainer(compose(["train.cuda_graph=true", "device=cpu", f"run_dir={tmp_path / 'run'}",
+                         "logging.mode=disabled"]))
+    assert not (tmp_path / "run").exists()  # refused before the run dir is made
 
 
 def test_alignment_note_warns_when_padding_outgrows_the_routed_rows():

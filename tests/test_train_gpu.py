@@ -109,13 +109,15 @@ def test_micro_batch_graphs_warm_up_capture_and_replay():
         g("first", torch.arange(4))
 
 
-@pytest.mark.parametrize("extra", [[], ["train.activation_checkpointing=true"], ["train.compile=true"]],
-                         ids=["plain", "activation_checkpointing", "compile"])
+@pytest.mark.parametrize("extra", [[], ["train.grad_accum=1"], ["train.grad_accum=3"],
+                                   ["train.activation_checkpointing=true"], ["train.compile=true"]],
+                         ids=["accum2", "accum1", "accum3", "activation_checkpointing", "compile"])
 def test_cuda_graph_gives_eager_losses_and_grad_norms(tmp_path, extra):
-    """grad_accum=2: both kinds of micro-batch (the first copies into the main gradients, the second
-    adds) are captured after GRAPH_WARMUP eager steps and replayed; the losses and gradient norms of
-    every step equal eager's up to GPU rounding (a replay whose main gradients were zeroed, or
-    written twice, or not accumulated would move the norm by far more)."""
+    """Each kind of micro-batch (the step's first copies into the main gradients, later ones add)
+    is captured after GRAPH_WARMUP eager calls and replayed (with grad_accum=3 the later kind is
+    captured in the middle of step 2, before the first kind); a validation runs between steps.
+    The losses, gradient norms and validation loss equal eager's up to GPU rounding (a replay whose
+    main gradients were zeroed, written twice or not accumulated would move the norm far more)."""
     _need_cuda()
     n = GRAPH_WARMUP + 4
     out = {}
@@ -123,12 +125,16 @@ def test_cuda_graph_gives_eager_losses_and_grad_norms(tmp_path, extra):
         tr = Trainer(compose(GPU + [f"run_dir={tmp_path / name}", f"train.steps={n}", f"train.cuda_graph={flag}",
                                     *extra]))
         try:
-            recs = list(tr.iter_steps(n))
-            out[name] = [(r["loss"], r["grad_norm"]) for r in recs]
+            recs = list(tr.iter_steps(GRAPH_WARMUP + 2))
+            val = tr.validate()                       # eager, eval mode, between two replayed steps
+            recs += list(tr.iter_steps(n))
+            out[name] = [(r["loss"], r["grad_norm"]) for r in recs] + [(val, 1.0)]
             if flag == "true":
-                assert tr.graphs.replays == {"first": n - GRAPH_WARMUP, "rest": n - GRAPH_WARMUP}
+                calls = {"first": n, "rest": n * (tr.accum - 1)}
+                assert tr.graphs.replays == {k: c - GRAPH_WARMUP for k, c in calls.items() if c > GRAPH_WARMUP}
         finally:
             tr.close()
+    assert len(out["graph"]) == n + 1
     for (la, ga), (lb, gb) in zip(out["graph"], out["eager"]):
         assert abs(la - lb) <= 2e-2 * abs(lb) and abs(ga - gb) <= 5e-2 * abs(gb), out
-    assert out["graph"][-1][0] < out["graph"][0][0]  # it trains
+    assert out["graph"][n - 1][0] < out["graph"][0][0]  # it trains

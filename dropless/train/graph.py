@@ -12,7 +12,7 @@ launches, i.e. the forward, the loss, the backward, the main-gradient hooks' cop
 count updates. The optimizer step, the gradient norm, the all-reduces and the metrics stay eager
 (a few dozen launches a step).
 
-How it starts: each kind runs eagerly for its first ``warmup`` calls (torch's whole-network
+How it starts: each kind runs eagerly for its first ``warmup`` calls (3 in the trainer) (torch's whole-network
 capture recipe: on a side stream, so lazy initialisation, cuBLAS workspaces, Triton's first-call
 tuning and ``torch.compile`` happen outside the capture); its next call captures it
 (``torch.cuda.graph``; the capture runs nothing on the GPU) and replays the graph at once, and every
@@ -24,10 +24,21 @@ sized by capacity, their live rows ride on the device, so routing never changes 
 nothing in forward or backward that syncs with the host or reads host state that changes between
 steps (``tests/test_train_gpu.py`` runs the step under ``torch.cuda.set_sync_debug_mode``); no
 collective inside (``dispatcher=local``, no FSDP2; the gradient all-reduce runs after the last
-micro-batch). The trainer refuses other configurations with a :class:`ConfigError` before any step.
+micro-batch). The trainer refuses other configurations with a :class:`ConfigError` before any
+step and before the run directory is made (``check_train_config``: the dispatcher, ``model.gemm``
+other than ``torch``, ``train.loss_impl=liger``, ``train.shard_dense``; the Trainer: a CPU device,
+or ``loss_impl=auto`` resolving to Liger-Kernel).
 What the host does inside the captured function (Python bookkeeping such as the hooks' record of
 which main gradients were written) happens at capture only: :meth:`MicroBatchGraphs.__call__`
-says whether the call replayed, so the caller repeats that bookkeeping itself.
+says whether the call replayed, so the caller repeats that bookkeeping itself. Likewise the
+layers' records of their last forward (``Router.stats()``, ``MoE.last_stats``) point at tensors
+of the capture, not of later replays: the trainer reads neither (its metrics come from the
+function's outputs and the routers' count buffers).
+
+The kinds are captured in the order their warm-up ends (with ``grad_accum`` >= 3 the later
+micro-batches' kind is captured in step 2, the first one's in step 4) and share one pool, so
+one kind's replay may reuse memory that held another kind's outputs: the outputs of a call are
+valid until the next call of *any* kind (the trainer adds them into its step sums at once).
 
 Memory: the graph's pool holds one micro-batch's activation peak for good (as the eager caching
 allocator does); ``torch.cuda.max_memory_allocated`` counts the pool's blocks while they are
@@ -49,17 +60,17 @@ class MicroBatchGraphs:
     Args:
         fn: ``fn(window) -> tuple of tensors``: runs one micro-batch on a device ``window``
             (``[B, S + 1]`` int64 token ids) and returns device tensors (e.g. 0-dim losses) that the
-            caller reads before the next call of the same kind. Must launch the same work every
-            call (no host sync, no shape or host-state dependence).
+            caller reads (enqueues its reads of) before the next call. Must launch the same work
+            every call (no host sync, no shape or host-state dependence).
         device: the CUDA device.
-        warmup: eager calls per kind before its capture (>= 1).
+        warmup: eager calls per kind before its capture (>= 1; the trainer's ``GRAPH_WARMUP``).
 
     Attributes:
         replays: graph replays so far (the capturing calls included), per kind.
     """
 
     def __init__(self, fn: Callable[[torch.Tensor], tuple[torch.Tensor, ...]], device: torch.device,
-                 warmup: int = 2):
+                 warmup: int = 3):
         if device.type != "cuda":
             raise ValueError(f"MicroBatchGraphs: CUDA graphs need a CUDA device, got {device}")
         if warmup < 1:
@@ -77,8 +88,8 @@ class MicroBatchGraphs:
         """Run one micro-batch of ``kind`` on ``window`` (host, pinned, or device; int64 ``[B, S + 1]``).
 
         Returns ``(outputs, replayed)``: the function's outputs (the graph's static tensors once
-        captured, rewritten by the next call of this kind) and whether a graph ran (then nothing of
-        ``fn``'s host-side code ran).
+        captured, valid until the next call of any kind) and whether a graph ran (then nothing of
+        ``fn``'s host-side code ran, except at the capturing call).
 
         Raises:
             ValueError: ``window`` differs in shape or dtype from the captured one.

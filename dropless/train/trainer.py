@@ -157,14 +157,19 @@ def check_train_config(cfg: DictConfig) -> None:
         check_compile_moe(str(cfg.dispatcher.name), bool(t.activation_checkpointing))
     need(isinstance(t.cuda_graph, bool), "train.cuda_graph", t.cuda_graph, "must be true or false")
     if t.cuda_graph:
-        need(str(cfg.dispatcher.name) == "local", "train.cuda_graph", True,
-             f"captures forward and backward without collectives, but dispatcher={cfg.dispatcher.name} "
-             "moves tokens between ranks inside them; use dispatcher=local or train.cuda_graph=false")
-        need(str(cfg.gemm.backend) == "torch", "train.cuda_graph", True,
-             f"is supported with gemm=torch only, got gemm={cfg.gemm.backend} (gemm=loop reads the expert "
-             "offsets on the host, which a capture forbids; the FP8 backends keep their weight cache in host "
-             "logic that a replay would skip); use gemm=torch or train.cuda_graph=false")
-        need(not t.get("shard_dense", False), "train.cuda_graph", True,
+        need(str(cfg.dispatcher.name) == "local", "train.cuda_graph", "true",
+             f"captures forward and backward without collectives, but dispatcher={cfg.dispatcher.name} runs "
+             "collectives inside them (the EP dispatchers move tokens between ranks; fsdp all-gathers the "
+             "experts); use dispatcher=local or train.cuda_graph=false")
+        gemm = str(cfg.model.gemm)  # what the model is built with (the gemm group's, unless model.gemm is set)
+        need(gemm == "torch", "train.cuda_graph", "true",
+             f"is supported with gemm=torch only, got model.gemm={gemm} (gemm=loop reads the expert offsets on "
+             "the host, which a capture forbids; the FP8 backends keep their weight cache in host logic that a "
+             "replay would skip); use gemm=torch or train.cuda_graph=false")
+        need(str(t.get("loss_impl", "auto")) != "liger", "train.cuda_graph", "true",
+             "with train.loss_impl=liger: Liger-Kernel's fused loss reads a value on the host inside forward, "
+             "which a capture forbids; set train.loss_impl=torch")
+        need(not t.get("shard_dense", False), "train.cuda_graph", "true",
              "train.shard_dense=true all-gathers parameters inside forward and backward (FSDP2), which a "
              "captured graph cannot hold; set one of them to false")
     need(isinstance(cfg.deterministic, bool), "deterministic", cfg.deterministic, "must be true or false")
@@ -369,6 +374,17 @@ class Trainer:
         if note:
             self.print(f"[dropless] warning: {note}")
         self.loss_impl, loss_note = resolve_loss_impl(t.get("loss_impl", "auto"), env.device)
+        # what needs the device, before the data is read and the run dir is made
+        if t.compile:
+            check_compile(env.device, str(t.compile_backend))
+        if t.get("cuda_graph"):
+            if env.device.type != "cuda":
+                raise ConfigError(f"train.cuda_graph=true: CUDA graphs need a CUDA GPU, but the run's device is "
+                                  f"{env.device}; set train.cuda_graph=false (or device=cuda on a GPU machine)")
+            if self.loss_impl != "torch":
+                raise ConfigError(f"train.cuda_graph=true with train.loss_impl={t.get('loss_impl', 'auto')} (resolved: "
+                                  f"{self.loss_impl}): Liger-Kernel's fused loss reads a value on the host inside "
+                                  "forward, which a capture forbids; set train.loss_impl=torch")
         self.print(f"[dropless] loss: {loss_note}")
         self.run_dir = resolve_run_dir(cfg, env)
         self.tokens = load_tokens(cfg.data, self.args.vocab_size)
@@ -386,11 +402,6 @@ class Trainer:
                 raise ConfigError(f"run_dir={str(self.run_dir)!r} is not writable; give a writable directory")
         env.barrier()
 
-        if t.compile:
-            check_compile(env.device, str(t.compile_backend))
-        if t.get("cuda_graph") and env.device.type != "cuda":
-            raise ConfigError(f"train.cuda_graph=true: CUDA graphs need a CUDA GPU, but the run's device is "
-                              f"{env.device}; set train.cuda_graph=false (or device=cuda on a GPU machine)")
         self.model = build_model(self.args, cfg, env, self.dtype)
         if cfg.get("init_from") and not (cfg.resume and ckpt.latest_checkpoint(self.run_dir)):  # weights only
             init_from(self.model, cfg.init_from, mesh=env.mesh if env.ep_size > 1 else None)
