@@ -188,7 +188,7 @@ def test_compile_moe_is_one_graph_for_every_moe_layer_and_counts_once_per_step(t
     (["dispatcher=fsdp"], "train.compile_moe=true needs dispatcher=local .*FSDP2"),
     (["train.activation_checkpointing=true"], "train.compile_moe=true with train.activation_checkpointing=true"),
     (["train.compile_moe=maybe"], "compile_moe"),
-    (["train.compile=false"], "train.compile_moe=True: compiles the MoE part .* set train.compile=true"),
+    (["train.compile=false"], "train.compile_moe=true: compiles the MoE part .* set train.compile=true"),
 ])
 def test_compile_moe_where_it_cannot_be_honoured_is_a_config_error(tmp_path, over, match):
     with pytest.raises(ConfigError, match=match):

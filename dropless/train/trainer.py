@@ -137,7 +137,8 @@ def check_train_config(cfg: DictConfig) -> None:
 
     def need(ok: bool, field: str, value: Any, why: str) -> None:
         if not ok:
-            raise ConfigError(f"{field}={value!r}: {why}")
+            shown = str(value).lower() if isinstance(value, bool) else repr(value)  # as YAML spells it
+            raise ConfigError(f"{field}={shown}: {why}")
 
     for name in ("steps", "micro_batch_size", "seq_len", "grad_accum", "val_batches"):
         need(int(t[name]) > 0, f"train.{name}", t[name], "must be a positive integer")
@@ -157,19 +158,19 @@ def check_train_config(cfg: DictConfig) -> None:
         check_compile_moe(str(cfg.dispatcher.name), bool(t.activation_checkpointing))
     need(isinstance(t.cuda_graph, bool), "train.cuda_graph", t.cuda_graph, "must be true or false")
     if t.cuda_graph:
-        need(str(cfg.dispatcher.name) == "local", "train.cuda_graph", "true",
+        need(str(cfg.dispatcher.name) == "local", "train.cuda_graph", True,
              f"captures forward and backward without collectives, but dispatcher={cfg.dispatcher.name} runs "
              "collectives inside them (the EP dispatchers move tokens between ranks; fsdp all-gathers the "
              "experts); use dispatcher=local or train.cuda_graph=false")
         gemm = str(cfg.model.gemm)  # what the model is built with (the gemm group's, unless model.gemm is set)
-        need(gemm == "torch", "train.cuda_graph", "true",
+        need(gemm == "torch", "train.cuda_graph", True,
              f"is supported with gemm=torch only, got model.gemm={gemm} (gemm=loop reads the expert offsets on "
              "the host, which a capture forbids; the FP8 backends keep their weight cache in host logic that a "
              "replay would skip); use gemm=torch or train.cuda_graph=false")
-        need(str(t.get("loss_impl", "auto")) != "liger", "train.cuda_graph", "true",
+        need(str(t.get("loss_impl", "auto")) != "liger", "train.cuda_graph", True,
              "with train.loss_impl=liger: Liger-Kernel's fused loss reads a value on the host inside forward, "
              "which a capture forbids; set train.loss_impl=torch")
-        need(not t.get("shard_dense", False), "train.cuda_graph", "true",
+        need(not t.get("shard_dense", False), "train.cuda_graph", True,
              "train.shard_dense=true all-gathers parameters inside forward and backward (FSDP2), which a "
              "captured graph cannot hold; set one of them to false")
     need(isinstance(cfg.deterministic, bool), "deterministic", cfg.deterministic, "must be true or false")
