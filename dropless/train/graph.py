@@ -70,6 +70,8 @@ class MicroBatchGraphs:
 
     Attributes:
         replays: graph replays so far (the capturing calls included), per kind.
+    Raises:
+        ValueError: ``device`` is not CUDA, or ``warmup`` < 1.
     """
 
     def __init__(self, fn: Callable[[torch.Tensor], tuple[torch.Tensor, ...]], device: torch.device,
