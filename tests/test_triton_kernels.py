@@ -65,6 +65,42 @@ def test_swiglu_live_rows_only(counts, A):
     assert rel(dhw[live], x.grad[live]) < TOL
 
 
+@pytest.mark.parametrize("block_n", [None, 64])  # 64: I = 160 in three column blocks, the last one partial
+@pytest.mark.parametrize("with_layout", [True, False])
+def test_swiglu_folded_weight_and_its_gradient(block_n, with_layout):
+    """``swiglu_fwd(row_w=)`` multiplies the weight in; ``swiglu_bwd(row_w_grad=True)`` also gives
+    ``d row_w = Σ dout · swiglu`` (one partial per column block, summed): both against float64 autograd."""
+    torch.manual_seed(3)
+    lay = ExpertLayout.from_counts(torch.tensor([96, 0, 129, 1], device=DEV), 128, num_rows=266)
+    M, I = lay.capacity, 160
+    live = lay.live_mask() if with_layout else torch.ones(M, dtype=torch.bool, device=DEV)
+    cfg = sw.LaunchConfig(block_n=block_n) if block_n else None
+    h13 = torch.randn(M, 2 * I, device=DEV, dtype=DT)
+    dout = torch.randn(M, I, device=DEV, dtype=DT)
+    w = torch.rand(M, device=DEV) + 0.5
+    if with_layout:
+        h13[~live], dout[~live], w[~live] = float("nan"), float("nan"), float("nan")
+    lay_arg = lay if with_layout else None
+    out = sw.swiglu_fwd(h13, lay_arg, row_w=w, config=cfg)
+    x = h13.double().requires_grad_()
+    wr = w.to(DT).double().requires_grad_()  # the weight as the kernel reads it: rounded to the rows' dtype
+    y = torch.nn.functional.silu(x[:, :I]) * x[:, I:] * wr.unsqueeze(1)
+    assert rel(out[live], y[live]) < TOL
+    y.backward(dout.double())
+    dh13, dw = sw.swiglu_bwd(h13, dout, lay_arg, w, row_w_grad=True, config=cfg)
+    assert dw.shape == (M,) and dw.dtype == torch.float32
+    assert rel(dh13[live], x.grad[live]) < TOL
+    assert rel(dw[live], wr.grad[live]) < TOL
+    assert torch.isfinite(dw[live]).all()
+    # the weight's gradient does not depend on the weight, nor on whether dh13 is scaled by it
+    _, dw_unweighted = sw.swiglu_bwd(h13, dout, lay_arg, None, row_w_grad=True, config=cfg)
+    assert torch.equal(dw_unweighted[live], dw[live])
+    # the torch references agree with the kernels (every row; padding rows are NaN in, so compare live rows)
+    ref_dh13, ref_dw = sw.swiglu_bwd_torch(h13, dout, w, row_w_grad=True)
+    assert rel(dh13[live], ref_dh13[live]) < TOL and rel(dw[live], ref_dw[live]) < TOL
+    assert rel(out[live], sw.swiglu_fwd_torch(h13, w)[live]) < TOL
+
+
 @pytest.mark.parametrize("weighted", [True, False])
 def test_gather_sum_and_combine_bwd(weighted):
     torch.manual_seed(1)

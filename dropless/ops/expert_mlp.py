@@ -69,18 +69,6 @@ class RecomputeAhead:
         return y_TH
 
 
-def _weighted_(a_MI: torch.Tensor, row_w: torch.Tensor | None, in_place: bool = True) -> torch.Tensor:
-    """``a_MI × row_w`` per row, in place (``a_MI`` is a fresh SwiGLU output nobody else holds).
-
-    ``in_place=False``: a new tensor, for a result that a Function's forward returns under
-    ``torch.compile`` (the rule in :mod:`dropless.ops.backward`); inductor fuses the product anyway.
-    """
-    if row_w is None:
-        return a_MI
-    w = row_w.to(a_MI.dtype).unsqueeze(1)
-    return a_MI.mul_(w) if in_place else a_MI * w
-
-
 def _landed(x_in: torch.Tensor, src_M: torch.Tensor | None, after: torch.Tensor | None = None) -> torch.Tensor:
     """The landed rows: ``x_in`` itself, or gathered from the source tokens ``x_in[src_M]``.
 
@@ -112,7 +100,7 @@ class _FC1SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_in, w13, row_w, src_M, dest_Nk, layout, backend, recompute_fc1, box, wgrad):
         h13 = backend.gmm(_landed(x_in, src_M), w13, layout)
-        h = _weighted_(swiglu_fwd(h13, layout), row_w, in_place=not torch.compiler.is_compiling())
+        h = swiglu_fwd(h13, layout, row_w=row_w)
         ctx.layout, ctx.backend, ctx.recompute_fc1, ctx.box, ctx.wgrad = layout, backend, recompute_fc1, box, wgrad
         ctx.has_w, ctx.gather = row_w is not None, src_M is not None
         # h13 is a non-differentiable output: without this, backward would get a materialised
@@ -162,16 +150,15 @@ def _fc1_swiglu_backward(dh_MI, own: list, x_in, w13, row_w, src_M, dest_Nk, lay
     """
     h13, x = own
     own.clear()
-    d_row_w = dw13 = dx = None
+    dw13 = dx = None
+    # d row_w = Σ_j dh_j · swiglu_j, in fp32 in the same pass as dh13 (no [M, I] SwiGLU rebuilt for it)
+    dh13 = swiglu_bwd(h13, dh_MI.contiguous(), layout, row_w, row_w_grad=want_rw)
+    del h13
+    d_row_w = None
     if want_rw:
-        a = swiglu_fwd(h13, layout)
-        # bf16 products summed in fp32: no [M, I] fp32 copies of dh and a (3 × M·I·4 bytes)
-        d_row_w = torch.sum(dh_MI * a, dim=-1, dtype=torch.promote_types(a.dtype, torch.float32)).to(row_w.dtype)
-        del a
+        dh13, d_row_w = dh13[0], dh13[1].to(row_w.dtype)
     if not (want_x or want_w13):
         return None, None, d_row_w
-    dh13 = swiglu_bwd(h13, dh_MI.contiguous(), layout, row_w)
-    del h13
     if want_w13:
         # the rows only now, after h13 is freed: they never sit beside h13, dh and dh13 at once
         if x is None:
@@ -190,7 +177,7 @@ def _fc2_backward(dy_MH, h13, w2, row_w, layout, be, want_h: bool, want_w2: bool
     """Backward of FC2 with its input rebuilt from ``h13``: ``(dh, dW2)`` (None where not wanted)."""
     dw2 = dh = None
     if want_w2:
-        h = _weighted_(swiglu_fwd(h13, layout), row_w)
+        h = swiglu_fwd(h13, layout, row_w=row_w)
         dw2 = weight_grad(h, dy_MH, layout, be, w2.dtype, (wgrad, "w2") if wgrad is not None else None)
         del h
     if want_h:
@@ -269,7 +256,7 @@ class _ExpertMLPOneNode(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_in, w13, w2, row_w, src_M, dest_Nk, layout, backend, recompute_fc1):
         h13 = backend.gmm(_landed(x_in, src_M), w13, layout)
-        h = _weighted_(swiglu_fwd(h13, layout), row_w, in_place=False)
+        h = swiglu_fwd(h13, layout, row_w=row_w)
         ctx.layout, ctx.backend, ctx.recompute_fc1 = layout, backend, recompute_fc1
         ctx.has_w, ctx.gather = row_w is not None, src_M is not None
         empty = x_in.new_empty(0)

@@ -2,9 +2,10 @@
 
 Ops (each picks its Triton kernel or its torch reference in one place, :func:`dropless.ops.select.use_triton`):
 
-* :func:`swiglu_fwd` — ``h13 [M, 2I]`` (gate = first ``I`` columns) -> ``[M, I]``.
+* :func:`swiglu_fwd` — ``h13 [M, 2I]`` (gate = first ``I`` columns) -> ``[M, I]``, optionally times
+  folded routing weights ``row_w [M]`` in the same pass.
 * :func:`swiglu_bwd` — ``d(gate) || d(up)`` ``[M, 2I]`` given ``dout [M, I]`` (optionally the
-  gradient of ``swiglu(h13) · row_w`` for folded routing weights ``row_w [M]``).
+  gradient of ``swiglu(h13) · row_w``, and ``d row_w`` in the same pass).
 * :func:`swiglu_quant` — the forward's result quantised to FP8 e4m3 in the same pass: one
   fp32 scale per row per 128 columns (the 1×128 activation layout of DeepGEMM's and torch's
   blockwise FP8 GEMMs), ``scale = amax / 448`` or its power-of-two ceiling (``ue8m0``).
@@ -45,9 +46,9 @@ if select.HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _tile(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, r0, hi, c0, I, stride_h, stride_do, stride_o, stride_s,
-              OP: tl.constexpr, HAS_W: tl.constexpr, UE8M0: tl.constexpr, EVEN_N: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+    def _tile(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, dw_ptr, r0, hi, c0, I, stride_h, stride_do, stride_o, stride_s,
+              OP: tl.constexpr, HAS_W: tl.constexpr, DW: tl.constexpr, UE8M0: tl.constexpr, EVEN_N: tl.constexpr,
+              NUM_NB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
         """The tile of rows ``[r0, min(r0 + BLOCK_M, hi))`` and columns ``[c0, c0 + BLOCK_N)`` (below ``I``)."""
         rows = r0 + tl.arange(0, BLOCK_M)
         rmask = rows < hi
@@ -62,9 +63,15 @@ if select.HAS_TRITON:
         u = tl.load(hp + I, mask=mask, other=0.0).to(tl.float32)
         s = tl.sigmoid(g)
         if OP == 0:
-            tl.store(out_ptr + r64 * stride_o + cols[None, :], (g * s * u).to(out_ptr.dtype.element_ty), mask=mask)
+            y = g * s * u
+            if HAS_W:  # folded routing weight, rounded to the input's dtype as the backward reads it
+                w = tl.load(w_ptr + rows, mask=rmask, other=0.0).to(h_ptr.dtype.element_ty).to(tl.float32)
+                y = y * w[:, None]
+            tl.store(out_ptr + r64 * stride_o + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
         elif OP == 1:
             do = tl.load(do_ptr + r64 * stride_do + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            if DW:  # d(row weight): this column block's part of sum_j d(out)_j · swiglu_j, fp32
+                tl.store(dw_ptr + rows * NUM_NB + c0 // BLOCK_N, tl.sum(do * g * s * u, axis=1), mask=rmask)
             if HAS_W:  # folded routing weight: d(out) = d(out · w) · w, w as the forward rounded it
                 w = tl.load(w_ptr + rows, mask=rmask, other=0.0).to(h_ptr.dtype.element_ty).to(tl.float32)
                 do = do * w[:, None]
@@ -96,17 +103,19 @@ if select.HAS_TRITON:
         return lo + (t // NUM_NB) * BLOCK_M, hi, (t % NUM_NB) * BLOCK_N
 
     @triton.jit
-    def _swiglu_kernel(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, start_ptr, end_ptr, M, E, I, stride_h, stride_do,
-                       stride_o, stride_s, OP: tl.constexpr, SCHED: tl.constexpr, HAS_W: tl.constexpr,
-                       UE8M0: tl.constexpr, EVEN_N: tl.constexpr, NUM_NB: tl.constexpr, EP: tl.constexpr,
-                       INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+    def _swiglu_kernel(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, dw_ptr, start_ptr, end_ptr, M, E, I, stride_h,
+                       stride_do, stride_o, stride_s, OP: tl.constexpr, SCHED: tl.constexpr, HAS_W: tl.constexpr,
+                       DW: tl.constexpr, UE8M0: tl.constexpr, EVEN_N: tl.constexpr, NUM_NB: tl.constexpr,
+                       EP: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       GROUP: tl.constexpr):
         # tiles: BLOCK_M rows x BLOCK_N columns; an expert's tile t covers rows start + (t // NUM_NB)·BLOCK_M
         # and columns (t % NUM_NB)·BLOCK_N
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         if SCHED == 0:  # dense: one program per tile of the whole buffer, no loop
-            _tile(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, (pid // NUM_NB) * BLOCK_M, M, (pid % NUM_NB) * BLOCK_N, I,
-                  stride_h, stride_do, stride_o, stride_s, OP, HAS_W, UE8M0, EVEN_N, BLOCK_M, BLOCK_N, GROUP)
+            _tile(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, dw_ptr, (pid // NUM_NB) * BLOCK_M, M,
+                  (pid % NUM_NB) * BLOCK_N, I, stride_h, stride_do, stride_o, stride_s, OP, HAS_W, DW, UE8M0, EVEN_N,
+                  NUM_NB, BLOCK_M, BLOCK_N, GROUP)
         elif SCHED == 1:
             # flat: every program reads the e end points and numbers the live tiles itself (cumsum in
             # registers): tiles of expert i are cum[i] - nt[i] … cum[i] - 1; program p takes p, p + G, …
@@ -121,14 +130,14 @@ if select.HAS_TRITON:
                 b = pid
                 while b < total:
                     r0, hi, c0 = _flat_unit(b, ar, nb_v, cum_v, start_v, end_v, NUM_NB, BLOCK_M, BLOCK_N)
-                    _tile(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, r0, hi, c0, I, stride_h, stride_do, stride_o, stride_s,
-                          OP, HAS_W, UE8M0, EVEN_N, BLOCK_M, BLOCK_N, GROUP)
+                    _tile(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, dw_ptr, r0, hi, c0, I, stride_h, stride_do, stride_o,
+                          stride_s, OP, HAS_W, DW, UE8M0, EVEN_N, NUM_NB, BLOCK_M, BLOCK_N, GROUP)
                     b += nprog
             else:
                 for b in range(pid, total, nprog):
                     r0, hi, c0 = _flat_unit(b, ar, nb_v, cum_v, start_v, end_v, NUM_NB, BLOCK_M, BLOCK_N)
-                    _tile(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, r0, hi, c0, I, stride_h, stride_do, stride_o, stride_s,
-                          OP, HAS_W, UE8M0, EVEN_N, BLOCK_M, BLOCK_N, GROUP)
+                    _tile(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, dw_ptr, r0, hi, c0, I, stride_h, stride_do, stride_o,
+                          stride_s, OP, HAS_W, DW, UE8M0, EVEN_N, NUM_NB, BLOCK_M, BLOCK_N, GROUP)
         else:
             # expert: program (p, i) takes expert i's tiles p, p + P, … (program_id(1) picks the expert)
             ex = tl.program_id(1)
@@ -138,15 +147,15 @@ if select.HAS_TRITON:
             if INTERPRET:
                 t = pid + lo * 0
                 while t < n:
-                    _tile(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, lo + (t // NUM_NB) * BLOCK_M, hi,
-                          (t % NUM_NB) * BLOCK_N, I, stride_h, stride_do, stride_o, stride_s, OP, HAS_W, UE8M0,
-                          EVEN_N, BLOCK_M, BLOCK_N, GROUP)
+                    _tile(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, dw_ptr, lo + (t // NUM_NB) * BLOCK_M, hi,
+                          (t % NUM_NB) * BLOCK_N, I, stride_h, stride_do, stride_o, stride_s, OP, HAS_W, DW, UE8M0,
+                          EVEN_N, NUM_NB, BLOCK_M, BLOCK_N, GROUP)
                     t += nprog
             else:
                 for t in range(pid, n, nprog):
-                    _tile(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, lo + (t // NUM_NB) * BLOCK_M, hi,
-                          (t % NUM_NB) * BLOCK_N, I, stride_h, stride_do, stride_o, stride_s, OP, HAS_W, UE8M0,
-                          EVEN_N, BLOCK_M, BLOCK_N, GROUP)
+                    _tile(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, dw_ptr, lo + (t // NUM_NB) * BLOCK_M, hi,
+                          (t % NUM_NB) * BLOCK_N, I, stride_h, stride_do, stride_o, stride_s, OP, HAS_W, DW, UE8M0,
+                          EVEN_N, NUM_NB, BLOCK_M, BLOCK_N, GROUP)
 
 
 SCHEDULES = {"dense": 0, "flat": 1, "expert": 2}
@@ -206,26 +215,33 @@ def _grid(num_experts: int | None, m: int, nnb: int, cfg: LaunchConfig, device: 
     return max(1, min(tiles, p)), e
 
 
+def _block_n(i: int, op: int, cfg: LaunchConfig) -> int:
+    """Columns per tile for ``I = i``: ``cfg.block_n``, or less for a narrow ``I`` (at least 128 to quantise)."""
+    nb = 1 << max(0, i - 1).bit_length()  # next power of two
+    return min(cfg.block_n, max(nb, QUANT_GROUP if op == OP_QUANT else 1))
+
+
 def _launch(op: int, h13: torch.Tensor, layout: ExpertLayout | None, out: torch.Tensor, *, dout=None, row_w=None,
-            scale=None, ue8m0: bool = False, config: LaunchConfig | None = None) -> None:
+            scale=None, dw=None, ue8m0: bool = False, config: LaunchConfig | None = None) -> None:
     cfg = config or DEFAULT_CONFIGS[op]
     if cfg.schedule not in ("flat", "expert"):
         raise ValueError(f"LaunchConfig.schedule must be 'flat' or 'expert', got {cfg.schedule!r}")
     start, end = (layout.start, layout.end) if layout is not None else (None, None)
     # the opaque op only while torch.compile traces; eager calls skip its dispatch (tens of µs a call)
     launch = _swiglu_op if torch.compiler.is_compiling() else _swiglu_launch
-    launch(op, h13, start, end, out, dout, row_w, scale, ue8m0, cfg.schedule, cfg.block_m, cfg.block_n,
+    launch(op, h13, start, end, out, dout, row_w, scale, dw, ue8m0, cfg.schedule, cfg.block_m, cfg.block_n,
            cfg.num_warps, cfg.programs_per_sm)
 
 
 def _swiglu_launch(op: int, h13: torch.Tensor, start: torch.Tensor | None, end: torch.Tensor | None, out: torch.Tensor,
-                   dout: torch.Tensor | None, row_w: torch.Tensor | None, scale: torch.Tensor | None, ue8m0: bool,
-                   schedule: str, block_m: int, block_n: int, num_warps: int, programs_per_sm: int) -> None:
+                   dout: torch.Tensor | None, row_w: torch.Tensor | None, scale: torch.Tensor | None,
+                   dw: torch.Tensor | None, ue8m0: bool, schedule: str, block_m: int, block_n: int, num_warps: int,
+                   programs_per_sm: int) -> None:
     """The Triton launch; as ``dropless::swiglu`` an opaque op with a fake (no-op) implementation, so
     that ``torch.compile`` traces the layer around it (``fullgraph=True``) and calls the kernel as it is."""
     cfg = LaunchConfig(schedule, block_m, block_n, num_warps, programs_per_sm)
     m, i = h13.shape[0], h13.shape[1] // 2
-    bn = min(block_n, max(triton.next_power_of_2(i), QUANT_GROUP if op == OP_QUANT else 1))
+    bn = _block_n(i, op, cfg)
     nnb = -(-i // bn)
     has_layout = start is not None
     e = start.numel() if has_layout else 1
@@ -234,17 +250,19 @@ def _swiglu_launch(op: int, h13: torch.Tensor, start: torch.Tensor | None, end: 
     w = row_w if row_w is not None else h13
     s = scale if scale is not None else h13
     _swiglu_kernel[_grid(e if has_layout else None, m, nnb, cfg, h13.device)](
-        h13, do, w, out, s, sv, ev, m, e, i, h13.stride(0), do.stride(0), out.stride(0),
-        scale.stride(1) if scale is not None else 0, OP=op, SCHED=SCHEDULES[schedule] if has_layout else 0,
-        HAS_W=row_w is not None, UE8M0=ue8m0, EVEN_N=i % bn == 0, NUM_NB=nnb, EP=triton.next_power_of_2(max(e, 2)),
+        h13, do, w, out, s, dw if dw is not None else h13, sv, ev, m, e, i, h13.stride(0), do.stride(0),
+        out.stride(0), scale.stride(1) if scale is not None else 0, OP=op,
+        SCHED=SCHEDULES[schedule] if has_layout else 0, HAS_W=row_w is not None, DW=dw is not None, UE8M0=ue8m0,
+        EVEN_N=i % bn == 0, NUM_NB=nnb, EP=triton.next_power_of_2(max(e, 2)),
         INTERPRET=select.interpreting(), BLOCK_M=block_m, BLOCK_N=bn, GROUP=QUANT_GROUP, num_warps=num_warps)
 
 
-_swiglu_op = torch.library.custom_op("dropless::swiglu", _swiglu_launch, mutates_args=("out", "scale"))
+_swiglu_op = torch.library.custom_op("dropless::swiglu", _swiglu_launch, mutates_args=("out", "scale", "dw"))
 
 
 @_swiglu_op.register_fake
-def _(op, h13, start, end, out, dout, row_w, scale, ue8m0, schedule, block_m, block_n, num_warps, programs_per_sm):
+def _(op, h13, start, end, out, dout, row_w, scale, dw, ue8m0, schedule, block_m, block_n, num_warps,
+      programs_per_sm):
     return None
 
 
@@ -274,22 +292,27 @@ def _check_same(name: str, what: str, t: torch.Tensor, shape: tuple, kernel: boo
 
 
 # ---------------------------------------------------------------------------- torch references
-def swiglu_fwd_torch(h13_MI2: torch.Tensor) -> torch.Tensor:
-    """Reference: ``silu(gate) * up`` over every row, in ``h13``'s dtype (torch's own rounding)."""
+def swiglu_fwd_torch(h13_MI2: torch.Tensor, row_w_M: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference: ``silu(gate) * up`` over every row, in ``h13``'s dtype (torch's own rounding), times
+    ``row_w`` (rounded to that dtype) per row if given."""
     gate, up = h13_MI2.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    a = F.silu(gate) * up
+    return a if row_w_M is None else a * row_w_M.to(a.dtype).unsqueeze(1)
 
 
-def swiglu_bwd_torch(h13_MI2: torch.Tensor, dout_MI: torch.Tensor, row_w_M: torch.Tensor | None = None
-                     ) -> torch.Tensor:
-    """Reference of :func:`swiglu_bwd` over every row, in fp32 (fp64 for fp64 inputs)."""
+def swiglu_bwd_torch(h13_MI2: torch.Tensor, dout_MI: torch.Tensor, row_w_M: torch.Tensor | None = None,
+                     row_w_grad: bool = False):
+    """Reference of :func:`swiglu_bwd` over every row, in fp32 (fp64 for fp64 inputs); with ``row_w_grad``
+    the pair ``(d h13, d row_w)`` as :func:`swiglu_bwd` returns it."""
     acc = torch.promote_types(h13_MI2.dtype, torch.float32)
     gate, up = h13_MI2.to(acc).chunk(2, dim=-1)
     s = torch.sigmoid(gate)
     dh = dout_MI.to(acc)
+    d_row_w = (dh * gate * s * up).sum(-1) if row_w_grad else None
     if row_w_M is not None:
         dh = dh * row_w_M.to(h13_MI2.dtype).to(acc).unsqueeze(1)
-    return torch.cat([dh * up * s * (1 + gate * (1 - s)), dh * gate * s], dim=-1).to(h13_MI2.dtype)
+    dh13 = torch.cat([dh * up * s * (1 + gate * (1 - s)), dh * gate * s], dim=-1).to(h13_MI2.dtype)
+    return (dh13, d_row_w) if row_w_grad else dh13
 
 
 def quant_fp8_torch(a_MI: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -309,46 +332,56 @@ def quant_fp8_torch(a_MI: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tens
 
 
 # ---------------------------------------------------------------------------- the ops
-def swiglu_fwd(h13_MI2: torch.Tensor, layout: ExpertLayout | None = None, *, out: torch.Tensor | None = None,
-               config: LaunchConfig | None = None) -> torch.Tensor:
-    """``silu(gate) * up``: ``h13 [M, 2I]`` -> ``[M, I]`` in ``h13``'s dtype, without autograd.
+def swiglu_fwd(h13_MI2: torch.Tensor, layout: ExpertLayout | None = None, *, row_w: torch.Tensor | None = None,
+               out: torch.Tensor | None = None, config: LaunchConfig | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` (× ``row_w`` per row): ``h13 [M, 2I]`` -> ``[M, I]`` in ``h13``'s dtype, without autograd.
 
     Args:
         h13_MI2: FC1's output, gate in the first ``I`` columns; columns contiguous.
         layout: its :class:`ExpertLayout` (``M`` = capacity): the Triton kernel computes live
             rows only and leaves padding rows unwritten. None: every row (dense).
+        row_w: ``[M]`` folded routing weights (``fold_routing_weights``), rounded to ``h13``'s
+            dtype and multiplied in before the single rounding of the result (Triton; the
+            torch path rounds the SwiGLU first, as ``F.silu(g) * u * w`` does); None: no weight.
         out: ``[M, I]`` buffer to write into (its padding rows are left as they are on the
             Triton path); default a fresh one.
         config: how the kernel is launched (:class:`LaunchConfig`; default :data:`DEFAULT_CONFIGS`).
     Raises:
         ValueError: ``h13`` not ``[M, 2I]``, ``M`` not the layout's capacity, columns not
-            contiguous or ``I`` not a multiple of 8 (Triton path).
+            contiguous or ``I`` not a multiple of 8 (Triton path), ``row_w`` not ``[M]``.
     """
     kernel = select.use_triton(h13_MI2)
     i = _check("swiglu_fwd", h13_MI2, layout, kernel)
     m = h13_MI2.shape[0]
     if out is not None:
         _check_same("swiglu_fwd", "out", out, (m, i), True)
+    if row_w is not None:
+        _check_same("swiglu_fwd", "row_w", row_w, (m,), kernel)
     if not kernel:
-        return swiglu_fwd_torch(h13_MI2) if out is None else out.copy_(swiglu_fwd_torch(h13_MI2))
+        ref = swiglu_fwd_torch(h13_MI2, row_w)
+        return ref if out is None else out.copy_(ref)
     out = h13_MI2.new_empty(m, i) if out is None else out
     if m == 0 or i == 0:
         return out
-    _launch(OP_FWD, h13_MI2, layout, out, config=config)
+    _launch(OP_FWD, h13_MI2, layout, out, row_w=row_w.contiguous() if row_w is not None else None, config=config)
     return out
 
 
 def swiglu_bwd(h13_MI2: torch.Tensor, dout_MI: torch.Tensor, layout: ExpertLayout | None = None,
-               row_w_M: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
-               config: LaunchConfig | None = None) -> torch.Tensor:
+               row_w_M: torch.Tensor | None = None, *, row_w_grad: bool = False, out: torch.Tensor | None = None,
+               config: LaunchConfig | None = None):
     """Gradient ``[M, 2I]`` (d gate || d up) of :func:`swiglu_fwd`, in ``h13``'s dtype.
 
     With ``row_w_M`` (``[M]``, the folded routing weights) it is the gradient of
     ``swiglu_fwd(h13) · row_w`` given ``dout`` = d(that product): the weight (rounded to
     ``h13``'s dtype, as the forward multiplied it) scales ``dout`` in fp32 registers, so no
-    scaled ``[M, I]`` copy of ``dout`` is made. With a layout, padding rows of the result
-    (``out`` if given, ``[M, 2I]``) are left unwritten (Triton path). Raises ValueError as
-    :func:`swiglu_fwd`, and on a ``dout`` that is not ``[M, I]`` or a ``row_w`` that is not ``[M]``.
+    scaled ``[M, I]`` copy of ``dout`` is made. With ``row_w_grad`` it returns the pair
+    ``(d h13, d row_w)``: ``d row_w [M]`` fp32 (fp64 for fp64 inputs) is
+    ``Σ_j dout_j · swiglu_j`` over the row, the SwiGLU unrounded, computed in the same pass
+    (one fp32 partial per column block, summed after). With a layout, padding rows of the
+    results (``out`` if given, ``[M, 2I]``) are left unwritten / unspecified (Triton path).
+    Raises ValueError as :func:`swiglu_fwd`, and on a ``dout`` that is not ``[M, I]`` or a
+    ``row_w`` that is not ``[M]``.
     """
     kernel = select.use_triton(h13_MI2)
     i = _check("swiglu_bwd", h13_MI2, layout, kernel)
@@ -359,14 +392,23 @@ def swiglu_bwd(h13_MI2: torch.Tensor, dout_MI: torch.Tensor, layout: ExpertLayou
     if out is not None:
         _check_same("swiglu_bwd", "out", out, (m, 2 * i), True)
     if not kernel:
-        ref = swiglu_bwd_torch(h13_MI2, dout_MI, row_w_M)
-        return ref if out is None else out.copy_(ref)
+        ref = swiglu_bwd_torch(h13_MI2, dout_MI, row_w_M, row_w_grad)
+        if out is None:
+            return ref
+        if row_w_grad:
+            return out.copy_(ref[0]), ref[1]
+        return out.copy_(ref)
     dh = h13_MI2.new_empty(m, 2 * i) if out is None else out
-    if m == 0 or i == 0:
+    cfg = config or DEFAULT_CONFIGS[OP_BWD]
+    # d row_w: one fp32 partial per row per column block (summed below; a view when there is one block)
+    parts = torch.empty(m, -(-i // _block_n(i, OP_BWD, cfg)), dtype=torch.float32,
+                        device=h13_MI2.device) if row_w_grad else None
+    if m and i:
+        _launch(OP_BWD, h13_MI2, layout, dh, dout=dout_MI,
+                row_w=row_w_M.contiguous() if row_w_M is not None else None, dw=parts, config=cfg)
+    if not row_w_grad:
         return dh
-    _launch(OP_BWD, h13_MI2, layout, dh, dout=dout_MI, row_w=row_w_M.contiguous() if row_w_M is not None else None,
-            config=config)
-    return dh
+    return dh, (parts[:, 0] if parts.shape[1] == 1 else parts.sum(1))
 
 
 def swiglu_quant(h13_MI2: torch.Tensor, layout: ExpertLayout | None = None, ue8m0: bool = False, *,
