@@ -48,8 +48,7 @@ if select.HAS_TRITON:
     @triton.jit
     def _tile(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, dw_ptr, r0, hi, c0, I, stride_h, stride_do, stride_o, stride_s,
               OP: tl.constexpr, HAS_W: tl.constexpr, DW: tl.constexpr, UE8M0: tl.constexpr, EVEN_N: tl.constexpr,
-              EVICT: tl.constexpr, NUM_NB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              GROUP: tl.constexpr):
+              NUM_NB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
         """The tile of rows ``[r0, min(r0 + BLOCK_M, hi))`` and columns ``[c0, c0 + BLOCK_N)`` (below ``I``)."""
         rows = r0 + tl.arange(0, BLOCK_M)
         rmask = rows < hi
@@ -60,23 +59,15 @@ if select.HAS_TRITON:
         else:
             mask = rmask[:, None] & (cols[None, :] < I)
         hp = h_ptr + r64 * stride_h + cols[None, :]
-        if EVICT:  # streaming: read once, written once, not kept in L2
-            g = tl.load(hp, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            u = tl.load(hp + I, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        else:
-            g = tl.load(hp, mask=mask, other=0.0).to(tl.float32)
-            u = tl.load(hp + I, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(hp, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(hp + I, mask=mask, other=0.0).to(tl.float32)
         s = tl.sigmoid(g)
         if OP == 0:
             y = g * s * u
             if HAS_W:  # folded routing weight, rounded to the input's dtype as the backward reads it
                 w = tl.load(w_ptr + rows, mask=rmask, other=0.0).to(h_ptr.dtype.element_ty).to(tl.float32)
                 y = y * w[:, None]
-            if EVICT:
-                tl.store(out_ptr + r64 * stride_o + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask,
-                         cache_modifier=".cs")
-            else:
-                tl.store(out_ptr + r64 * stride_o + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(out_ptr + r64 * stride_o + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
         elif OP == 1:
             do = tl.load(do_ptr + r64 * stride_do + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             if DW:  # d(row weight): this column block's part of sum_j d(out)_j · swiglu_j, fp32
@@ -114,9 +105,9 @@ if select.HAS_TRITON:
     @triton.jit
     def _swiglu_kernel(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, dw_ptr, start_ptr, end_ptr, M, E, I, stride_h,
                        stride_do, stride_o, stride_s, OP: tl.constexpr, SCHED: tl.constexpr, HAS_W: tl.constexpr,
-                       DW: tl.constexpr, UE8M0: tl.constexpr, EVEN_N: tl.constexpr, EVICT: tl.constexpr,
-                       NUM_NB: tl.constexpr, EP: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+                       DW: tl.constexpr, UE8M0: tl.constexpr, EVEN_N: tl.constexpr, NUM_NB: tl.constexpr,
+                       EP: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       GROUP: tl.constexpr):
         # tiles: BLOCK_M rows x BLOCK_N columns; an expert's tile t covers rows start + (t // NUM_NB)·BLOCK_M
         # and columns (t % NUM_NB)·BLOCK_N
         pid = tl.program_id(0)
@@ -124,7 +115,7 @@ if select.HAS_TRITON:
         if SCHED == 0:  # dense: one program per tile of the whole buffer, no loop
             _tile(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, dw_ptr, (pid // NUM_NB) * BLOCK_M, M,
                   (pid % NUM_NB) * BLOCK_N, I, stride_h, stride_do, stride_o, stride_s, OP, HAS_W, DW, UE8M0, EVEN_N,
-                  EVICT, NUM_NB, BLOCK_M, BLOCK_N, GROUP)
+                  NUM_NB, BLOCK_M, BLOCK_N, GROUP)
         elif SCHED == 1:
             # flat: every program reads the e end points and numbers the live tiles itself (cumsum in
             # registers): tiles of expert i are cum[i] - nt[i] … cum[i] - 1; program p takes p, p + G, …
@@ -140,13 +131,13 @@ if select.HAS_TRITON:
                 while b < total:
                     r0, hi, c0 = _flat_unit(b, ar, nb_v, cum_v, start_v, end_v, NUM_NB, BLOCK_M, BLOCK_N)
                     _tile(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, dw_ptr, r0, hi, c0, I, stride_h, stride_do, stride_o,
-                          stride_s, OP, HAS_W, DW, UE8M0, EVEN_N, EVICT, NUM_NB, BLOCK_M, BLOCK_N, GROUP)
+                          stride_s, OP, HAS_W, DW, UE8M0, EVEN_N, NUM_NB, BLOCK_M, BLOCK_N, GROUP)
                     b += nprog
             else:
                 for b in range(pid, total, nprog):
                     r0, hi, c0 = _flat_unit(b, ar, nb_v, cum_v, start_v, end_v, NUM_NB, BLOCK_M, BLOCK_N)
                     _tile(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, dw_ptr, r0, hi, c0, I, stride_h, stride_do, stride_o,
-                          stride_s, OP, HAS_W, DW, UE8M0, EVEN_N, EVICT, NUM_NB, BLOCK_M, BLOCK_N, GROUP)
+                          stride_s, OP, HAS_W, DW, UE8M0, EVEN_N, NUM_NB, BLOCK_M, BLOCK_N, GROUP)
         else:
             # expert: program (p, i) takes expert i's tiles p, p + P, … (program_id(1) picks the expert)
             ex = tl.program_id(1)
@@ -158,13 +149,13 @@ if select.HAS_TRITON:
                 while t < n:
                     _tile(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, dw_ptr, lo + (t // NUM_NB) * BLOCK_M, hi,
                           (t % NUM_NB) * BLOCK_N, I, stride_h, stride_do, stride_o, stride_s, OP, HAS_W, DW, UE8M0,
-                          EVEN_N, EVICT, NUM_NB, BLOCK_M, BLOCK_N, GROUP)
+                          EVEN_N, NUM_NB, BLOCK_M, BLOCK_N, GROUP)
                     t += nprog
             else:
                 for t in range(pid, n, nprog):
                     _tile(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, dw_ptr, lo + (t // NUM_NB) * BLOCK_M, hi,
                           (t % NUM_NB) * BLOCK_N, I, stride_h, stride_do, stride_o, stride_s, OP, HAS_W, DW, UE8M0,
-                          EVEN_N, EVICT, NUM_NB, BLOCK_M, BLOCK_N, GROUP)
+                          EVEN_N, NUM_NB, BLOCK_M, BLOCK_N, GROUP)
 
 
 SCHEDULES = {"dense": 0, "flat": 1, "expert": 2}
@@ -187,8 +178,6 @@ class LaunchConfig:
         block_m: rows per tile. block_n: columns per tile (a power of two; a multiple of 128
             for the quantisation). num_warps: warps per program.
         programs_per_sm: ``G`` (flat) or ``P·e`` (expert) is about this many programs per SM.
-        evict: stream ``h13`` and the forward's output past the L2 cache (loads
-            ``evict_first``, stores ``.cs``): each byte is read or written once.
     """
 
     schedule: str = "flat"
@@ -196,16 +185,13 @@ class LaunchConfig:
     block_n: int = 1024
     num_warps: int = 4
     programs_per_sm: int = 32
-    evict: bool = False
 
 
 #: Per op, the configs measured best on an H200 (benchmarks/live_rows.py --sweep): the full
 #: buffer's time first (what training sees), then 3,072 live of 28,672 rows, one expert holding
-#: every row not slower (benchmarks/results/h200_live_rows_*, h200_swiglu_ppm_s8.jsonl). The
-#: forward's 8 warps, 56 programs per SM and streaming hints: 6.1x at 3,072 / 28,672 rows and
-#: 1.3 % over torch.compile's dense kernel on the full buffer (h200_swiglu_prefetch_s13.jsonl).
-DEFAULT_CONFIGS = {OP_FWD: LaunchConfig(num_warps=8, programs_per_sm=56, evict=True),
-                   OP_BWD: LaunchConfig(programs_per_sm=64), OP_QUANT: LaunchConfig()}
+#: every row not slower (benchmarks/results/h200_live_rows_*, h200_swiglu_ppm_s8.jsonl).
+DEFAULT_CONFIGS = {OP_FWD: LaunchConfig(programs_per_sm=64), OP_BWD: LaunchConfig(programs_per_sm=64),
+                   OP_QUANT: LaunchConfig()}
 
 
 def _num_sms(device: torch.device) -> int:
@@ -244,16 +230,16 @@ def _launch(op: int, h13: torch.Tensor, layout: ExpertLayout | None, out: torch.
     # the opaque op only while torch.compile traces; eager calls skip its dispatch (tens of µs a call)
     launch = _swiglu_op if torch.compiler.is_compiling() else _swiglu_launch
     launch(op, h13, start, end, out, dout, row_w, scale, dw, ue8m0, cfg.schedule, cfg.block_m, cfg.block_n,
-           cfg.num_warps, cfg.programs_per_sm, cfg.evict)
+           cfg.num_warps, cfg.programs_per_sm)
 
 
 def _swiglu_launch(op: int, h13: torch.Tensor, start: torch.Tensor | None, end: torch.Tensor | None, out: torch.Tensor,
                    dout: torch.Tensor | None, row_w: torch.Tensor | None, scale: torch.Tensor | None,
                    dw: torch.Tensor | None, ue8m0: bool, schedule: str, block_m: int, block_n: int, num_warps: int,
-                   programs_per_sm: int, evict: bool) -> None:
+                   programs_per_sm: int) -> None:
     """The Triton launch; as ``dropless::swiglu`` an opaque op with a fake (no-op) implementation, so
     that ``torch.compile`` traces the layer around it (``fullgraph=True``) and calls the kernel as it is."""
-    cfg = LaunchConfig(schedule, block_m, block_n, num_warps, programs_per_sm, evict)
+    cfg = LaunchConfig(schedule, block_m, block_n, num_warps, programs_per_sm)
     m, i = h13.shape[0], h13.shape[1] // 2
     bn = _block_n(i, op, cfg)
     nnb = -(-i // bn)
@@ -267,7 +253,7 @@ def _swiglu_launch(op: int, h13: torch.Tensor, start: torch.Tensor | None, end: 
         h13, do, w, out, s, dw if dw is not None else h13, sv, ev, m, e, i, h13.stride(0), do.stride(0),
         out.stride(0), scale.stride(1) if scale is not None else 0, OP=op,
         SCHED=SCHEDULES[schedule] if has_layout else 0, HAS_W=row_w is not None, DW=dw is not None, UE8M0=ue8m0,
-        EVEN_N=i % bn == 0, EVICT=evict, NUM_NB=nnb, EP=triton.next_power_of_2(max(e, 2)),
+        EVEN_N=i % bn == 0, NUM_NB=nnb, EP=triton.next_power_of_2(max(e, 2)),
         INTERPRET=select.interpreting(), BLOCK_M=block_m, BLOCK_N=bn, GROUP=QUANT_GROUP, num_warps=num_warps)
 
 
@@ -276,7 +262,7 @@ _swiglu_op = torch.library.custom_op("dropless::swiglu", _swiglu_launch, mutates
 
 @_swiglu_op.register_fake
 def _(op, h13, start, end, out, dout, row_w, scale, dw, ue8m0, schedule, block_m, block_n, num_warps,
-      programs_per_sm, evict):
+      programs_per_sm):
     return None
 
 
