@@ -49,8 +49,12 @@ def sort_by_expert(expert_idx_Nk: torch.Tensor, num_experts: int, alignment: int
     here = (flat >= 0) & (flat < num_experts)
     # not-routed choices sort after every real expert (key = num_experts)
     key = torch.where(here, flat, torch.full_like(flat, num_experts))
-    counts_all = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev)
-    counts_all.scatter_add_(0, key, torch.ones_like(key))
+    # one stable sort gives the order and, by binary search of its keys, the counts: no atomic
+    # histogram (an int64 scatter_add of N·k ones into e + 1 bins serialises on the bins)
+    key_sorted, order = torch.sort(key, stable=True)
+    bounds = torch.searchsorted(key_sorted, torch.arange(num_experts + 2, device=dev, dtype=key.dtype))
+    first_sorted = bounds[:-1]  # first sorted position of each key
+    counts_all = bounds[1:] - first_sorted
     counts = counts_all[:num_experts]
     if capacity is None:
         capacity_rows = n * k if num_rows is None else num_rows
@@ -58,10 +62,8 @@ def sort_by_expert(expert_idx_Nk: torch.Tensor, num_experts: int, alignment: int
     else:
         layout = ExpertLayout.from_counts(counts, alignment, capacity=capacity)
     layout.check_capacity()  # never drop a row silently, whatever the bound (async on GPU, no sync)
-    order = torch.argsort(key, stable=True)
     pos = torch.empty_like(order)
     pos[order] = torch.arange(order.numel(), device=dev)
-    first_sorted = torch.cumsum(counts_all, 0) - counts_all  # first sorted position of each key
     key_c = key.clamp(max=max(num_experts - 1, 0))
     dest = layout.start.to(torch.int64)[key_c] + (pos - first_sorted[key])
     dest = torch.where(here, dest, torch.full_like(dest, -1))

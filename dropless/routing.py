@@ -322,7 +322,7 @@ class Router(nn.Module):
         """
         seq_len = self._check_inputs(x_TH, seq_len, token_mask_T)
         T = x_TH.shape[0]
-        E, k = self.n_experts, self.topk
+        E = self.n_experts
 
         with torch.autocast(device_type=x_TH.device.type, enabled=False):  # fp32 logits
             logits_TE = _Fp32Logits.apply(x_TH, self.weight)
@@ -346,20 +346,17 @@ class Router(nn.Module):
             weight_Tk = weight_Tk / (weight_Tk.sum(dim=-1, keepdim=True) + _NORM_EPS)
         topk_weight_Tk = weight_Tk * self.routed_scaling_factor
 
-        with torch.no_grad():  # exact integer counts, padding tokens left out
-            if token_mask_T is None:
-                one_Tk = torch.ones(T * k, dtype=torch.int64, device=x_TH.device)
-            else:
-                one_Tk = token_mask_T.to(torch.int64).unsqueeze(1).expand(T, k).reshape(-1)
-            counts_E = torch.zeros(E, dtype=torch.int64, device=x_TH.device).scatter_add_(
-                0, topk_idx_Tk.reshape(-1), one_Tk)
+        with torch.no_grad():
+            # selection one-hot [T, E] (a token meets an expert at most once), padding tokens zeroed
+            chosen_TE = torch.zeros(T, E, dtype=torch.float32, device=x_TH.device)
+            chosen_TE.scatter_(1, topk_idx_Tk, 1.0)
+            if token_mask_T is not None:
+                chosen_TE.mul_(token_mask_T.unsqueeze(1).to(torch.float32))
+            # exact integer counts: a column sum of 0/1 in fp64 (exact below 2^53 tokens); no atomic
+            # histogram, whose T·k increments into E bins serialise on the bins
+            counts_E = chosen_TE.sum(0, dtype=torch.float64).to(torch.int64)
 
         if self.training and self.aux_loss_alpha > 0 and T > 0:
-            with torch.no_grad():  # selection one-hot summed over k, padding tokens zeroed: [T, E]
-                chosen_TE = torch.zeros(T, E, dtype=torch.float32, device=x_TH.device)
-                chosen_TE.scatter_(1, topk_idx_Tk, 1.0)
-                if token_mask_T is not None:
-                    chosen_TE.mul_(token_mask_T.unsqueeze(1).to(torch.float32))
             aux_loss = self._seq_aux_loss(scores_TE, chosen_TE, seq_len, token_mask_T)
         else:
             aux_loss = torch.zeros((), dtype=torch.float32, device=x_TH.device)
