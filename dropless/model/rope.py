@@ -134,16 +134,21 @@ def apply_rope(x_BSNR: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch.Tensor)
 
 def _rotate_into(out_xR: torch.Tensor, x_xR: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch.Tensor,
                  sign: float) -> None:
-    """``out = rotate(x)`` by ``sign``·angle (the ops of :func:`apply_rope`), written into ``out`` (any strides)."""
+    """``out = rotate(x)`` by ``sign``·angle, written into ``out`` (any strides).
+
+    The arithmetic of :func:`apply_rope` (``a·cos − b·sin``, ``b·cos + a·sin`` in at least fp32,
+    rounded once to ``out``'s dtype) in four kernels: a mixed-dtype product reads ``x`` in its
+    own dtype (no upcast copy), ``addcmul`` adds the second product and stores into ``out``.
+    """
     S, P = cos_SP.shape
     compute = torch.promote_types(torch.promote_types(x_xR.dtype, cos_SP.dtype), torch.float32)
-    x = x_xR.to(compute).unflatten(-1, (P, 2))
+    x = x_xR.unflatten(-1, (P, 2))
     a, b = x[..., 0], x[..., 1]
     c = cos_SP.to(compute)[None, :, None, :]
-    s = sin_SP.to(compute)[None, :, None, :] * sign
+    s = sin_SP.to(compute)[None, :, None, :]
     o = out_xR.unflatten(-1, (P, 2))
-    o[..., 0].copy_(a * c - b * s)
-    o[..., 1].copy_(a * s + b * c)
+    torch.addcmul(a * c, b, s, value=-sign, out=o[..., 0])
+    torch.addcmul(b * c, a, s, value=sign, out=o[..., 1])
 
 
 class _RopeTail(torch.autograd.Function):
