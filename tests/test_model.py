@@ -531,3 +531,32 @@ def test_split_last_equals_torch_split_values_and_gradients(dtype):
     assert torch.equal(gx[..., :4], torch.zeros_like(gx[..., :4])) and torch.equal(gx[..., 4:], gb)
     with torch.no_grad():  # no graph: the plain split, no Function node
         assert split_last(x, [4, 7])[0].grad_fn is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("used", ["both", "k", "v"])
+def test_keys_values_equals_split_and_cat(dtype, used):
+    """MLA's k = [k_nope | k_pe over heads], v: bitwise the plain split + expand + cat, and the
+    same gradients for kv and k_pe (bitwise: copies and the same sum over heads), also when only
+    k or only v reaches the loss; gradients strided as attention returns them."""
+    from dropless.model.attention import keys_values
+    gen = torch.Generator().manual_seed(9)
+    B, S, N, Dn, Dv, Dr = 2, 5, 3, 4, 6, 2
+    kv = torch.randn(B, S, N, Dn + Dv, generator=gen).to(dtype).requires_grad_()
+    pe = torch.randn(B, S, 1, Dr, generator=gen).to(dtype).requires_grad_()
+    gk = torch.randn(B, N, S, Dn + Dr, generator=gen).to(dtype).transpose(1, 2)
+    gv = torch.randn(B, N, S, Dv, generator=gen).to(dtype).transpose(1, 2)
+    k, v = keys_values(kv, pe, Dn)
+    kv2, pe2 = kv.detach().clone().requires_grad_(), pe.detach().clone().requires_grad_()
+    k_nope2, v2 = torch.split(kv2, [Dn, Dv], dim=-1)
+    k2 = torch.cat([k_nope2, pe2.expand(B, S, N, Dr)], dim=-1)
+    assert k.is_contiguous() and torch.equal(k, k2) and torch.equal(v, v2)
+    outs, outs2, gs = {"both": ((k, v), (k2, v2), (gk, gv)), "k": ((k,), (k2,), (gk,)),
+                       "v": ((v,), (v2,), (gv,))}[used]
+    got = torch.autograd.grad(outs, [kv, pe], gs, allow_unused=True)
+    want = torch.autograd.grad(outs2, [kv2, pe2], gs, allow_unused=True)
+    assert torch.equal(got[0], want[0])
+    if used == "v":
+        assert got[1] is None and want[1] is None
+    else:
+        assert torch.equal(got[1], want[1])

@@ -47,18 +47,76 @@ class _SplitLast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, sizes):
         ctx.sizes = sizes
+        ctx.set_materialize_grads(False)  # an unused part's gradient arrives as None: no zeros tensor
         return tuple(x.split(sizes, dim=-1))
 
     @staticmethod
     def backward(ctx, *grads):
-        first = next(g for g in grads if g is not None)
-        gx = torch.empty(*first.shape[:-1], sum(ctx.sizes), dtype=first.dtype, device=first.device)
-        for part, g in zip(gx.split(ctx.sizes, dim=-1), grads):
-            if g is None:
-                part.zero_()
-            else:
-                part.copy_(g)
-        return gx, None
+        return _join_last(grads, ctx.sizes), None
+
+
+def _join_last(parts: tuple[torch.Tensor | None, ...], sizes: list[int]) -> torch.Tensor:
+    """``cat(parts, -1)`` by one ``copy_`` per part into a new buffer; a None part is zeros."""
+    first = next(p for p in parts if p is not None)
+    out = torch.empty(*first.shape[:-1], sum(sizes), dtype=first.dtype, device=first.device)
+    for dst, p in zip(out.split(sizes, dim=-1), parts):
+        if p is None:
+            dst.zero_()
+        else:
+            dst.copy_(p)
+    return out
+
+
+class _KeysValues(torch.autograd.Function):
+    """MLA's per-head keys and values from the up-projection and the shared rope key.
+
+    ``k = [kv[..., :Dn] | k_pe broadcast over the N heads]`` as one new tensor written by two
+    copies (autograd's ``cat`` of a strided slice and an expanded tensor ran as
+    ``CatArrayBatchedCopy`` at 215 µs a layer on the H200 at ``h200_single``'s shape), and
+    ``v = kv[..., Dn:]``, a view. Backward writes the two gradients of ``kv`` into one buffer
+    (no split backward's concatenation) and sums the rope key's gradient over the heads, as
+    ``expand``'s backward does.
+    """
+
+    @staticmethod
+    def forward(ctx, kv_BSNX, k_pe_BS1r, nope_dim):
+        B, S, N, X = kv_BSNX.shape
+        Dr = k_pe_BS1r.shape[-1]
+        k_BSND = torch.empty(B, S, N, nope_dim + Dr, dtype=kv_BSNX.dtype, device=kv_BSNX.device)
+        k_BSND[..., :nope_dim].copy_(kv_BSNX[..., :nope_dim])
+        k_BSND[..., nope_dim:].copy_(k_pe_BS1r.expand(B, S, N, Dr))
+        ctx.sizes = [nope_dim, X - nope_dim]
+        ctx.set_materialize_grads(False)
+        return k_BSND, kv_BSNX[..., nope_dim:]
+
+    @staticmethod
+    def backward(ctx, gk_BSND, gv_BSNv):
+        n = ctx.sizes[0]
+        if gk_BSND is None:
+            return _join_last((None, gv_BSNv), ctx.sizes), None, None
+        gkv = _join_last((gk_BSND[..., :n], gv_BSNv), ctx.sizes)
+        return gkv, gk_BSND[..., n:].sum(2, keepdim=True), None
+
+
+def keys_values(kv_BSNX: torch.Tensor, k_pe_BS1r: torch.Tensor,
+                nope_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(k, v)`` = ``(cat([kv[..., :Dn], k_pe.expand(..., N, Dr)], -1), kv[..., Dn:])``.
+
+    Args:
+        kv_BSNX: [B, S, N, Dn + Dv], ``wkv_b``'s output per head.
+        k_pe_BS1r: [B, S, 1, Dr], the rotated shared rope key.
+        nope_dim: Dn.
+    Returns:
+        k [B, S, N, Dn + Dr] (new, contiguous) and v [B, S, N, Dv] (a view of ``kv``).
+
+    Eagerly through :class:`_KeysValues`; under ``torch.compile`` the plain expression, which the
+    compiler fuses with its neighbours.
+    """
+    if torch.compiler.is_compiling():
+        k_nope, v = torch.split(kv_BSNX, [nope_dim, kv_BSNX.shape[-1] - nope_dim], dim=-1)
+        B, S, N, _ = kv_BSNX.shape
+        return torch.cat([k_nope, k_pe_BS1r.expand(B, S, N, k_pe_BS1r.shape[-1])], dim=-1), v
+    return _KeysValues.apply(kv_BSNX, k_pe_BS1r, nope_dim)
 
 
 def split_last(x: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
@@ -158,9 +216,7 @@ class MLA(nn.Module):
 
         # Per-head keys and values up-projected from the normalised latent.
         kv_BSNX = self.wkv_b(self.kv_norm(c_BSC)).view(B, S, N, Dn + Dv)
-        k_nope_BSNn, v_BSNv = split_last(kv_BSNX, [Dn, Dv])
-
-        k_BSND = torch.cat([k_nope_BSNn, k_pe_BS1r.expand(B, S, N, Dr)], dim=-1)
+        k_BSND, v_BSNv = keys_values(kv_BSNX, k_pe_BS1r, Dn)  # k = [k_nope | k_pe] per head
 
         # SDPA wants [B, N, S, D].
         o_BNSv = F.scaled_dot_product_attention(

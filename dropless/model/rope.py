@@ -134,21 +134,33 @@ def apply_rope(x_BSNR: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch.Tensor)
 
 def _rotate_into(out_xR: torch.Tensor, x_xR: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch.Tensor,
                  sign: float) -> None:
-    """``out = rotate(x)`` by ``sign``·angle, written into ``out`` (any strides).
+    """``out = rotate(x)`` by ``sign``·angle, written into ``out`` (``[B, S, N, R]``, last dim contiguous).
 
-    The arithmetic of :func:`apply_rope` (``a·cos − b·sin``, ``b·cos + a·sin`` in at least fp32,
-    rounded once to ``out``'s dtype) in four kernels: a mixed-dtype product reads ``x`` in its
-    own dtype (no upcast copy), ``addcmul`` adds the second product and stores into ``out``.
+    The arithmetic of :func:`apply_rope`: ``a·cos − b·sin``, ``b·cos + a·sin`` on each pair
+    ``(a, b)`` in at least fp32, rounded once to ``out``'s dtype. Compiled, as those expressions
+    (the compiler fuses them with their neighbours). Eagerly, in three kernels over whole rows
+    (no stride-2 access): ``x·[c, c]`` (a mixed-dtype product that reads ``x`` in its own dtype),
+    ``x`` with each pair swapped, and ``addcmul`` with ``[−s, s]`` stored into ``out``; the sum of
+    two products may be contracted into one fused multiply-add (a last-bit difference in the
+    compute dtype).
     """
     S, P = cos_SP.shape
     compute = torch.promote_types(torch.promote_types(x_xR.dtype, cos_SP.dtype), torch.float32)
-    x = x_xR.unflatten(-1, (P, 2))
-    a, b = x[..., 0], x[..., 1]
-    c = cos_SP.to(compute)[None, :, None, :]
-    s = sin_SP.to(compute)[None, :, None, :]
-    o = out_xR.unflatten(-1, (P, 2))
-    torch.addcmul(a * c, b, s, value=-sign, out=o[..., 0])
-    torch.addcmul(b * c, a, s, value=sign, out=o[..., 1])
+    if torch.compiler.is_compiling():
+        x = x_xR.to(compute).unflatten(-1, (P, 2))
+        a, b = x[..., 0], x[..., 1]
+        c = cos_SP.to(compute)[None, :, None, :]
+        s = sin_SP.to(compute)[None, :, None, :] * sign
+        o = out_xR.unflatten(-1, (P, 2))
+        o[..., 0].copy_(a * c - b * s)
+        o[..., 1].copy_(a * s + b * c)
+        return
+    c = cos_SP.to(compute)
+    s = sin_SP.to(compute)
+    cc_1S1R = torch.stack((c, c), dim=-1).flatten(-2)[None, :, None, :]
+    ss_1S1R = torch.stack((-s, s), dim=-1).flatten(-2)[None, :, None, :]
+    swapped_xR = x_xR.unflatten(-1, (P, 2)).flip(-1).flatten(-2)  # (b, a) per pair
+    torch.addcmul(x_xR * cc_1S1R, swapped_xR, ss_1S1R, value=sign, out=out_xR)
 
 
 class _RopeTail(torch.autograd.Function):
