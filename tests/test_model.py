@@ -560,3 +560,30 @@ def test_keys_values_equals_split_and_cat(dtype, used):
         assert got[1] is None and want[1] is None
     else:
         assert torch.equal(got[1], want[1])
+
+
+def test_mla_functions_pass_gradcheck_and_gradgradcheck():
+    """rope_tail, split_last and keys_values: gradients and second-order gradients
+    (``create_graph=True``, e.g. a gradient penalty) against finite differences in float64, an
+    undefined incoming gradient included (gradcheck's ``check_undefined_grad``); MLA twice
+    differentiable end to end."""
+    from dropless.model.attention import keys_values, split_last
+    from dropless.model.rope import rope_tail
+    gen = torch.Generator().manual_seed(11)
+    cos, sin = rope_cos_sin(3, 4, 10000.0, dtype=torch.float64)
+    x = torch.randn(2, 3, 2, 7, generator=gen, dtype=torch.float64, requires_grad=True)
+    kv = torch.randn(2, 3, 2, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    pe = torch.randn(2, 3, 1, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    for fn, inputs in ((lambda t: rope_tail(t, cos, sin), (x,)), (lambda t: split_last(t, [3, 4]), (x,)),
+                       (lambda a, b: keys_values(a, b, 2), (kv, pe))):
+        assert torch.autograd.gradcheck(fn, inputs)
+        assert torch.autograd.gradgradcheck(fn, inputs)
+    args = ModelArgs(vocab_size=16, hidden_size=8, intermediate_size=8, moe_intermediate_size=4,
+                     num_hidden_layers=1, first_k_dense_replace=1, num_attention_heads=2, q_lora_rank=4,
+                     kv_lora_rank=4, qk_nope_head_dim=2, qk_rope_head_dim=4, v_head_dim=2, n_routed_experts=4,
+                     num_experts_per_tok=2, n_group=1, topk_group=1)
+    mla = MLA(args).double()
+    mla.init_weights(std=0.3, generator=gen)
+    cos, sin = rope_cos_sin(3, 4, 10000.0, dtype=torch.float64)
+    h = torch.randn(2, 3, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradgradcheck(lambda t: mla(t, cos, sin), (h,))

@@ -56,9 +56,18 @@ class _SplitLast(torch.autograd.Function):
         return _join_last(grads, ctx.sizes), None
 
 
-def _join_last(parts: tuple[torch.Tensor | None, ...], sizes: list[int]) -> torch.Tensor:
-    """``cat(parts, -1)`` by one ``copy_`` per part into a new buffer; a None part is zeros."""
-    first = next(p for p in parts if p is not None)
+def _join_last(parts: tuple[torch.Tensor | None, ...], sizes: list[int]) -> torch.Tensor | None:
+    """``cat(parts, -1)`` by one ``copy_`` per part into a new buffer; a None part is zeros.
+
+    None when every part is None (no gradient reached the node). With grad mode on (a backward
+    run with ``create_graph=True``) the plain, differentiable ``cat``.
+    """
+    first = next((p for p in parts if p is not None), None)
+    if first is None:
+        return None
+    if torch.is_grad_enabled():
+        return torch.cat([first.new_zeros(*first.shape[:-1], n) if p is None else p for p, n in zip(parts, sizes)],
+                         dim=-1)
     out = torch.empty(*first.shape[:-1], sum(sizes), dtype=first.dtype, device=first.device)
     for dst, p in zip(out.split(sizes, dim=-1), parts):
         if p is None:
@@ -83,7 +92,8 @@ class _KeysValues(torch.autograd.Function):
     def forward(ctx, kv_BSNX, k_pe_BS1r, nope_dim):
         B, S, N, X = kv_BSNX.shape
         Dr = k_pe_BS1r.shape[-1]
-        k_BSND = torch.empty(B, S, N, nope_dim + Dr, dtype=kv_BSNX.dtype, device=kv_BSNX.device)
+        k_BSND = torch.empty(B, S, N, nope_dim + Dr, dtype=torch.promote_types(kv_BSNX.dtype, k_pe_BS1r.dtype),
+                             device=kv_BSNX.device)
         k_BSND[..., :nope_dim].copy_(kv_BSNX[..., :nope_dim])
         k_BSND[..., nope_dim:].copy_(k_pe_BS1r.expand(B, S, N, Dr))
         ctx.sizes = [nope_dim, X - nope_dim]
@@ -93,7 +103,7 @@ class _KeysValues(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gk_BSND, gv_BSNv):
         n = ctx.sizes[0]
-        if gk_BSND is None:
+        if gk_BSND is None:  # also when neither output got a gradient: None for kv
             return _join_last((None, gv_BSNv), ctx.sizes), None, None
         gkv = _join_last((gk_BSND[..., :n], gv_BSNv), ctx.sizes)
         return gkv, gk_BSND[..., n:].sum(2, keepdim=True), None
@@ -108,7 +118,8 @@ def keys_values(kv_BSNX: torch.Tensor, k_pe_BS1r: torch.Tensor,
         k_pe_BS1r: [B, S, 1, Dr], the rotated shared rope key.
         nope_dim: Dn.
     Returns:
-        k [B, S, N, Dn + Dr] (new, contiguous) and v [B, S, N, Dv] (a view of ``kv``).
+        k [B, S, N, Dn + Dr] (new, contiguous; the promoted dtype of the two inputs, as ``cat``)
+        and v [B, S, N, Dv] (a view of ``kv``). Differentiable twice (``create_graph=True``).
 
     Eagerly through :class:`_KeysValues`; under ``torch.compile`` the plain expression, which the
     compiler fuses with its neighbours.

@@ -138,7 +138,9 @@ def _rotate_into(out_xR: torch.Tensor, x_xR: torch.Tensor, cos_SP: torch.Tensor,
 
     The arithmetic of :func:`apply_rope`: ``a·cos − b·sin``, ``b·cos + a·sin`` on each pair
     ``(a, b)`` in at least fp32, rounded once to ``out``'s dtype. Compiled, as those expressions
-    (the compiler fuses them with their neighbours). Eagerly, in three kernels over whole rows
+    (the compiler fuses them with their neighbours), and likewise with grad mode on (a backward
+    run with ``create_graph=True``: ``addcmul(out=)`` is not differentiable). Otherwise (a
+    Function's forward and first-order backward run without grad mode) in three kernels over whole rows
     (no stride-2 access): ``x·[c, c]`` (a mixed-dtype product that reads ``x`` in its own dtype),
     ``x`` with each pair swapped, and ``addcmul`` with ``[−s, s]`` stored into ``out``; the sum of
     two products may be contracted into one fused multiply-add (a last-bit difference in the
@@ -146,7 +148,7 @@ def _rotate_into(out_xR: torch.Tensor, x_xR: torch.Tensor, cos_SP: torch.Tensor,
     """
     S, P = cos_SP.shape
     compute = torch.promote_types(torch.promote_types(x_xR.dtype, cos_SP.dtype), torch.float32)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or torch.is_grad_enabled():
         x = x_xR.to(compute).unflatten(-1, (P, 2))
         a, b = x[..., 0], x[..., 1]
         c = cos_SP.to(compute)[None, :, None, :]
