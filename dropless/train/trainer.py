@@ -441,8 +441,9 @@ class Trainer:
         if cfg.optim.grad_clip:
             self.print("[dropless] grad clip: " + ("inside the fused AdamW kernel (optimizer.grad_scale)"
                                                    if self.device_guarded else
-                                                   "a separate pass over the gradients (AdamW is not fused in "
-                                                   "every param group)"))
+                                                   "scaled in a separate pass over the gradients (only the "
+                                                   "fused AdamW, the default on CUDA or with optim.fused=true, "
+                                                   "folds it in)"))
 
         self.param_counts = param_counts(self.args)
         self.peak_flops = peak_flops(env.device, cfg.logging)
