@@ -12,7 +12,8 @@ from omegaconf import OmegaConf
 from dropless.config import ConfigError, ModelArgs
 from dropless.train.config import compose, list_recipes, model_args
 from dropless.train.dist import check_mesh, default_num_threads, init_distributed, resolve_ep_size
-from dropless.train.trainer import alignment_note, check_train_config, lr_at
+from dropless.train.optim import lr_at
+from dropless.train.startup import alignment_note, check_train_config
 
 V3_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
              "first_k_dense_replace", "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",

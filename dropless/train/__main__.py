@@ -69,7 +69,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = compose(overrides)
         restarts = elastic_restart(cfg)
-        from dropless.train.trainer import NonFiniteError, Trainer, check_train_config
+        from dropless.train.startup import check_train_config
+        from dropless.train.trainer import NonFiniteError, Trainer
 
         check_train_config(cfg)  # ranges and the model, from the config alone
         if show_cfg:

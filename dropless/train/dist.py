@@ -153,7 +153,7 @@ def init_distributed(cfg: Any, n_routed_experts: int) -> DistEnv:
     ep = resolve_ep_size(cfg.dispatcher, world)
     dp = check_mesh(world, ep, n_routed_experts)
     device = _device(cfg.get("device", "auto"), local_rank)
-    threads = cfg.get("num_threads")  # >= 1 or null (dropless.train.trainer.check_train_config)
+    threads = cfg.get("num_threads")  # >= 1 or null (dropless.train.startup.check_train_config)
     torch.set_num_threads(int(threads) if threads is not None else default_num_threads(local_world))
     env = DistEnv(rank, world, local_rank, local_world, device, ep, dp)
     if world == 1:

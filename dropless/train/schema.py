@@ -5,7 +5,7 @@ is for :class:`~dropless.config.ModelArgs`), so a value of the wrong type (``tra
 ``optim.betas=0.9``, ``seed=abc``) is a composition error naming the field, before anything is
 printed or run. The values themselves live in ``configs/`` (every field here is ``MISSING``:
 the YAML gives it); ranges are checked where the values are used
-(:func:`dropless.train.trainer.check_train_config`, :mod:`dropless.train.dist`).
+(:func:`dropless.train.startup.check_train_config`, :mod:`dropless.train.dist`).
 
 Adding a config key: one field here (name, type, ``= MISSING``) and one line in ``configs/``.
 

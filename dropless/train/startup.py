@@ -1,0 +1,241 @@
+"""What a run does before its first step: the config checks, the run directory, determinism, the model.
+
+:func:`check_train_config` raises every error that the config alone can show, before any work
+(``dropless-train`` calls it before printing the resolved config); :func:`alignment_note` warns
+about a padding-heavy ``model.expert_alignment``; :func:`resolve_run_dir` picks (or checks) the
+run directory on every rank; :func:`set_deterministic` applies ``deterministic=true``;
+:func:`compute_dtype` reads ``train.dtype``; :func:`build_model` makes the initialised model
+with its dispatcher and FSDP2 sharding. :class:`dropless.train.trainer.Trainer` calls them in
+this order.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from dropless.config import ConfigError, ModelArgs
+from dropless.dispatch import build_dispatcher
+from dropless.dispatch.mesh import local_expert_count
+from dropless.layout import aligned_capacity
+from dropless.model import Transformer
+from dropless.train import checkpoint as ckpt
+from dropless.train.compile import check_compile_moe
+from dropless.train.config import model_args
+from dropless.train.dist import DistEnv
+from dropless.train.shard import apply_fsdp, shard_dense_params
+
+
+def check_train_config(cfg: DictConfig) -> None:
+    """Raise ConfigError for config values that cannot work, from the config alone (before any work).
+
+    Checks the train/optim/logging ranges, the model (:func:`~dropless.train.config.model_args`:
+    every field and their relations, e.g. ``n_group`` dividing ``n_routed_experts``) and
+    ``train.seq_len`` against ``model.max_position_embeddings``. ``dropless-train`` calls it
+    before it prints the resolved config, so the error is the last thing on the terminal.
+    """
+    t, o = cfg.train, cfg.optim
+
+    def need(ok: bool, field: str, value: Any, why: str) -> None:
+        if not ok:
+            shown = str(value).lower() if isinstance(value, bool) else repr(value)  # as YAML spells it
+            raise ConfigError(f"{field}={shown}: {why}")
+
+    for name in ("steps", "micro_batch_size", "seq_len", "grad_accum", "val_batches"):
+        need(int(t[name]) > 0, f"train.{name}", t[name], "must be a positive integer")
+    for name in ("val_every", "ckpt_every"):
+        need(int(t[name]) >= 0, f"train.{name}", t[name], "must be >= 0 (0: never / only at the end)")
+    need(int(t.ckpt_keep) >= 0, "train.ckpt_keep", t.ckpt_keep, "must be >= 0 (the newest N checkpoints kept; 0: all)")
+    need(str(t.dtype) in ("auto", "bf16", "fp32"), "train.dtype", t.dtype, "must be auto, bf16 or fp32")
+    need(str(t.nonfinite) in ("error", "skip"), "train.nonfinite", t.nonfinite,
+         "must be error (stop, naming the step) or skip (skip the optimizer step)")
+    need(isinstance(t.compile, bool), "train.compile", t.compile, "must be true or false")
+    need(str(t.compile_backend) in ("inductor", "aot_eager", "eager"), "train.compile_backend", t.compile_backend,
+         "must be inductor, aot_eager or eager")
+    need(isinstance(t.compile_moe, bool), "train.compile_moe", t.compile_moe, "must be true or false")
+    need(not t.compile_moe or t.compile, "train.compile_moe", t.compile_moe,
+         "compiles the MoE part of each block compiled by train.compile; set train.compile=true as well")
+    if t.compile and t.compile_moe:
+        check_compile_moe(str(cfg.dispatcher.name), bool(t.activation_checkpointing))
+    need(isinstance(t.cuda_graph, bool), "train.cuda_graph", t.cuda_graph, "must be true or false")
+    if t.cuda_graph:
+        need(str(cfg.dispatcher.name) == "local", "train.cuda_graph", True,
+             f"captures forward and backward without collectives, but dispatcher={cfg.dispatcher.name} runs "
+             "collectives inside them (the EP dispatchers move tokens between ranks; fsdp all-gathers the "
+             "experts); use dispatcher=local or train.cuda_graph=false")
+        gemm = str(cfg.model.gemm)  # what the model is built with (the gemm group's, unless model.gemm is set)
+        need(gemm == "torch", "train.cuda_graph", True,
+             f"is supported with gemm=torch only, got model.gemm={gemm} (gemm=loop reads the expert offsets on "
+             "the host, which a capture forbids; the FP8 backends keep their weight cache in host logic that a "
+             "replay would skip); use gemm=torch or train.cuda_graph=false")
+        need(str(t.get("loss_impl", "auto")) != "liger", "train.cuda_graph", True,
+             "with train.loss_impl=liger: Liger-Kernel's fused loss reads a value on the host inside forward, "
+             "which a capture forbids; set train.loss_impl=torch")
+        need(not t.get("shard_dense", False), "train.cuda_graph", True,
+             "train.shard_dense=true all-gathers parameters inside forward and backward (FSDP2), which a "
+             "captured graph cannot hold; set one of them to false")
+    need(isinstance(cfg.deterministic, bool), "deterministic", cfg.deterministic, "must be true or false")
+    need(isinstance(t.get("shard_dense", False), bool), "train.shard_dense", t.get("shard_dense"),
+         "must be true or false")
+    need(float(o.lr) > 0, "optim.lr", o.lr, "must be > 0")
+    need(int(o.warmup_steps) >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
+    need(0.0 <= float(o.min_lr_ratio) <= 1.0, "optim.min_lr_ratio", o.min_lr_ratio, "must lie in [0, 1]")
+    need(len(o.betas) == 2 and all(0.0 <= float(b) < 1.0 for b in o.betas), "optim.betas", list(o.betas),
+         "must be two numbers in [0, 1)")
+    need(o.grad_clip is None or float(o.grad_clip) >= 0, "optim.grad_clip", o.grad_clip, "must be >= 0 or null")
+    need(float(o.eps) > 0, "optim.eps", o.eps, "must be > 0 (AdamW's denominator term)")
+    need(float(o.weight_decay) >= 0, "optim.weight_decay", o.weight_decay, "must be >= 0")
+    need(float(t.get("dist_timeout_s", 600)) > 0, "train.dist_timeout_s", t.get("dist_timeout_s"),
+         "must be > 0 (seconds a collective may wait for the other ranks)")
+    for name in ("peak_flops", "cpu_peak_flops"):
+        v = cfg.logging.get(name)
+        need(v is None or float(v) > 0, f"logging.{name}", v, "must be > 0 (FLOP/s per device for MFU), or null")
+    need(int(cfg.logging.log_every) > 0, "logging.log_every", cfg.logging.log_every, "must be >= 1")
+    need(int(cfg.logging.histogram_every) >= 0, "logging.histogram_every", cfg.logging.histogram_every,
+         "must be >= 0 (0: never)")
+    need(str(cfg.logging.mode) in ("offline", "online", "disabled"), "logging.mode", cfg.logging.mode,
+         "must be offline, online or disabled")
+    need(cfg.num_threads is None or int(cfg.num_threads) >= 1, "num_threads", cfg.num_threads,
+         "must be >= 1 (CPU threads per process), or null for the cores divided by the local processes")
+    args = model_args(cfg)
+    if int(t.seq_len) > args.max_position_embeddings:
+        raise ConfigError(f"train.seq_len={int(t.seq_len)} > model.max_position_embeddings="
+                          f"{args.max_position_embeddings}: lower train.seq_len or raise "
+                          "model.max_position_embeddings")
+
+
+def alignment_note(args: ModelArgs, tokens: int, ep_size: int = 1) -> str | None:
+    """A warning when ``model.expert_alignment`` lets padding outgrow the routed rows, else None.
+
+    Each local expert's segment of the landed buffer starts on a multiple of ``A``, so a
+    chunk's buffer of ``R = T·k / chunks`` routed rows (``tokens`` = ``T``, a rank's tokens per
+    micro-batch) has room for ``(e − 1)·(A − 1)`` padding rows beside them (``e`` = local
+    experts; :func:`dropless.layout.aligned_capacity`). Padding is never computed on the Triton
+    paths but costs memory everywhere, and compute on the torch (CPU) path: a valid but almost
+    surely unintended setting when it exceeds ``R``.
+    """
+    a = int(args.expert_alignment)
+    local = local_expert_count(args.n_routed_experts, ep_size)
+    rows = tokens * args.num_experts_per_tok // max(1, args.num_token_chunks)
+    pad = aligned_capacity(rows, local, a) - rows
+    if pad <= rows:
+        return None
+    return (f"model.expert_alignment={a}: each of the {local} local experts' row segments starts on a multiple "
+            f"of {a}, so a chunk's landed buffer can hold {pad:,} padding rows beside its {rows:,} routed rows "
+            "(memory on every path, compute on the torch/CPU path); lower it: 1 (the default) unless a "
+            "backend needs more, e.g. 128 for gemm=deep_gemm; 8 or 16 are common")
+
+
+def resolve_run_dir(cfg: DictConfig, env: DistEnv) -> Path:
+    """The run directory, the same on every rank (rank 0 picks a fresh dated name by default).
+
+    Raises:
+        ConfigError: ``resume=true`` without ``run_dir``; ``resume=false`` and ``run_dir``
+            already holds checkpoints (a new run would mix with the old one).
+    """
+    if cfg.run_dir:
+        run_dir = Path(str(cfg.run_dir)).expanduser()
+    else:
+        if cfg.resume:
+            raise ConfigError("resume=true needs run_dir=PATH: the run directory to continue")
+        name = None
+        if env.is_main:
+            base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+            run_dir, i = base, 1
+            while run_dir.exists():
+                i += 1
+                run_dir = Path(f"{base}-{i}")
+            name = str(run_dir)
+        if env.distributed:
+            box = [name]
+            dist.broadcast_object_list(box, src=0)
+            name = box[0]
+        run_dir = Path(name)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"run_dir={str(run_dir)!r} is a file, not a directory; give a directory path")
+    if not cfg.resume:
+        found = ckpt.latest_checkpoint(run_dir)
+        if found is not None:
+            raise ConfigError(f"run_dir={str(run_dir)!r} already holds a checkpoint (step {found[0]}): pass "
+                              "resume=true to continue it, or give a new run_dir")
+    return run_dir.resolve()
+
+
+def config_changes(old: DictConfig, new: DictConfig) -> list[str]:
+    """``key: old -> new`` for every leaf that differs between two configs (resolved; ``resume`` ignored)."""
+    a = OmegaConf.to_container(old, resolve=True)
+    b = OmegaConf.to_container(new, resolve=True)
+
+    def leaves(d: Any, prefix: str = "") -> dict[str, Any]:
+        if not isinstance(d, dict):
+            return {prefix[:-1]: d}
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(leaves(v, f"{prefix}{k}."))
+        return out
+
+    la, lb = leaves(a), leaves(b)
+    return [f"{k}: {la.get(k, '(none)')} -> {lb.get(k, '(none)')}" for k in sorted(set(la) | set(lb))
+            if k != "resume" and la.get(k) != lb.get(k)]
+
+
+def set_deterministic(seed: int) -> None:
+    """``deterministic=true``: deterministic kernels only, and seeded RNGs.
+
+    ``torch.use_deterministic_algorithms(True)`` (an op without a deterministic
+    implementation then raises, naming itself); ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` unless set
+    (cuBLAS reads it when its first handle is made, so it must be set before the process's
+    first CUDA matmul; the trainer sets it before building the model); ``torch.manual_seed``
+    (CPU and CUDA). The weight init and the data order are seeded by ``seed`` either way.
+    """
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.manual_seed(seed)
+
+
+def compute_dtype(train_cfg: Any, device: torch.device) -> torch.dtype:
+    """``train.dtype`` as a torch dtype: auto = bf16 on CUDA, fp32 elsewhere."""
+    want = str(train_cfg.dtype)
+    if want == "auto":
+        want = "bf16" if device.type == "cuda" else "fp32"
+    return torch.bfloat16 if want == "bf16" else torch.float32
+
+
+def build_model(args: ModelArgs, cfg: DictConfig, env: DistEnv, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The Transformer with the configured dispatcher in every MoE layer, initialised (fp32).
+
+    ``dispatcher=local``: the MoE default. Others: ``dropless.dispatch.build_dispatcher``
+    with this rank's EP group; ``fsdp`` additionally shards the experts with FSDP2
+    (``dropless.train.shard.apply_fsdp``) over the dp mesh dimension. With
+    ``train.shard_dense`` the non-expert parameters are FSDP2-sharded over all ranks
+    (:func:`dropless.train.shard.shard_dense_params`). With ``dtype`` bf16 those FSDP2
+    calls get ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (inputs not
+    cast: the activations are bf16 already, the RoPE tables and routing weights stay fp32);
+    the other parameters are cast later by :class:`~dropless.train.optim.MasterWeights`.
+    """
+    name = str(cfg.dispatcher.name)
+    factory = None
+    if name != "local":
+        def factory(layer_id: int):
+            return build_dispatcher(name, args, ep_group=env.ep_group)
+
+    with torch.device(env.device):
+        model = Transformer(args, dispatcher_factory=factory,
+                            activation_checkpointing=bool(cfg.train.activation_checkpointing))
+    model.init_weights(int(cfg.seed))
+    shard_dense = bool(cfg.train.get("shard_dense", False)) and env.world_size > 1
+    mp_policy = None
+    if dtype != torch.float32 and (shard_dense or (name == "fsdp" and env.world_size > 1)):
+        mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    if name == "fsdp" and env.world_size > 1:
+        apply_fsdp(model, env.mesh, root=not shard_dense, mp_policy=mp_policy)  # shard_dense makes the root
+    if shard_dense:
+        shard_dense_params(model, env.world_size, env.device.type, mp_policy=mp_policy)
+    return model
