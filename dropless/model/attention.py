@@ -134,8 +134,14 @@ def keys_values(kv_BSNX: torch.Tensor, k_pe_BS1r: torch.Tensor,
 def split_last(x: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
     """``torch.split(x, sizes, dim=-1)``; eagerly through :class:`_SplitLast` (copy-based backward).
 
-    Under ``torch.compile`` the plain split: the compiler writes the backward's concatenation
-    as one fused kernel of its own.
+    Args:
+        x: [..., sum(sizes)], any dtype.
+        sizes: widths of the parts along the last dimension.
+    Returns:
+        the parts, views of ``x`` (``[..., sizes[i]]``). Differentiable twice.
+
+    Under ``torch.compile``, without grad mode or when ``x`` needs no gradient, the plain split
+    (compiled, the compiler writes the backward's concatenation as one fused kernel of its own).
     """
     if torch.compiler.is_compiling() or not torch.is_grad_enabled() or not x.requires_grad:
         return torch.split(x, sizes, dim=-1)
