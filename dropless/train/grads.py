@@ -178,7 +178,8 @@ class GradBuckets:
                     b.views[k].add_(p.grad)
                 else:
                     # the multi-tensor copy: a bf16 -> fp32 copy_ runs torch's unrolled (not
-                    # vectorised) cast kernel at about half the bandwidth (H200: 6.1 -> ~3 ms a step)
+                    # vectorised) cast kernel; on an H200 2.0 against 3.0 TB/s, the step's hook
+                    # copies 6.2 -> 5.5 ms (benchmarks/results/h200_train_step_s15.jsonl)
                     torch._foreach_copy_([b.views[k]], [p.grad])
                     self._written.add(id(p))
             p.grad = None
