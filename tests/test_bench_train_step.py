@@ -65,15 +65,25 @@ def test_gpu_user_annotations_are_not_counted():
 
 def test_copy_listing_names_ops_shapes_and_dropless_origins(tmp_path):
     """--copies: one profiled step's copy-like ops, each with shapes, dtypes and the dropless function
-    (or backward node) that issued it; the bf16 -> fp32 main-gradient copies of the hooks are there."""
+    (or backward node) that issued it; the hooks' bf16 -> fp32 main-gradient copies are there, one
+    ``_foreach_copy_`` per trainable parameter (its first gradient of the step; the profiler records a
+    tensor list's shapes and dtypes only as ``TensorList``); the optimizer's large adds run on fp32 state."""
+    from dropless.train.config import compose
+    from dropless.train.trainer import Trainer
+
+    ov = ["model=tiny", "train.dtype=bf16", "train.micro_batch_size=2", "train.seq_len=32", "num_threads=1"]
     out = tmp_path / "copies.txt"
     assert main(["--recipe", "cpu_default", "--variants", "eager", "--warmup", "1", "--steps", "1",
-                 "--profile-steps", "0", "--copies", str(out), "--set", "model=tiny", "--set", "train.dtype=bf16",
-                 "--set", "train.micro_batch_size=2", "--set", "train.seq_len=32", "--set", "num_threads=1"]) == 0
+                 "--profile-steps", "0", "--copies", str(out), *[a for o in ov for a in ("--set", o)]]) == 0
     text = out.read_text()
     assert text.startswith("copy-like operators of one training step: recipe=cpu_default variant=eager")
-    hook = [ln for ln in text.splitlines() if "aten::copy_" in ln and "dropless/train/grads.py" in ln and "_hook" in ln]
-    assert hook and all("'float', 'c10::BFloat16'" in ln for ln in hook)     # fp32 main <- bf16 .grad
+    hook = [ln for ln in text.splitlines() if "dropless/train/grads.py" in ln and "_hook" in ln]
+    assert len(hook) == 1 and "aten::_foreach_copy_" in hook[0], hook
+    model = Trainer(compose(["recipe=cpu_default", f"run_dir={tmp_path}/run", *ov])).model
+    n_params = sum(p.requires_grad for p in model.parameters())
+    assert int(hook[0].split()[0]) == n_params > 10
+    adds = [ln for ln in text.splitlines() if "aten::add_" in ln and "clipped_step" in ln]
+    assert adds and all("'float'" in ln for ln in adds)                      # the optimizer on fp32 state
     assert any("backward " in ln and "(of dropless/" in ln for ln in text.splitlines())
 
 
