@@ -320,6 +320,31 @@ def test_resumed_wandb_run_that_holds_later_steps_is_reported(tmp_path, monkeypa
     assert m.note is None or "wandb" not in m.note
 
 
+def test_two_open_loggers_write_two_wandb_runs(tmp_path):
+    """A logger opened while another is still open (a trainer not closed, in the same process) gets a
+    run of its own in its own run_dir: wandb's default would hand back the open run, and the second
+    trainer's records would land silently in the first one's directory."""
+    pytest.importorskip("wandb")
+    from dropless.train.metrics import MetricsLogger
+
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    loggers = []
+    for d in dirs:
+        d.mkdir()
+        loggers.append(MetricsLogger(d, {"mode": "offline"}))
+    try:
+        assert loggers[0].wandb_run.id != loggers[1].wandb_run.id
+        for i, m in enumerate(loggers):
+            m.log(1, {"loss": float(i)})
+    finally:
+        for m in reversed(loggers):
+            m.close()
+    for d, m in zip(dirs, loggers):
+        runs = list((d / "wandb").glob("offline-run-*"))
+        assert len(runs) == 1 and runs[0].name.endswith((d / "wandb_run_id").read_text())
+        assert list(runs[0].glob("*.wandb"))
+
+
 def test_closed_trainer_releases_its_parameters(tmp_path):
     """After ``close()`` nothing keeps a trainer's parameters alive: its gradient hooks (bound methods
     holding the buckets and every parameter, stored on the C++ side of each parameter, a cycle the

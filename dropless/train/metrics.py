@@ -169,6 +169,9 @@ class MetricsLogger:
                 name=logging_cfg.get("name") or run_dir.name, dir=str(run_dir), mode=mode,
                 config=dict(config) if config is not None else None, id=run_id,
                 resume="allow" if run_id else None,
+                # each logger its own run: wandb's default in a script returns the run still open in
+                # this process (a trainer not closed), whose records would land in the other run_dir
+                reinit="create_new",
                 settings=wandb.Settings(console="off", silent=True),
             )
         except (wandb.errors.UsageError, wandb.errors.AuthenticationError) as e:
