@@ -349,7 +349,8 @@ def test_closed_trainer_releases_its_parameters(tmp_path):
     """After ``close()`` nothing keeps a trainer's parameters alive: its gradient hooks (bound methods
     holding the buckets and every parameter, stored on the C++ side of each parameter, a cycle the
     garbage collector cannot see) are removed, so a second trainer in the same process does not run
-    beside the first one's weights and fp32 gradient buckets."""
+    beside the first one's weights and fp32 gradient buckets. Its metrics file and wandb run (offline,
+    the default) are closed too: wandb has written the run's ``.wandb`` file."""
     import gc
     import weakref
 
@@ -358,7 +359,11 @@ def test_closed_trainer_releases_its_parameters(tmp_path):
     tr.train_step()
     refs = [weakref.ref(p) for p in tr.model.parameters()]
     flat = weakref.ref(tr.grads.flats[0])
+    metrics = tr.metrics
+    assert metrics.wandb_run is not None and metrics._f is not None
     tr.close()
+    assert metrics.wandb_run is None and metrics._f is None
+    assert list((tmp_path / "run" / "wandb").glob("offline-run-*/*.wandb"))
     del tr
     gc.collect()
     assert all(r() is None for r in refs) and flat() is None

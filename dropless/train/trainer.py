@@ -698,8 +698,9 @@ class Trainer:
         return summary
 
     def close(self) -> None:
-        """Release the run: drop the gradient hooks on the parameters, tear down the process group
-        (if this run made it).
+        """Release the run: close the metrics file and the wandb run (a trainer closed before or
+        without :meth:`train`; :meth:`train` closes them itself), drop the gradient hooks on the
+        parameters, tear down the process group (if this run made it).
 
         The hooks (:class:`~dropless.train.grads.GradBuckets`' post-accumulate-grad hooks, bound
         methods holding the buckets and every parameter) sit in the parameters' C++ side, where
@@ -708,6 +709,9 @@ class Trainer:
         (a second trainer in one process, e.g. ``benchmarks/train_step.py``'s next variant, then
         ran with the first one's ~17 GiB still resident at ``recipe=h200_single``).
         """
+        metrics = getattr(self, "metrics", None)
+        if metrics is not None:
+            metrics.close()
         grads = getattr(self, "grads", None)
         if grads is not None:
             grads.remove()
