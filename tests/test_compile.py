@@ -325,8 +325,10 @@ def test_compiled_swiglu_mlp_saves_what_eager_saves(backend):
 def test_compiled_rope_tail_equals_eager_and_saves_no_activation(backend, D):
     """:func:`~dropless.model.rope.rope_tail` compiled (one expression and a cat, which inductor fuses
     into a single pass over the output) against its eager path (a copy and three whole-row kernels
-    into a preallocated output): output and gradient bitwise equal on CPU, against the fp64 rotation
-    to within one bf16 rounding; only tables of ``[S, ·]`` are saved, never an activation."""
+    into a preallocated output): output and gradient each within one bf16 rounding of the fp64
+    rotation, so compiled and eager differ by at most one bf16 step (where one path contracts
+    ``a·c + b·s`` into a fused multiply-add and the other does not, the fp32 sums can round to
+    neighbouring bf16 values); only tables of ``[S, ·]`` are saved, never an activation."""
     from dropless.model.rope import apply_rope, rope_cos_sin, rope_tail
 
     torch._dynamo.reset()
@@ -349,11 +351,13 @@ def test_compiled_rope_tail_equals_eager_and_saves_no_activation(backend, D):
 
     y_e, gx_e, _ = run(rope_tail)
     y_c, gx_c, saved_c = run(torch.compile(rope_tail, backend=backend, fullgraph=True))
-    assert torch.equal(y_c, y_e) and torch.equal(gx_c, gx_e)
     assert all(n <= S * D for n in saved_c), saved_c
-    xd = x.detach().double()
+    xd, gd = x.detach().double(), g.double()
     want = torch.cat((xd[..., :D - R], apply_rope(xd[..., D - R:], cos.double(), sin.double())), -1)
-    assert ((y_c.double() - want).abs() <= want.abs() * 2.0**-8 + 1e-30).all()
-    gd = g.double()  # the gradient is the rotation by the negative angle
+    # the gradient is the rotation by the negative angle
     want_g = torch.cat((gd[..., :D - R], apply_rope(gd[..., D - R:], cos.double(), -sin.double())), -1)
-    assert ((gx_c.double() - want_g).abs() <= want_g.abs() * 2.0**-8 + 1e-30).all()
+    half_step = 2.0**-8 * (1 + 2.0**-10)  # half a bf16 step, relative, and the fp32 sum's own error
+    for got, ref in ((y_c, want), (y_e, want), (gx_c, want_g), (gx_e, want_g)):
+        assert got.dtype == torch.bfloat16 and got.shape == ref.shape
+        assert ((got.double() - ref).abs() <= ref.abs() * half_step).all()
+    assert torch.equal(y_c[..., :D - R], x.detach()[..., :D - R]) and torch.equal(gx_c[..., :D - R], g[..., :D - R])
