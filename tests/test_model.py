@@ -506,6 +506,8 @@ def test_rope_tail_equals_split_rope_cat_and_saves_no_activation(dtype, n_nope):
         torch.testing.assert_close(gx.double(), gx2.double(), rtol=8e-3, atol=1e-2)
     with pytest.raises(ValueError, match="rope_tail"):
         rope_tail(x, cos[:3], sin[:3])
+    with pytest.raises(ValueError, match="require grad.*apply_rope"):   # it would give them no gradient
+        rope_tail(x, cos.clone().requires_grad_(), sin)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])

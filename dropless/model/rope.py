@@ -198,10 +198,14 @@ def rope_tail(x_BSND: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch.Tensor) 
         ``x[..., D−R:]`` (same arithmetic, at least fp32). Backward rotates the gradient by the
         negative angle; only the tables are saved (no activation).
     Raises:
-        ValueError: tables that do not match ``x``.
+        ValueError: tables that do not match ``x``, or tables that require grad (no gradient flows
+            to them: use :func:`apply_rope` to learn the angles).
     """
     B, S, N, D = x_BSND.shape
     if cos_SP.shape != sin_SP.shape or cos_SP.dim() != 2 or cos_SP.shape[0] != S or 2 * cos_SP.shape[1] > D:
         raise ValueError(f"rope_tail: tables {tuple(cos_SP.shape)} do not match x {tuple(x_BSND.shape)}; expected "
                          f"[{S}, P] with 2·P <= {D}")
+    if cos_SP.requires_grad or sin_SP.requires_grad:
+        raise ValueError("rope_tail: cos/sin require grad, but rope_tail gives them no gradient (they are "
+                         "fixed tables from rope_cos_sin); detach them, or use apply_rope to train the angles")
     return _RopeTail.apply(x_BSND, cos_SP, sin_SP)
