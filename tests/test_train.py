@@ -339,7 +339,7 @@ def test_two_open_loggers_write_two_wandb_runs(tmp_path):
     finally:
         for m in reversed(loggers):
             m.close()
-    for d, m in zip(dirs, loggers):
+    for d in dirs:
         runs = list((d / "wandb").glob("offline-run-*"))
         assert len(runs) == 1 and runs[0].name.endswith((d / "wandb_run_id").read_text())
         assert list(runs[0].glob("*.wandb"))
