@@ -8,8 +8,9 @@ forward + backward runs, in the ways it can be run:
 ``fwd``            ``torch`` backend ``gmm(x, w)`` (what the layer runs)
 ``dgrad``          ``gmm(dy, w.transpose(1, 2))``: the transposed view (what the layer runs)
 ``dgrad_wT``       the same on a contiguous transposed copy of ``w`` (the copy not timed)
-``wgrad``          ``TorchBackend.gmm_wgrad`` (gap rows zeroed, ``grouped_mm(x^T, dy)``, empty experts
-                   zeroed: what the layer runs)
+``wgrad``          ``TorchBackend.gmm_wgrad`` (what the layer runs: the Triton kernel where
+                   ``torch_backend.wgrad_by_triton`` says so, else gap rows zeroed, ``grouped_mm(x^T, dy)``,
+                   empty experts zeroed; ``by_triton`` says which)
 ``wgrad_mm``       ``grouped_mm(x^T, dy)`` alone
 ``zero_gaps``      the two ``zero_gap_rows_`` calls of ``wgrad`` alone (no GEMM; ``rel_err`` 0)
 ``zero_empty``     its ``zero_empty_experts_`` alone (no GEMM; ``rel_err`` 0)
@@ -22,6 +23,10 @@ against the line's reference (the layer's own op, in fp32); ``wgrad_mm`` also ``
 (whether ``grouped_mm`` wrote ``dW`` contiguous, else ``wgrad`` copies it). Usage::
 
     python -m benchmarks.grouped_gemm [--experts 64] [--rows 196608] [--hidden 1024] [--inter 512] [--align 128]
+                                      [--sigma 0.3]
+
+``--sigma``: the spread of the experts' row counts (log-normal; 0.3 keeps the largest expert near
+2.3x the mean, 1.6 gives one expert about a third of the rows, as a router does early in training).
 
 Needs CUDA (bf16 ``grouped_mm``).
 """
@@ -52,15 +57,15 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def run(experts: int, rows: int, hidden: int, inter: int, align: int, device: str = "cuda", timed: bool = True,
-        dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+        dtype: torch.dtype = torch.bfloat16, sigma: float = 0.3) -> list[dict]:
     """The records (see the module doc); ``device="cpu"``, ``timed=False``, fp32 under ``TRITON_INTERPRET=1``
     checks the arithmetic without a GPU."""
     from dropless.layout import ExpertLayout
     from dropless.ops import triton_wgrad
-    from dropless.ops.torch_backend import TorchBackend, _grouped_mm
+    from dropless.ops.torch_backend import TorchBackend, _grouped_mm, wgrad_by_triton
     from dropless.ops.zero_fill import zero_empty_experts_, zero_gap_rows_
 
-    counts = counts_for(rows, experts)
+    counts = counts_for(rows, experts, sigma=sigma)
     layout = ExpertLayout.from_counts(torch.tensor(counts, device=device), align, num_rows=rows)
     M = layout.capacity
     be = TorchBackend()
@@ -97,15 +102,18 @@ def run(experts: int, rows: int, hidden: int, inter: int, align: int, device: st
             err = rel_err(got[mask], ref[mask]) if mask is not None else rel_err(got, ref)
             ms = bench(fn, iters=30) if timed else float("nan")
             out.append({"bench": "grouped_gemm", "gemm": gemm, "op": op, "experts": experts, "rows": rows,
-                        "K": K, "N": N, "align": align, "ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1),
-                        "rel_err": err, **({"out_contiguous": mm_contig} if op == "wgrad_mm" else {})})
+                        "K": K, "N": N, "align": align, "sigma": sigma, "max_rows": max(counts), "ms": round(ms, 4),
+                        "tflops": round(flops / ms / 1e9, 1), "rel_err": err,
+                        **({"out_contiguous": mm_contig} if op == "wgrad_mm" else {}),
+                        **({"by_triton": wgrad_by_triton(x, N)} if op == "wgrad" else {})})
         dw32.zero_()
         triton_wgrad.grouped_wgrad_(dw32, x, dy, layout, accumulate=True)
         err = rel_err(dw32, dw_ref)
         acc = lambda: triton_wgrad.grouped_wgrad_(dw32, x, dy, layout, accumulate=True)  # noqa: E731
         ms = bench(acc, iters=30) if timed else float("nan")
         out.append({"bench": "grouped_gemm", "gemm": gemm, "op": "wgrad_triton_f32acc", "experts": experts,
-                    "rows": rows, "K": K, "N": N, "align": align, "ms": round(ms, 4),
+                    "rows": rows, "K": K, "N": N, "align": align, "sigma": sigma, "max_rows": max(counts),
+                    "ms": round(ms, 4),
                     "tflops": round(flops / ms / 1e9, 1), "rel_err": err})
     return out
 
@@ -117,12 +125,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--inter", type=int, default=512)
     p.add_argument("--align", type=int, default=128)
+    p.add_argument("--sigma", type=float, nargs="+", default=[0.3],
+                   help="log-normal spread of the experts' row counts (several: one run each)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks.grouped_gemm needs CUDA", file=sys.stderr)
         return 2
-    for rec in run(a.experts, a.rows, a.hidden, a.inter, a.align):
-        print(json.dumps(rec), flush=True)
+    for sigma in a.sigma:
+        for rec in run(a.experts, a.rows, a.hidden, a.inter, a.align, sigma=sigma):
+            print(json.dumps(rec), flush=True)
     return 0
 
 

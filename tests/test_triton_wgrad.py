@@ -109,6 +109,34 @@ def test_chunks_accumulate_to_the_whole():
     assert rel(dw, reference(x1, dy1, lay1) + reference(x2, dy2, lay2)) < tol(torch.float32)
 
 
+def test_largest_first_orders_experts_by_rows_ties_by_index():
+    counts = torch.tensor([3, 7, 0, 7, 1], device=DEV, dtype=torch.int32)
+    order = tw.largest_first(counts)
+    assert order.dtype == torch.int32 and order.tolist() == [1, 3, 0, 4, 2]
+
+
+def test_torch_backend_weight_gradient_takes_the_kernel_with_few_tiles_per_expert(monkeypatch):
+    """``TorchBackend.gmm_wgrad`` through :func:`grouped_wgrad` (NaN padding, an empty expert, the largest
+    expert in the middle): the float64 product, exact zeros for the empty expert, and the inputs' padding
+    left as it was (the ``grouped_mm`` path zero-fills it in place)."""
+    from dropless.ops import select
+    from dropless.ops import torch_backend as tb
+
+    if DEV == "cpu":
+        monkeypatch.setattr(select, "FORCE_TRITON", True)
+    lay, x, dy = operands([5, 90, 0, 33], 8, 24, 40, seed=5)
+    assert tb.wgrad_by_triton(x, dy.shape[1])
+    dw = tb.TorchBackend().gmm_wgrad(x, dy, lay)
+    assert dw.dtype == x.dtype and tuple(dw.shape) == (4, 24, 40)
+    assert rel(dw, reference(x, dy, lay)) < tol(x.dtype)
+    assert (dw[2] == 0).all()
+    pad = ~lay.live_mask()
+    assert torch.isnan(x[pad]).all() and torch.isnan(dy[pad]).all()
+    if DEV == "cuda":  # the rule: 8 x 8 tiles per expert take the kernel, the seed's FC1 (56 x 32) grouped_mm
+        assert tb.wgrad_by_triton(torch.empty(1, 1024, device=DEV, dtype=DT), 1024)
+        assert not tb.wgrad_by_triton(torch.empty(1, 7168, device=DEV, dtype=DT), 4096)
+
+
 def test_larger_shape_and_strided_rows():
     """More rows than one block per expert, K/N spanning several tiles, x a column slice of a wider buffer."""
     K, N = 96, 80

@@ -17,8 +17,9 @@
   each block's product (``promote``), per-expert scales once at the end. The tile order,
   epilogue and tuning are the bf16 kernel's.
 
-One program per (expert, K-tile, N-tile), in a grouped order inside each expert so that
-the programs in flight share their ``x`` and ``dy`` column blocks in L2. Each program
+One program per (expert, K-tile, N-tile): the experts largest first (:func:`largest_first`, so
+that a large expert's long tiles do not run alone at the end), and a grouped order inside each
+expert so that the programs in flight share their ``x`` and ``dy`` column blocks in L2. Each program
 reads its expert's ``start``/``end`` on the device and walks those rows ``BLOCK_R`` at a
 time: ``acc += x_tile^T @ dy_tile`` (bf16/fp16 tensor-core dots; fp32 inputs use IEEE
 fp32, no TF32). Only LIVE rows are read: the row loads are masked to ``[start, end)``
@@ -109,16 +110,20 @@ def _wgrad_step(acc, x_ptr, dy_ptr, r, row1, offs_k, offs_n, mask_k, mask_n, str
 
 
 @triton.jit
-def _tile(pid, start_ptr, end_ptr, K, N, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr):
+def _tile(pid, order_ptr, start_ptr, end_ptr, K, N, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+          GROUP_K: tl.constexpr):
     """Program ``pid`` -> its expert, N-tile, the tile's offsets and masks and the expert's rows ``[row0, row1)``.
 
-    Within an expert, GROUP_K K-tiles side by side, then the next N-tile (the programs in flight
-    share their dy column blocks in L2)."""
+    The experts in ``order`` (largest first, :func:`largest_first`): the GPU hands out programs
+    in ``pid`` order as SMs free up, so the longest tiles start first and the short ones fill in
+    behind them. Within an expert, GROUP_K K-tiles side by side, then the next N-tile (the
+    programs in flight share their dy column blocks in L2)."""
     num_k = tl.cdiv(K, BLOCK_K)
     num_n = tl.cdiv(N, BLOCK_N)
     tiles = num_k * num_n
-    ex = pid // tiles
-    t = pid - ex * tiles
+    slot = pid // tiles
+    ex = tl.load(order_ptr + slot)
+    t = pid - slot * tiles
     width = GROUP_K * num_n
     k0 = (t // width) * GROUP_K
     group_k = tl.minimum(num_k - k0, GROUP_K)
@@ -153,12 +158,12 @@ def _store_tile(acc, dw_ptr, ex, pid_n, offs_k, offs_n, mask_k, mask_n, K, N, wr
 
 
 @triton.jit(do_not_specialize=["write"])
-def _grouped_wgrad_kernel(x_ptr, dy_ptr, dw_ptr, start_ptr, end_ptr, K, N, stride_xm, stride_dym, write,
+def _grouped_wgrad_kernel(x_ptr, dy_ptr, dw_ptr, order_ptr, start_ptr, end_ptr, K, N, stride_xm, stride_dym, write,
                           ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
                           BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
                           GROUP_K: tl.constexpr):
-    ex, pid_n, offs_k, offs_n, mask_k, mask_n, row0, row1 = _tile(tl.program_id(0), start_ptr, end_ptr, K, N,
-                                                                  BLOCK_K, BLOCK_N, GROUP_K)
+    ex, pid_n, offs_k, offs_n, mask_k, mask_n, row0, row1 = _tile(tl.program_id(0), order_ptr, start_ptr, end_ptr,
+                                                                  K, N, BLOCK_K, BLOCK_N, GROUP_K)
     if ACCUMULATE:
         if row1 <= row0:  # empty expert: dw[ex] += 0 -- leave it as it is
             return
@@ -200,12 +205,13 @@ def _fp8_step(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, r, offs_k, offs_n, mask_k, mask
 
 
 @triton.jit(do_not_specialize=["write"])
-def _fp8_wgrad_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, dw_ptr, start_ptr, end_ptr, K, N, stride_a, stride_b, write,
+def _fp8_wgrad_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, dw_ptr, order_ptr, start_ptr, end_ptr, K, N, stride_a, stride_b,
+                      write,
                       ACCUMULATE: tl.constexpr, PROMOTE: tl.constexpr,
                       INTERPRET: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
                       GROUP_K: tl.constexpr):
-    ex, pid_n, offs_k, offs_n, mask_k, mask_n, row0, row1 = _tile(tl.program_id(0), start_ptr, end_ptr, K, N,
-                                                                  BLOCK_K, BLOCK_N, GROUP_K)
+    ex, pid_n, offs_k, offs_n, mask_k, mask_n, row0, row1 = _tile(tl.program_id(0), order_ptr, start_ptr, end_ptr,
+                                                                  K, N, BLOCK_K, BLOCK_N, GROUP_K)
     if ACCUMULATE:  # row0 is a multiple of BLOCK_R (the layout's alignment)
         if row1 <= row0:
             return
@@ -231,12 +237,23 @@ def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _launch(cfg: triton.Config, dw_eKN, x_MK, dy_MN, layout, accumulate: bool, write: bool) -> None:
+def largest_first(counts_e: torch.Tensor) -> torch.Tensor:
+    """int32 ``[e]``: the local experts by live rows, largest first (ties by index; on the device, no sync).
+
+    Why: a weight-gradient tile's time grows with its expert's rows. When an expert's tiles are
+    fewer than the SMs, a schedule in expert order leaves the largest expert's long tiles to run
+    alone at the end (an H200 at h200_single's shape, one expert with 36 % of the rows: 1.09 ms
+    for ``grouped_mm``'s FC1 weight gradient against 0.65 balanced); started first, they overlap
+    the short tiles (0.81 ms; ``benchmarks/results/h200_wgrad_order_s17.jsonl``)."""
+    return torch.argsort(counts_e, descending=True, stable=True).to(torch.int32)
+
+
+def _launch(cfg: triton.Config, dw_eKN, x_MK, dy_MN, layout, order, accumulate: bool, write: bool) -> None:
     e, k, n = dw_eKN.shape
     bk, bn = cfg.kwargs["BLOCK_K"], cfg.kwargs["BLOCK_N"]
     grid = (e * triton.cdiv(k, bk) * triton.cdiv(n, bn),)
     _grouped_wgrad_kernel[grid](
-        x_MK, dy_MN, dw_eKN, layout.start, layout.end, k, n, x_MK.stride(0), dy_MN.stride(0), int(write),
+        x_MK, dy_MN, dw_eKN, order, layout.start, layout.end, k, n, x_MK.stride(0), dy_MN.stride(0), int(write),
         ACCUMULATE=bool(accumulate), PRECISION="ieee" if x_MK.dtype == torch.float32 else None,
         INTERPRET=_interpret(), GROUP_K=_GROUP_K, **cfg.all_kwargs())
 
@@ -262,13 +279,14 @@ def _tune(key: tuple, candidates: list, run, what: str) -> triton.Config:
     return cfg
 
 
-def _pick_config(dw_eKN, x_MK, dy_MN, layout, accumulate: bool) -> triton.Config:
+def _pick_config(dw_eKN, x_MK, dy_MN, layout, order, accumulate: bool) -> triton.Config:
     if _interpret():
         return INTERPRET_CONFIG
     k, n = dw_eKN.shape[1:]
     key = (x_MK.shape[0], k, n, x_MK.dtype, dw_eKN.dtype, bool(accumulate), x_MK.device.index)
     return _tune(key, FP32_CONFIGS if x_MK.dtype == torch.float32 else CONFIGS,
-                 lambda c: _launch(c, dw_eKN, x_MK, dy_MN, layout, accumulate, write=False), "grouped_wgrad_")
+                 lambda c: _launch(c, dw_eKN, x_MK, dy_MN, layout, order, accumulate, write=False),
+                 "grouped_wgrad_")
 
 
 def _check(dw_eKN: torch.Tensor, x_MK: torch.Tensor, dy_MN: torch.Tensor, layout: ExpertLayout) -> None:
@@ -332,16 +350,42 @@ def grouped_wgrad_(dw_eKN: torch.Tensor, x_MK: torch.Tensor, dy_MN: torch.Tensor
     e, k, n = dw_eKN.shape
     if e == 0 or k == 0 or n == 0:
         return dw_eKN
-    cfg = _pick_config(dw_eKN, x_MK, dy_MN, layout, accumulate)
-    _launch(cfg, dw_eKN, x_MK, dy_MN, layout, accumulate, write=True)
+    order = largest_first(layout.counts)
+    cfg = _pick_config(dw_eKN, x_MK, dy_MN, layout, order, accumulate)
+    _launch(cfg, dw_eKN, x_MK, dy_MN, layout, order, accumulate, write=True)
     return dw_eKN
 
 
+def _grouped_wgrad_new(x_MK: torch.Tensor, dy_MN: torch.Tensor, counts: torch.Tensor, start: torch.Tensor,
+                      end: torch.Tensor, alignment: int) -> torch.Tensor:
+    layout = ExpertLayout(counts=counts, start=start, end=end, capacity=x_MK.shape[0], alignment=alignment)
+    dw = x_MK.new_empty(counts.shape[0], x_MK.shape[1], dy_MN.shape[1])
+    return grouped_wgrad_(dw, x_MK, dy_MN, layout, accumulate=False)
+
+
+# as an opaque op for torch.compile (the first call's tuning times the kernel on the host); eager calls launch directly
+_grouped_wgrad_op = torch.library.custom_op("dropless::grouped_wgrad", _grouped_wgrad_new, mutates_args=())
+
+
+@_grouped_wgrad_op.register_fake
+def _(x_MK, dy_MN, counts, start, end, alignment):
+    return x_MK.new_empty(counts.shape[0], x_MK.shape[1], dy_MN.shape[1])
+
+
+def grouped_wgrad(x_MK: torch.Tensor, dy_MN: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+    """A new ``dw [e, K, N]`` in ``x_MK``'s dtype: :func:`grouped_wgrad_` with ``accumulate=False``.
+
+    Same arguments, rules and errors as :func:`grouped_wgrad_`; under ``torch.compile`` one opaque
+    op (``dropless::grouped_wgrad``)."""
+    launch = _grouped_wgrad_op if torch.compiler.is_compiling() else _grouped_wgrad_new
+    return launch(x_MK, dy_MN, layout.counts, layout.start, layout.end, layout.alignment)
+
+
 # ----------------------------------------------------------------------------- FP8 operands
-def _launch_fp8(cfg, dw_eKN, a, sa, b, sb, layout, accumulate: bool, write: bool, promote: bool) -> None:
+def _launch_fp8(cfg, dw_eKN, a, sa, b, sb, layout, order, accumulate: bool, write: bool, promote: bool) -> None:
     e, k, n = dw_eKN.shape
     grid = (e * triton.cdiv(k, cfg.kwargs["BLOCK_K"]) * triton.cdiv(n, cfg.kwargs["BLOCK_N"]),)
-    _fp8_wgrad_kernel[grid](a, sa, b, sb, dw_eKN, layout.start, layout.end, k, n, a.stride(0), b.stride(0),
+    _fp8_wgrad_kernel[grid](a, sa, b, sb, dw_eKN, order, layout.start, layout.end, k, n, a.stride(0), b.stride(0),
                             int(write), ACCUMULATE=bool(accumulate), PROMOTE=promote,
                             INTERPRET=_interpret(), GROUP_K=_GROUP_K, **cfg.all_kwargs())
 
@@ -406,11 +450,12 @@ def fp8_grouped_wgrad_(dw_eKN: torch.Tensor, a_q: torch.Tensor, a_s: torch.Tenso
         raise ValueError(f"{name}: needs CUDA tensors (got {a_q.device}); on the CPU set TRITON_INTERPRET=1")
     if e == 0 or k == 0 or n == 0:
         return dw_eKN
+    order = largest_first(layout.counts)
     if _interpret():
         cfg = FP8_INTERPRET_CONFIG
     else:
         key = ("fp8", mp, k, n, dw_eKN.dtype, bool(accumulate), promote, a_q.device.index)
-        cfg = _tune(key, FP8_CONFIGS, lambda c: _launch_fp8(c, dw_eKN, a_q, a_s, b_q, b_s, layout, accumulate,
+        cfg = _tune(key, FP8_CONFIGS, lambda c: _launch_fp8(c, dw_eKN, a_q, a_s, b_q, b_s, layout, order, accumulate,
                                                             False, promote), name)
-    _launch_fp8(cfg, dw_eKN, a_q, a_s, b_q, b_s, layout, accumulate, True, promote)
+    _launch_fp8(cfg, dw_eKN, a_q, a_s, b_q, b_s, layout, order, accumulate, True, promote)
     return dw_eKN
