@@ -16,7 +16,7 @@ import torch
 
 from dropless.ops.backward import first_order_only, grad_wanted
 from dropless.ops.grouped_gemm import WgradAccumulator, weight_grad
-from dropless.ops.rows import RowSource, gather_rows, gather_sum, regather_rows
+from dropless.ops.rows import RowSource, gather_rows, gather_sum, land_rows, regather_rows
 from dropless.ops.swiglu import swiglu_bwd, swiglu_fwd
 
 
@@ -69,18 +69,25 @@ class RecomputeAhead:
         return y_TH
 
 
-def _landed(x_in: torch.Tensor, src_M: torch.Tensor | None, after: torch.Tensor | None = None) -> torch.Tensor:
+def _landed(x_in: torch.Tensor, src_M: torch.Tensor | None, dest_Nk: torch.Tensor | None = None,
+            after: torch.Tensor | None = None) -> torch.Tensor:
     """The landed rows: ``x_in`` itself, or gathered from the source tokens ``x_in[src_M]``.
 
-    ``after``: in a backward, a tensor that backward computed; the re-gather is then
-    :func:`~dropless.ops.rows.regather_rows`, which ``torch.compile`` keeps in the backward
-    (neither computed in the forward and saved nor merged with the forward's gather: either
-    would save the ``[M, H]`` rows that ``recompute_gather`` exists to avoid).
+    Eagerly, with ``dest_Nk``: :func:`~dropless.ops.rows.land_rows` (on the Triton path each
+    token read once and written to its ``k`` rows, padding rows unwritten, instead of
+    ``index_select`` reading a token for every row). While ``torch.compile`` traces: a gather,
+    which inductor fuses with the norm before it. ``after``: in a backward, a tensor that backward
+    computed; the compiled re-gather is then :func:`~dropless.ops.rows.regather_rows`, which
+    ``torch.compile`` keeps in the backward (neither computed in the forward and saved nor merged
+    with the forward's gather: either would save the ``[M, H]`` rows that ``recompute_gather``
+    exists to avoid).
     """
     if src_M is None:
         return x_in
-    if after is not None:
-        return regather_rows(x_in, src_M, after)
+    if torch.compiler.is_compiling():
+        return gather_rows(x_in, src_M) if after is None else regather_rows(x_in, src_M, after)
+    if dest_Nk is not None:
+        return land_rows(x_in, src_M, dest_Nk)
     return gather_rows(x_in, src_M)
 
 
@@ -99,7 +106,7 @@ class _FC1SwiGLU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_in, w13, row_w, src_M, dest_Nk, layout, backend, recompute_fc1, box, wgrad):
-        h13 = backend.gmm(_landed(x_in, src_M), w13, layout)
+        h13 = backend.gmm(_landed(x_in, src_M, dest_Nk), w13, layout)
         h = swiglu_fwd(h13, layout, row_w=row_w)
         ctx.layout, ctx.backend, ctx.recompute_fc1, ctx.box, ctx.wgrad = layout, backend, recompute_fc1, box, wgrad
         ctx.has_w, ctx.gather = row_w is not None, src_M is not None
@@ -162,7 +169,7 @@ def _fc1_swiglu_backward(dh_MI, own: list, x_in, w13, row_w, src_M, dest_Nk, lay
     if want_w13:
         # the rows only now, after h13 is freed: they never sit beside h13, dh and dh13 at once
         if x is None:
-            x = _landed(x_in, src_M, after=dh13)
+            x = _landed(x_in, src_M, dest_Nk, after=dh13)
         dw13 = weight_grad(x, dh13, layout, be, w13.dtype, (wgrad, "w13") if wgrad is not None else None)
     del x
     if want_x:
@@ -255,7 +262,7 @@ class _ExpertMLPOneNode(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_in, w13, w2, row_w, src_M, dest_Nk, layout, backend, recompute_fc1):
-        h13 = backend.gmm(_landed(x_in, src_M), w13, layout)
+        h13 = backend.gmm(_landed(x_in, src_M, dest_Nk), w13, layout)
         h = swiglu_fwd(h13, layout, row_w=row_w)
         ctx.layout, ctx.backend, ctx.recompute_fc1 = layout, backend, recompute_fc1
         ctx.has_w, ctx.gather = row_w is not None, src_M is not None
@@ -277,7 +284,7 @@ class _ExpertMLPOneNode(torch.autograd.Function):
         want_h = want_x or want_w13 or want_rw
         x = None
         if ctx.recompute_fc1:
-            x = _landed(x_in, src, after=dy_MH)
+            x = _landed(x_in, src, dest_Nk if ctx.gather else None, after=dy_MH)
             h13 = be.gmm(x, w13, layout)
             if src is not None:  # re-gathered rows are not kept (as in the two-node version)
                 x = None
