@@ -197,6 +197,27 @@ def test_no_host_sync_after_tuning():
     assert rel(dw, 2 * reference(x, dy, lay)) < tol(torch.float32)
 
 
+@pytest.mark.skipif(DEV != "cuda", reason="host-sync check needs CUDA")
+def test_a_new_row_count_of_the_same_class_is_not_tuned_again():
+    """A dispatcher without a static capacity lands another M each step: one tuning per power-of-two
+    class of M, not per M (each tuning syncs the host and times every config)."""
+    K, N = 128, 256
+    lay, x, dy = operands([300, 0, 129, 1], 128, K, N, extra_rows=23)
+    dw = torch.empty(4, K, N, device=DEV, dtype=torch.float32)
+    tw.grouped_wgrad_(dw, x, dy, lay, accumulate=False)
+    torch.cuda.synchronize()
+    tuned = len(tw._best_config)
+    lay2, x2, dy2 = operands([250, 3, 100, 40], 128, K, N, extra_rows=80, seed=1)  # another M, same class
+    assert lay2.capacity != lay.capacity and lay2.capacity.bit_length() == lay.capacity.bit_length()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tw.grouped_wgrad_(dw, x2, dy2, lay2, accumulate=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(tw._best_config) == tuned
+    assert rel(dw, reference(x2, dy2, lay2)) < tol(torch.float32)
+
+
 @pytest.mark.parametrize("in_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_other_input_dtypes(in_dtype, accumulate):

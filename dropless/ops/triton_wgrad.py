@@ -34,8 +34,8 @@ gradient would otherwise be a fresh ``[e, K, N]`` buffer that is then added into
 first — a transient as large as the weight gradient itself plus an extra read/write
 pass over it. This kernel adds each chunk's contribution in its epilogue instead.
 
-Tuning: on CUDA the tile shape is picked per ``(M, K, N, x dtype, dw dtype, accumulate,
-device)`` by timing a few configs (:data:`CONFIGS`; :data:`FP32_CONFIGS` for fp32 inputs)
+Tuning: on CUDA the tile shape is picked per ``(M's power-of-two class, K, N, x dtype, dw dtype,
+accumulate, device)`` by timing a few configs (:data:`CONFIGS`; :data:`FP32_CONFIGS` for fp32 inputs)
 on the first call's own operands; that first call syncs the host
 (``triton.testing.do_bench``), later ones do not. It is not ``triton.autotune``: that
 times the kernel by running it again and again on the caller's tensors, which would add
@@ -258,6 +258,13 @@ def _launch(cfg: triton.Config, dw_eKN, x_MK, dy_MN, layout, order, accumulate: 
         INTERPRET=_interpret(), GROUP_K=_GROUP_K, **cfg.all_kwargs())
 
 
+def _rows_class(m: int) -> int:
+    """The tuning key's row count: ``M``'s power-of-two class. A dispatcher without a static capacity
+    (``a2a``) lands a different ``M`` each step; keyed on ``M`` itself, every new one would be
+    timed again (a host sync and about a second of timed runs)."""
+    return int(m).bit_length()
+
+
 def _tune(key: tuple, candidates: list, run, what: str) -> triton.Config:
     """The fastest of ``candidates`` for ``key`` (cached): ``run(cfg)`` launches a timed run with ``write=0``."""
     cfg = _best_config.get(key)
@@ -283,7 +290,7 @@ def _pick_config(dw_eKN, x_MK, dy_MN, layout, order, accumulate: bool) -> triton
     if _interpret():
         return INTERPRET_CONFIG
     k, n = dw_eKN.shape[1:]
-    key = (x_MK.shape[0], k, n, x_MK.dtype, dw_eKN.dtype, bool(accumulate), x_MK.device.index)
+    key = (_rows_class(x_MK.shape[0]), k, n, x_MK.dtype, dw_eKN.dtype, bool(accumulate), x_MK.device.index)
     return _tune(key, FP32_CONFIGS if x_MK.dtype == torch.float32 else CONFIGS,
                  lambda c: _launch(c, dw_eKN, x_MK, dy_MN, layout, order, accumulate, write=False),
                  "grouped_wgrad_")
@@ -454,7 +461,7 @@ def fp8_grouped_wgrad_(dw_eKN: torch.Tensor, a_q: torch.Tensor, a_s: torch.Tenso
     if _interpret():
         cfg = FP8_INTERPRET_CONFIG
     else:
-        key = ("fp8", mp, k, n, dw_eKN.dtype, bool(accumulate), promote, a_q.device.index)
+        key = ("fp8", _rows_class(mp), k, n, dw_eKN.dtype, bool(accumulate), promote, a_q.device.index)
         cfg = _tune(key, FP8_CONFIGS, lambda c: _launch_fp8(c, dw_eKN, a_q, a_s, b_q, b_s, layout, order, accumulate,
                                                             False, promote), name)
     _launch_fp8(cfg, dw_eKN, a_q, a_s, b_q, b_s, layout, order, accumulate, True, promote)
