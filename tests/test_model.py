@@ -510,6 +510,31 @@ def test_rope_tail_equals_split_rope_cat_and_saves_no_activation(dtype, n_nope):
         rope_tail(x, cos.clone().requires_grad_(), sin)
 
 
+def test_rope_tail_under_torch_func_transforms():
+    """torch.func.grad, vmap and jacrev through rope_tail (float64) equal plain autograd through
+    [x[..., :n] | apply_rope(x[..., n:])]: the Function has a setup_context and a vmap rule."""
+    from dropless.model.rope import rope_tail
+    gen = torch.Generator().manual_seed(8)
+    B, S, N, n, R = 2, 5, 3, 4, 8
+    cos, sin = rope_cos_sin(S, R, 10000.0, dtype=torch.float64)
+    x = torch.randn(B, S, N, n + R, generator=gen, dtype=torch.float64)
+    w = torch.randn(B, S, N, n + R, generator=gen, dtype=torch.float64)
+
+    def ref(t):
+        return torch.cat([t[..., :n], apply_rope(t[..., n:], cos, sin)], dim=-1)
+
+    g = torch.func.grad(lambda t: (rope_tail(t, cos, sin) * w).sum())(x)
+    torch.testing.assert_close(g, torch.func.grad(lambda t: (ref(t) * w).sum())(x), rtol=1e-12, atol=1e-12)
+    xs = torch.stack([x, 2 * x + 1])
+    torch.testing.assert_close(torch.func.vmap(lambda t: rope_tail(t, cos, sin))(xs), torch.stack([ref(t) for t in xs]),
+                               rtol=1e-12, atol=1e-12)
+    x1 = x[:1, :2]
+    torch.testing.assert_close(torch.func.jacrev(lambda t: rope_tail(t, cos[:2], sin[:2]))(x1),
+                               torch.func.jacrev(lambda t: torch.cat([t[..., :n], apply_rope(t[..., n:], cos[:2],
+                                                                                             sin[:2])], -1))(x1),
+                               rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_split_last_equals_torch_split_values_and_gradients(dtype):
     """MLA's split with the copy-based backward: views equal to ``torch.split``'s; the input

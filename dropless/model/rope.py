@@ -141,8 +141,9 @@ def _rotate_tail(x_BSND: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch.Tenso
     Both read whole rows (no stride-2 access): ``x·[c, c] + swap(x)·[−s, s]``, ``swap`` exchanging
     the two members of each pair.
 
-    * Compiled, and with grad mode on (a backward run with ``create_graph=True``: ``addcmul(out=)``
-      is not differentiable): that sum as one expression, then a ``cat`` with the copied head,
+    * Compiled, with grad mode on (a backward run with ``create_graph=True``: ``addcmul(out=)``
+      is not differentiable), and under ``torch.func`` transforms (``vmap`` cannot write a batched
+      value into a preallocated output): that sum as one expression, then a ``cat`` with the copied head,
       which inductor fuses so that each output element is written once (the in-place writes into
       the two halves of each pair that this replaced became two passes over the whole output
       after functionalisation: on an H200 at ``recipe=h200_single``, 4 kernels and 6.8 ms a step
@@ -163,7 +164,8 @@ def _rotate_tail(x_BSND: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch.Tenso
     ss_1S1R = torch.stack((-s, s), dim=-1).flatten(-2)[None, :, None, :]
     x_xR = x_BSND[..., n:]
     swapped_xR = x_xR.unflatten(-1, (P, 2)).flip(-1).flatten(-2)  # (b, a) per pair
-    if torch.compiler.is_compiling() or torch.is_grad_enabled():
+    if (torch.compiler.is_compiling() or torch.is_grad_enabled()
+            or torch._C._functorch.is_functorch_wrapped_tensor(x_BSND)):
         rot_xR = (x_xR.to(compute) * cc_1S1R + swapped_xR.to(compute) * (sign * ss_1S1R)).to(x_BSND.dtype)
         return torch.cat((x_BSND[..., :n], rot_xR), dim=-1) if n else rot_xR.contiguous()
     out = torch.empty(x_BSND.shape, dtype=x_BSND.dtype, device=x_BSND.device)
@@ -174,12 +176,21 @@ def _rotate_tail(x_BSND: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch.Tenso
 
 
 class _RopeTail(torch.autograd.Function):
-    """``[x[..., :D−R] | rope(x[..., D−R:])]`` as a new contiguous tensor; saves only the tables."""
+    """``[x[..., :D−R] | rope(x[..., D−R:])]`` as a new contiguous tensor; saves only the tables.
+
+    ``forward`` + ``setup_context`` (not ``forward(ctx, ...)``) and ``generate_vmap_rule``, so that
+    ``torch.func`` transforms and ``autograd.grad(..., is_grads_batched=True)`` work through it."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, x_BSND, cos_SP, sin_SP):
-        ctx.save_for_backward(cos_SP, sin_SP)
+    def forward(x_BSND, cos_SP, sin_SP):
         return _rotate_tail(x_BSND, cos_SP, sin_SP, 1.0)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, cos_SP, sin_SP = inputs
+        ctx.save_for_backward(cos_SP, sin_SP)
 
     @staticmethod
     def backward(ctx, g_BSND):
