@@ -28,7 +28,11 @@ compilation and a CUDA graph's capture happen; None on CPU, and both None with `
 graph's pool held),
 ``resident_at_start_gib`` (CUDA memory still allocated when the variant started: an earlier
 variant's leftovers, 0 when nothing leaked),
-``losses`` (every step's training loss, warm-up first), ``kernel_ms_per_step`` (per
+``losses`` (every step's training loss, warm-up first), ``expert_load_max_over_mean`` (the median
+over the timed steps of the MoE layers' mean ``expert_load/*/max_over_mean``, the largest expert's
+rows over the mean: the weight gradients' time depends on it, and a freshly initialised router
+sends nearly every token to the same experts, up to ``E/k``; None without MoE layers),
+``kernel_ms_per_step`` (per
 category), ``kernel_ms_total_per_step``, ``kernels_per_step`` (launch count), ``build_s``
 (construction, compile excluded: compilation happens in the first steps), ``overrides``;
 with ``--top-kernels N`` also ``top_kernels`` (``[ms per step, calls per step, name]``), with
@@ -415,6 +419,8 @@ def run_variant(recipe: str, variant: str, overrides: list[str], warmup: int, st
 
             med = {k: statistics.median(r[k] for r in timed if r[k] is not None) if timed else None
                    for k in ("tokens_per_s", "mfu", "tflops", "step_time_s")}
+            loads = [statistics.mean(v for k, v in r.items() if k.endswith("/max_over_mean")) for r in timed
+                     if any(k.endswith("/max_over_mean") for k in r)]
             dev = tr.env.device
             return {"bench": "train_step", "variant": variant, "recipe": recipe,
                     "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
@@ -424,6 +430,7 @@ def run_variant(recipe: str, variant: str, overrides: list[str], warmup: int, st
                     "steady_peak_mem_gib": steady, "warmup_peak_mem_gib": warm_peak,
                     "peak_reserved_gib": torch.cuda.max_memory_reserved(dev) / 2**30 if dev.type == "cuda" else None,
                     "resident_at_start_gib": resident, "losses": losses,
+                    "expert_load_max_over_mean": statistics.median(loads) if loads else None,
                     "warmup": warmup, "steps": steps,
                     "profile_steps": profile_steps, "build_s": build_s, "overrides": list(overrides), **prof}
         finally:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from benchmarks.train_step import CATEGORIES, category, counted_device_time_us, idle_gaps, main
+from dropless.train.config import compose
 
 
 def test_train_step_benchmark_json_fields(capsys):
@@ -22,6 +23,8 @@ def test_train_step_benchmark_json_fields(capsys):
     assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 and r["tflops"] > 0 and r["step_ms"] > 0
     assert r["peak_mem_gib"] > 0.05 and len(r["losses"]) == 4 and all(4 < x < 7 for x in r["losses"])
     assert r["tokens_per_s"] == pytest.approx(2 * 32 / (r["step_ms"] / 1e3), rel=1e-6)
+    args = compose(["recipe=cpu_default", "model=tiny"]).model
+    assert 1.0 <= r["expert_load_max_over_mean"] <= args.n_routed_experts / args.num_experts_per_tok
     k = r["kernel_ms_per_step"]
     assert set(k) == set(CATEGORIES) and all(v >= 0 for v in k.values())
     assert k["dense_gemm"] > 0 and k["grouped_gemm"] > 0 and k["optimizer"] > 0 and k["softmax_ce"] > 0
