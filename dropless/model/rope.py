@@ -179,7 +179,8 @@ class _RopeTail(torch.autograd.Function):
     """``[x[..., :D−R] | rope(x[..., D−R:])]`` as a new contiguous tensor; saves only the tables.
 
     ``forward`` + ``setup_context`` (not ``forward(ctx, ...)``) and ``generate_vmap_rule``, so that
-    ``torch.func`` transforms and ``autograd.grad(..., is_grads_batched=True)`` work through it."""
+    ``torch.func`` transforms (``grad``, ``vmap``, ``jacrev``) work through it. (``autograd.grad(...,
+    is_grads_batched=True)`` still fails: torch's older vmap has no batching rule for ``unflatten``.)"""
 
     generate_vmap_rule = True
 

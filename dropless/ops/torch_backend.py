@@ -68,8 +68,9 @@ def wgrad_by_triton(x_MK: torch.Tensor, n: int) -> bool:
     takes the experts in order, so there a large expert's long tiles run alone at the end;
     :func:`dropless.ops.triton_wgrad.grouped_wgrad_` starts the largest experts first and needs no
     zero-fills. Measured on an H200 (``benchmarks/results/h200_wgrad_order_s17.jsonl``) at
-    h200_single's MoE shape (64 and 32 tiles per expert) for FC1 + FC2: 1.18 against 1.23 ms
-    with balanced experts and 1.34 against 2.16 ms with one expert holding 36 % of the rows. With
+    h200_single's MoE shape (64 and 32 tiles per expert), FC1 + FC2 with the best tile config:
+    1.18 against 1.23 ms with balanced experts, 1.34 against 2.16 ms with one expert holding 36 %
+    of the rows; inside the step, 18.8 against 26 ms (``h200_train_step_s17.jsonl``). With
     more tiles than SMs (the seed's FC1: 1,792 per expert) every SM gets tiles of every expert
     and ``grouped_mm`` is faster (644 against 513 TFLOP/s, ``h200_fp8_wgrad_s10.jsonl``).
     Under Triton's interpreter (CPU tensors with ``select.FORCE_TRITON``): always."""
