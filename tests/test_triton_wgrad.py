@@ -148,6 +148,24 @@ def test_larger_shape_and_strided_rows():
     assert rel(dw, reference(x, dy, lay)) < tol(torch.float32)
 
 
+def test_counts_over_the_capacity_read_nothing_past_the_buffer():
+    """A layout whose end points pass M (the dispatchers' device assert reports such counts): the kernel
+    reads rows up to M only. Rows past the buffer (NaN in the same storage here) never reach dw."""
+    K, N, M = 24, 40, 48
+    lay = ExpertLayout(counts=torch.tensor([30, 40], dtype=torch.int32, device=DEV),
+                       start=torch.tensor([0, 30], dtype=torch.int32, device=DEV),
+                       end=torch.tensor([30, 70], dtype=torch.int32, device=DEV), capacity=M, alignment=1)
+    xb = torch.randn(80, K, device=DEV).to(DT)
+    dyb = torch.randn(80, N, device=DEV).to(DT)
+    xb[M:] = float("nan")
+    dyb[M:] = float("nan")
+    x, dy = xb[:M], dyb[:M]
+    dw = torch.empty(2, K, N, device=DEV, dtype=torch.float32)
+    tw.grouped_wgrad_(dw, x, dy, lay, accumulate=False)
+    ref = torch.stack([x[:30].double().t() @ dy[:30].double(), x[30:M].double().t() @ dy[30:M].double()])
+    assert torch.isfinite(dw).all() and rel(dw, ref) < tol(torch.float32)
+
+
 def test_all_empty_and_no_rows():
     K, N = 24, 40
     lay = ExpertLayout.from_counts(torch.tensor([0, 0], device=DEV), 1, capacity=0)

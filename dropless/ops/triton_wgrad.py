@@ -158,12 +158,13 @@ def _store_tile(acc, dw_ptr, ex, pid_n, offs_k, offs_n, mask_k, mask_n, K, N, wr
 
 
 @triton.jit(do_not_specialize=["write"])
-def _grouped_wgrad_kernel(x_ptr, dy_ptr, dw_ptr, order_ptr, start_ptr, end_ptr, K, N, stride_xm, stride_dym, write,
-                          ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+def _grouped_wgrad_kernel(x_ptr, dy_ptr, dw_ptr, order_ptr, start_ptr, end_ptr, M, K, N, stride_xm, stride_dym,
+                          write, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
                           BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
                           GROUP_K: tl.constexpr):
     ex, pid_n, offs_k, offs_n, mask_k, mask_n, row0, row1 = _tile(tl.program_id(0), order_ptr, start_ptr, end_ptr,
                                                                   K, N, BLOCK_K, BLOCK_N, GROUP_K)
+    row1 = tl.minimum(row1, M)  # counts over the capacity (the dispatcher's device assert reports them): stay inside
     if ACCUMULATE:
         if row1 <= row0:  # empty expert: dw[ex] += 0 -- leave it as it is
             return
@@ -205,13 +206,13 @@ def _fp8_step(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, r, offs_k, offs_n, mask_k, mask
 
 
 @triton.jit(do_not_specialize=["write"])
-def _fp8_wgrad_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, dw_ptr, order_ptr, start_ptr, end_ptr, K, N, stride_a, stride_b,
-                      write,
-                      ACCUMULATE: tl.constexpr, PROMOTE: tl.constexpr,
+def _fp8_wgrad_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, dw_ptr, order_ptr, start_ptr, end_ptr, M, K, N, stride_a,
+                      stride_b, write, ACCUMULATE: tl.constexpr, PROMOTE: tl.constexpr,
                       INTERPRET: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
                       GROUP_K: tl.constexpr):
     ex, pid_n, offs_k, offs_n, mask_k, mask_n, row0, row1 = _tile(tl.program_id(0), order_ptr, start_ptr, end_ptr,
                                                                   K, N, BLOCK_K, BLOCK_N, GROUP_K)
+    row1 = tl.minimum(row1, M)  # the codes' M' columns: never past them
     if ACCUMULATE:  # row0 is a multiple of BLOCK_R (the layout's alignment)
         if row1 <= row0:
             return
@@ -253,7 +254,8 @@ def _launch(cfg: triton.Config, dw_eKN, x_MK, dy_MN, layout, order, accumulate: 
     bk, bn = cfg.kwargs["BLOCK_K"], cfg.kwargs["BLOCK_N"]
     grid = (e * triton.cdiv(k, bk) * triton.cdiv(n, bn),)
     _grouped_wgrad_kernel[grid](
-        x_MK, dy_MN, dw_eKN, order, layout.start, layout.end, k, n, x_MK.stride(0), dy_MN.stride(0), int(write),
+        x_MK, dy_MN, dw_eKN, order, layout.start, layout.end, x_MK.shape[0], k, n, x_MK.stride(0), dy_MN.stride(0),
+        int(write),
         ACCUMULATE=bool(accumulate), PRECISION="ieee" if x_MK.dtype == torch.float32 else None,
         INTERPRET=_interpret(), GROUP_K=_GROUP_K, **cfg.all_kwargs())
 
@@ -392,8 +394,8 @@ def grouped_wgrad(x_MK: torch.Tensor, dy_MN: torch.Tensor, layout: ExpertLayout)
 def _launch_fp8(cfg, dw_eKN, a, sa, b, sb, layout, order, accumulate: bool, write: bool, promote: bool) -> None:
     e, k, n = dw_eKN.shape
     grid = (e * triton.cdiv(k, cfg.kwargs["BLOCK_K"]) * triton.cdiv(n, cfg.kwargs["BLOCK_N"]),)
-    _fp8_wgrad_kernel[grid](a, sa, b, sb, dw_eKN, order, layout.start, layout.end, k, n, a.stride(0), b.stride(0),
-                            int(write), ACCUMULATE=bool(accumulate), PROMOTE=promote,
+    _fp8_wgrad_kernel[grid](a, sa, b, sb, dw_eKN, order, layout.start, layout.end, a.shape[1], k, n, a.stride(0),
+                            b.stride(0), int(write), ACCUMULATE=bool(accumulate), PROMOTE=promote,
                             INTERPRET=_interpret(), GROUP_K=_GROUP_K, **cfg.all_kwargs())
 
 
