@@ -511,8 +511,9 @@ def test_rope_tail_equals_split_rope_cat_and_saves_no_activation(dtype, n_nope):
 
 
 def test_rope_tail_under_torch_func_transforms():
-    """torch.func.grad, vmap and jacrev through rope_tail (float64) equal plain autograd through
-    [x[..., :n] | apply_rope(x[..., n:])]: the Function has a setup_context and a vmap rule."""
+    """torch.func.grad, vmap (over x, or over the tables only), jacrev, jvp and hessian through rope_tail
+    (float64) equal the same transforms of [x[..., :n] | apply_rope(x[..., n:])]: the Function has a
+    setup_context, a vmap rule and a jvp."""
     from dropless.model.rope import rope_tail
     gen = torch.Generator().manual_seed(8)
     B, S, N, n, R = 2, 5, 3, 4, 8
@@ -533,6 +534,18 @@ def test_rope_tail_under_torch_func_transforms():
                                torch.func.jacrev(lambda t: torch.cat([t[..., :n], apply_rope(t[..., n:], cos[:2],
                                                                                              sin[:2])], -1))(x1),
                                rtol=1e-12, atol=1e-12)
+    # the tables batched, x not
+    cs, ss = torch.stack([cos, cos.flip(0)]), torch.stack([sin, sin.flip(0)])
+    got = torch.func.vmap(lambda c, s_: rope_tail(x, c, s_))(cs, ss)
+    want = torch.stack([torch.cat([x[..., :n], apply_rope(x[..., n:], c, s_)], -1) for c, s_ in zip(cs, ss)])
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    # forward mode: jvp (the map is linear: the tangent's own rotation) and hessian (jacfwd of jacrev)
+    _, tangent = torch.func.jvp(lambda t: rope_tail(t, cos, sin), (x,), (w,))
+    torch.testing.assert_close(tangent, ref(w), rtol=1e-12, atol=1e-12)
+    h = torch.func.hessian(lambda t: (rope_tail(t, cos[:2], sin[:2]) ** 3).sum())(x1)
+    h_ref = torch.func.hessian(lambda t: (torch.cat([t[..., :n], apply_rope(t[..., n:], cos[:2], sin[:2])], -1)
+                                          ** 3).sum())(x1)
+    torch.testing.assert_close(h, h_ref, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])

@@ -165,7 +165,7 @@ def _rotate_tail(x_BSND: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch.Tenso
     x_xR = x_BSND[..., n:]
     swapped_xR = x_xR.unflatten(-1, (P, 2)).flip(-1).flatten(-2)  # (b, a) per pair
     if (torch.compiler.is_compiling() or torch.is_grad_enabled()
-            or torch._C._functorch.is_functorch_wrapped_tensor(x_BSND)):
+            or any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in (x_BSND, cos_SP, sin_SP))):
         rot_xR = (x_xR.to(compute) * cc_1S1R + swapped_xR.to(compute) * (sign * ss_1S1R)).to(x_BSND.dtype)
         return torch.cat((x_BSND[..., :n], rot_xR), dim=-1) if n else rot_xR.contiguous()
     out = torch.empty(x_BSND.shape, dtype=x_BSND.dtype, device=x_BSND.device)
@@ -178,9 +178,11 @@ def _rotate_tail(x_BSND: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch.Tenso
 class _RopeTail(torch.autograd.Function):
     """``[x[..., :D−R] | rope(x[..., D−R:])]`` as a new contiguous tensor; saves only the tables.
 
-    ``forward`` + ``setup_context`` (not ``forward(ctx, ...)``) and ``generate_vmap_rule``, so that
-    ``torch.func`` transforms (``grad``, ``vmap``, ``jacrev``) work through it. (``autograd.grad(...,
-    is_grads_batched=True)`` still fails: torch's older vmap has no batching rule for ``unflatten``.)"""
+    ``forward`` + ``setup_context`` (not ``forward(ctx, ...)``), ``generate_vmap_rule`` and a ``jvp``
+    (the map is linear in ``x``: the tangent is rotated as ``x`` is), so that ``torch.func``
+    transforms (``grad``, ``vmap``, ``jacrev``, ``jvp``, ``jacfwd``, ``hessian``) and forward-mode
+    AD work through it. (``autograd.grad(..., is_grads_batched=True)`` still fails: torch's older
+    vmap has no batching rule for ``unflatten``.)"""
 
     generate_vmap_rule = True
 
@@ -192,6 +194,14 @@ class _RopeTail(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         _, cos_SP, sin_SP = inputs
         ctx.save_for_backward(cos_SP, sin_SP)
+        ctx.save_for_forward(cos_SP, sin_SP)
+
+    @staticmethod
+    def jvp(ctx, gx_BSND, _g_cos, _g_sin):
+        # the tables' tangents arrive materialised (zeros when they have none), so a real one cannot be
+        # told apart without reading it on the host; rope_tail documents them as constants
+        cos_SP, sin_SP = ctx.saved_tensors
+        return _rotate_tail(gx_BSND, cos_SP, sin_SP, 1.0)
 
     @staticmethod
     def backward(ctx, g_BSND):
@@ -208,7 +218,9 @@ def rope_tail(x_BSND: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch.Tensor) 
     Returns:
         [B, S, N, D] contiguous in ``x``'s dtype: ``x[..., :D−R]`` and :func:`apply_rope` of
         ``x[..., D−R:]`` (same arithmetic, at least fp32). Backward rotates the gradient by the
-        negative angle; only the tables are saved (no activation).
+        negative angle; only the tables are saved (no activation). The tables are constants: no
+        gradient flows to them, and forward-mode AD (``torch.func.jvp``) ignores a tangent given
+        for them (:func:`apply_rope` differentiates with respect to the angles).
     Raises:
         ValueError: tables that do not match ``x``, or tables that require grad (no gradient flows
             to them: use :func:`apply_rope` to learn the angles).
