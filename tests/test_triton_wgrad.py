@@ -166,6 +166,15 @@ def test_counts_over_the_capacity_read_nothing_past_the_buffer():
     assert torch.isfinite(dw).all() and rel(dw, ref) < tol(torch.float32)
 
 
+def test_out_of_place_checks_the_layout_like_the_in_place_call():
+    """grouped_wgrad (the torch backend's call) refuses operands whose rows are not the layout's capacity,
+    as grouped_wgrad_ does, instead of reading past them."""
+    lay, x, dy = operands([40, 40], 1, 8, 8, extra_rows=0)
+    with pytest.raises(ValueError, match="capacity 80"):
+        tw.grouped_wgrad(x[:50], dy[:50], lay)
+    assert rel(tw.grouped_wgrad(x, dy, lay), reference(x, dy, lay)) < tol(x.dtype)
+
+
 def test_all_empty_and_no_rows():
     K, N = 24, 40
     lay = ExpertLayout.from_counts(torch.tensor([0, 0], device=DEV), 1, capacity=0)

@@ -366,8 +366,8 @@ def grouped_wgrad_(dw_eKN: torch.Tensor, x_MK: torch.Tensor, dy_MN: torch.Tensor
 
 
 def _grouped_wgrad_new(x_MK: torch.Tensor, dy_MN: torch.Tensor, counts: torch.Tensor, start: torch.Tensor,
-                      end: torch.Tensor, alignment: int) -> torch.Tensor:
-    layout = ExpertLayout(counts=counts, start=start, end=end, capacity=x_MK.shape[0], alignment=alignment)
+                      end: torch.Tensor, capacity: int, alignment: int) -> torch.Tensor:
+    layout = ExpertLayout(counts=counts, start=start, end=end, capacity=capacity, alignment=alignment)
     dw = x_MK.new_empty(counts.shape[0], x_MK.shape[1], dy_MN.shape[1])
     return grouped_wgrad_(dw, x_MK, dy_MN, layout, accumulate=False)
 
@@ -377,7 +377,7 @@ _grouped_wgrad_op = torch.library.custom_op("dropless::grouped_wgrad", _grouped_
 
 
 @_grouped_wgrad_op.register_fake
-def _(x_MK, dy_MN, counts, start, end, alignment):
+def _(x_MK, dy_MN, counts, start, end, capacity, alignment):
     return x_MK.new_empty(counts.shape[0], x_MK.shape[1], dy_MN.shape[1])
 
 
@@ -387,7 +387,7 @@ def grouped_wgrad(x_MK: torch.Tensor, dy_MN: torch.Tensor, layout: ExpertLayout)
     Same arguments, rules and errors as :func:`grouped_wgrad_`; under ``torch.compile`` one opaque
     op (``dropless::grouped_wgrad``)."""
     launch = _grouped_wgrad_op if torch.compiler.is_compiling() else _grouped_wgrad_new
-    return launch(x_MK, dy_MN, layout.counts, layout.start, layout.end, layout.alignment)
+    return launch(x_MK, dy_MN, layout.counts, layout.start, layout.end, layout.capacity, layout.alignment)
 
 
 # ----------------------------------------------------------------------------- FP8 operands
