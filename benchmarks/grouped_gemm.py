@@ -128,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sigma", type=float, nargs="+", default=[0.3],
                    help="log-normal spread of the experts' row counts (several: one run each)")
     a = p.parse_args(argv)
+    bad = [x for x in a.sigma if not (0.0 <= x < float("inf"))]
+    if bad:
+        p.error(f"--sigma must be finite and >= 0 (the log-normal spread of the counts), got {bad}")
     if not torch.cuda.is_available():
         print("benchmarks.grouped_gemm needs CUDA", file=sys.stderr)
         return 2

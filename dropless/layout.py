@@ -119,6 +119,8 @@ class ExpertLayout:
 
     def row_expert(self) -> torch.Tensor:
         """int64 ``[M]``: the local expert owning each row, or -1 for a padding row."""
+        if self.num_experts == 0:  # no expert: every row is padding
+            return torch.full((self.capacity,), -1, dtype=torch.int64, device=self.device)
         rows = torch.arange(self.capacity, device=self.device, dtype=torch.int32)
         # the expert whose segment starts at or before the row
         idx = torch.searchsorted(self.start, rows, right=True) - 1

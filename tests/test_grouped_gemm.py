@@ -202,3 +202,18 @@ def test_case01_wgrad_accumulator_over_chunks(backend, dtype, a):
     assert (w.grad[1] == 0).all() and (w.grad[4] == 0).all()
     for i in (0, 2, 3, 5):
         assert_close_scaled(w.grad[i], want[i], TOL[dtype], f"dW[{i}]")
+
+
+@pytest.mark.parametrize("counts,a", [([7, 0, 12], 1), ([19], 8), ([5, 9], 4)])
+def test_torch_weight_gradient_takes_column_major_operands(counts, a):
+    """``TorchBackend.gmm_wgrad`` on column-major ``x`` / ``dy`` (e.g. a transposed copy) equals the float64
+    product on every path (one expert, ``A = 1``, gaps): the operands are made row-contiguous first."""
+    seg = py_segments(counts, a)
+    lay = ExpertLayout.from_counts(torch.tensor(counts), alignment=a, capacity=seg[-1][1] + 3)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(32, lay.capacity, generator=g).t()   # [M, 32], unit stride along the rows
+    dy = torch.randn(16, lay.capacity, generator=g).t()
+    dw = get_backend("torch").gmm_wgrad(x, dy, lay)
+    for i, (s, t) in enumerate(seg):
+        ref = x[s:t].double().t() @ dy[s:t].double()
+        assert torch.allclose(dw[i].double(), ref, rtol=1e-5, atol=1e-5)

@@ -95,6 +95,11 @@ def test_row_expert_and_live_mask_match_python(counts, a, extra):
     assert int(lay.live_mask().sum()) == sum(counts)
 
 
+def test_no_expert_every_row_is_padding():
+    lay = ExpertLayout.from_counts(torch.tensor([], dtype=torch.int64), alignment=1, num_rows=5)
+    assert lay.row_expert().tolist() == [-1] * lay.capacity and not lay.live_mask().any()
+
+
 @settings(max_examples=200, deadline=None)
 @given(e=st.integers(1, 10), a=ALIGNMENTS, r=st.integers(0, 500))
 def test_aligned_capacity_is_a_tight_bound(e, a, r):

@@ -103,14 +103,16 @@ class TorchBackend:
         return _grouped_mm(x_MK, w_eKN, layout.end)
 
     def gmm_wgrad(self, x_MK: torch.Tensor, dy_MN: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+        # both paths need unit column strides (grouped_mm: 16-byte strides of x^T and dy)
+        x_MK = x_MK if x_MK.stride(1) == 1 else x_MK.contiguous()
+        dy_MN = dy_MN if dy_MN.stride(1) == 1 else dy_MN.contiguous()
         if wgrad_by_triton(x_MK, dy_MN.shape[1]):  # reads live rows only: no zero-fills
-            return triton_wgrad.grouped_wgrad(x_MK if x_MK.stride(1) == 1 else x_MK.contiguous(),
-                                              dy_MN if dy_MN.stride(1) == 1 else dy_MN.contiguous(), layout)
+            return triton_wgrad.grouped_wgrad(x_MK, dy_MN, layout)
         if layout.alignment > 1 and layout.num_experts > 1:
             # zero the gap rows of both operands (padding: nobody reads them), so that the groups
             # [end[i-1], end[i]) add exact zeros for them; no [2e, K, N] transient.
-            x_MK = zero_gap_rows_(x_MK if x_MK.stride(1) == 1 else x_MK.contiguous(), layout)
-            dy_MN = zero_gap_rows_(dy_MN if dy_MN.stride(1) == 1 else dy_MN.contiguous(), layout)
+            x_MK = zero_gap_rows_(x_MK, layout)
+            dy_MN = zero_gap_rows_(dy_MN, layout)
         # group i = [end[i-1], end[i]) is expert i's live rows (after its zeroed gap); grouped_mm
         # ignores the tail after end[e-1]
         dw = _grouped_mm(x_MK.t(), dy_MN, layout.end)
