@@ -178,17 +178,32 @@ def _rotate_tail(x_BSND: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch.Tenso
 class _RopeTail(torch.autograd.Function):
     """``[x[..., :D−R] | rope(x[..., D−R:])]`` as a new contiguous tensor; saves only the tables.
 
-    ``forward`` + ``setup_context`` (not ``forward(ctx, ...)``), ``generate_vmap_rule`` and a ``jvp``
-    (the map is linear in ``x``: the tangent is rotated as ``x`` is), so that ``torch.func``
-    transforms (``grad``, ``vmap``, ``jacrev``, ``jvp``, ``jacfwd``, ``hessian``) and forward-mode
-    AD work through it. (``autograd.grad(..., is_grads_batched=True)`` still fails: torch's older
-    vmap has no batching rule for ``unflatten``.)"""
+    ``forward`` + ``setup_context`` (not ``forward(ctx, ...)``) and ``generate_vmap_rule``, so that
+    ``torch.func`` transforms (``grad``, ``vmap``, ``jacrev``) work through it; :class:`_RopeTailJvp`
+    adds forward mode. (``autograd.grad(..., is_grads_batched=True)`` still fails: torch's older vmap
+    has no batching rule for ``unflatten``.)"""
 
     generate_vmap_rule = True
 
     @staticmethod
     def forward(x_BSND, cos_SP, sin_SP):
         return _rotate_tail(x_BSND, cos_SP, sin_SP, 1.0)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, cos_SP, sin_SP = inputs
+        ctx.save_for_backward(cos_SP, sin_SP)
+
+    @staticmethod
+    def backward(ctx, g_BSND):
+        cos_SP, sin_SP = ctx.saved_tensors
+        return _rotate_tail(g_BSND, cos_SP, sin_SP, -1.0), None, None  # a rotation's transpose: −angle
+
+
+class _RopeTailJvp(_RopeTail):
+    """:class:`_RopeTail` with forward-mode AD (``jvp``, ``jacfwd``, ``hessian``): the map is linear in
+    ``x``, so the tangent is rotated as ``x`` is. Eager only: Dynamo does not trace a Function with a
+    custom ``jvp`` (compiled code takes :class:`_RopeTail`)."""
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -203,11 +218,6 @@ class _RopeTail(torch.autograd.Function):
         cos_SP, sin_SP = ctx.saved_tensors
         return _rotate_tail(gx_BSND, cos_SP, sin_SP, 1.0)
 
-    @staticmethod
-    def backward(ctx, g_BSND):
-        cos_SP, sin_SP = ctx.saved_tensors
-        return _rotate_tail(g_BSND, cos_SP, sin_SP, -1.0), None, None  # a rotation's transpose: −angle
-
 
 def rope_tail(x_BSND: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch.Tensor) -> torch.Tensor:
     """RoPE on the last R features of each head, the first D − R copied: one new tensor, no concatenation.
@@ -220,7 +230,8 @@ def rope_tail(x_BSND: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch.Tensor) 
         ``x[..., D−R:]`` (same arithmetic, at least fp32). Backward rotates the gradient by the
         negative angle; only the tables are saved (no activation). The tables are constants: no
         gradient flows to them, and forward-mode AD (``torch.func.jvp``) ignores a tangent given
-        for them (:func:`apply_rope` differentiates with respect to the angles).
+        for them (:func:`apply_rope` differentiates with respect to the angles); forward mode is not
+        available inside ``torch.compile`` (Dynamo does not trace a custom ``jvp``).
     Raises:
         ValueError: tables that do not match ``x``, or tables that require grad (no gradient flows
             to them: use :func:`apply_rope` to learn the angles).
@@ -232,4 +243,4 @@ def rope_tail(x_BSND: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch.Tensor) 
     if cos_SP.requires_grad or sin_SP.requires_grad:
         raise ValueError("rope_tail: cos/sin require grad, but rope_tail gives them no gradient (they are "
                          "fixed tables from rope_cos_sin); detach them, or use apply_rope to train the angles")
-    return _RopeTail.apply(x_BSND, cos_SP, sin_SP)
+    return (_RopeTail if torch.compiler.is_compiling() else _RopeTailJvp).apply(x_BSND, cos_SP, sin_SP)
