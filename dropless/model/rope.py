@@ -39,6 +39,7 @@ import math
 import torch
 
 from dropless.config import Yarn
+from dropless.ops.rope_tail import rotate_tail
 
 
 def yarn_correction_range(yarn: Yarn, rope_head_dim: int, rope_theta: float) -> tuple[float, float]:
@@ -132,49 +133,6 @@ def apply_rope(x_BSNR: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch.Tensor)
     return out_BSNP2.flatten(-2).to(x_BSNR.dtype)
 
 
-def _rotate_tail(x_BSND: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch.Tensor, sign: float) -> torch.Tensor:
-    """``[x[..., :D−R] | rotate(x[..., D−R:])]`` by ``sign``·angle, as a new contiguous tensor in ``x``'s dtype.
-
-    The arithmetic of :func:`apply_rope`: ``a·cos − b·sin``, ``b·cos + a·sin`` on each pair
-    ``(a, b)`` in at least fp32, rounded once to ``x``'s dtype.
-
-    Both read whole rows (no stride-2 access): ``x·[c, c] + swap(x)·[−s, s]``, ``swap`` exchanging
-    the two members of each pair.
-
-    * Compiled, with grad mode on (a backward run with ``create_graph=True``: ``addcmul(out=)``
-      is not differentiable), and under ``torch.func`` transforms (``vmap`` cannot write a batched
-      value into a preallocated output): that sum as one expression, then a ``cat`` with the copied head,
-      which inductor fuses so that each output element is written once (the in-place writes into
-      the two halves of each pair that this replaced became two passes over the whole output
-      after functionalisation: on an H200 at ``recipe=h200_single``, 4 kernels and 6.8 ms a step
-      against 2 and 3.8 ms now, ``benchmarks/results/h200_train_step_s16.jsonl``).
-    * Otherwise (a Function's forward and first-order backward run without grad mode): the head's
-      copy, then three kernels: ``x·[c, c]`` (a mixed-dtype product that reads ``x`` in its own
-      dtype), the swap, and ``addcmul`` stored into the output.
-
-    Either may contract the sum of two products into one fused multiply-add (a last-bit
-    difference in the compute dtype).
-    """
-    S, P = cos_SP.shape
-    n = x_BSND.shape[-1] - 2 * P
-    compute = torch.promote_types(torch.promote_types(x_BSND.dtype, cos_SP.dtype), torch.float32)
-    c = cos_SP.to(compute)
-    s = sin_SP.to(compute)
-    cc_1S1R = torch.stack((c, c), dim=-1).flatten(-2)[None, :, None, :]
-    ss_1S1R = torch.stack((-s, s), dim=-1).flatten(-2)[None, :, None, :]
-    x_xR = x_BSND[..., n:]
-    swapped_xR = x_xR.unflatten(-1, (P, 2)).flip(-1).flatten(-2)  # (b, a) per pair
-    if (torch.compiler.is_compiling() or torch.is_grad_enabled()
-            or any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in (x_BSND, cos_SP, sin_SP))):
-        rot_xR = (x_xR.to(compute) * cc_1S1R + swapped_xR.to(compute) * (sign * ss_1S1R)).to(x_BSND.dtype)
-        return torch.cat((x_BSND[..., :n], rot_xR), dim=-1) if n else rot_xR.contiguous()
-    out = torch.empty(x_BSND.shape, dtype=x_BSND.dtype, device=x_BSND.device)
-    if n:
-        out[..., :n].copy_(x_BSND[..., :n])
-    torch.addcmul(x_xR * cc_1S1R, swapped_xR, ss_1S1R, value=sign, out=out[..., n:])
-    return out
-
-
 class _RopeTail(torch.autograd.Function):
     """``[x[..., :D−R] | rope(x[..., D−R:])]`` as a new contiguous tensor; saves only the tables.
 
@@ -187,7 +145,7 @@ class _RopeTail(torch.autograd.Function):
 
     @staticmethod
     def forward(x_BSND, cos_SP, sin_SP):
-        return _rotate_tail(x_BSND, cos_SP, sin_SP, 1.0)
+        return rotate_tail(x_BSND, cos_SP, sin_SP, 1.0)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -197,7 +155,7 @@ class _RopeTail(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_BSND):
         cos_SP, sin_SP = ctx.saved_tensors
-        return _rotate_tail(g_BSND, cos_SP, sin_SP, -1.0), None, None  # a rotation's transpose: −angle
+        return rotate_tail(g_BSND, cos_SP, sin_SP, -1.0), None, None  # a rotation's transpose: −angle
 
 
 class _RopeTailJvp(_RopeTail):
@@ -216,7 +174,7 @@ class _RopeTailJvp(_RopeTail):
         # the tables' tangents arrive materialised (zeros when they have none), so a real one cannot be
         # told apart without reading it on the host; rope_tail documents them as constants
         cos_SP, sin_SP = ctx.saved_tensors
-        return _rotate_tail(gx_BSND, cos_SP, sin_SP, 1.0)
+        return rotate_tail(gx_BSND, cos_SP, sin_SP, 1.0)
 
 
 def rope_tail(x_BSND: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch.Tensor) -> torch.Tensor:
