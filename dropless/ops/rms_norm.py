@@ -1,0 +1,121 @@
+"""RMSNorm's backward: the input gradient and the weight gradient in one pass over ``dy`` and ``x``.
+
+For ``y = x · rstd · w`` with ``rstd = 1 / sqrt(mean(x²) + eps)`` over the last dimension (Zhang &
+Sennrich 2019), the derivative of RMSNorm (differentiate ``y_j = w_j x_j rstd`` and
+``∂rstd/∂x_i = −rstd³ x_i / D``), written with ``x̂ = x · rstd`` and ``g = dy · w``:
+
+    ``dx = rstd · (g − x̂ · mean(g · x̂))``            (per row, mean over the D features)
+    ``dw = Σ_rows dy · x̂``
+
+:func:`rms_norm_backward` recomputes ``rstd`` from ``x`` (nothing is saved but ``x`` and ``w``) and
+computes in fp32 (fp64 for fp64 inputs). The Triton kernel runs a grid of a few programs per SM, each
+over a contiguous range of rows in blocks of whole rows: it writes ``dx`` for its rows and keeps its
+part of ``dw`` in fp32 registers, stored once as a row of ``[G, D]`` partials that one ``sum(0)`` adds
+(deterministic: no atomics; no host sync). The torch reference (CPU, float64, and the differentiable
+backward of a ``create_graph`` backward) is the same formula in torch ops.
+:func:`dropless.ops.select.use_triton` picks.
+
+Shape letters: R rows, D features (the normalised dimension), G programs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dropless.ops import select
+
+__all__ = ["rms_norm_backward", "rms_norm_backward_torch"]
+
+if select.HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _rms_norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, dx_ptr, dwp_ptr, R, rows_per_prog, stride_dy, stride_x, eps,
+                             D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr):
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_D)
+        cmask = cols < D
+        w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)  # this program's dw, per row slot
+        lo = pid * rows_per_prog
+        hi = tl.minimum(lo + rows_per_prog, R)
+        for r0 in tl.range(lo, hi, BLOCK_R, num_stages=STAGES):
+            rows = r0 + tl.arange(0, BLOCK_R)
+            mask = (rows < hi)[:, None] & cmask[None, :]
+            r64 = rows.to(tl.int64)[:, None]
+            x = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + r64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
+            xhat = x * rstd
+            g = dy * w
+            c = tl.sum(g * xhat, axis=1)[:, None] / D
+            tl.store(dx_ptr + r64 * D + cols[None, :], (rstd * (g - xhat * c)).to(dx_ptr.dtype.element_ty), mask=mask)
+            acc += dy * xhat
+        tl.store(dwp_ptr + pid * D + cols, tl.sum(acc, axis=0), mask=cmask)
+
+
+def rms_norm_backward_torch(dy_RD: torch.Tensor, x_RD: torch.Tensor, weight_D: torch.Tensor,
+                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of :func:`rms_norm_backward` in torch ops (differentiable; fp32 temporaries, float64 for
+    float64 inputs)."""
+    acc = torch.promote_types(torch.promote_types(x_RD.dtype, weight_D.dtype), torch.float32)
+    x = x_RD.to(acc)
+    dy = dy_RD.to(acc)
+    rstd_R1 = torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    xhat = x * rstd_R1
+    g = dy * weight_D.to(acc)
+    dx = rstd_R1 * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+    return dx.to(x_RD.dtype), (dy * xhat).sum(0).to(weight_D.dtype)
+
+
+def _launch_config(d: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_R, num_warps, programs per SM, pipeline stages)`` for ``D = d``: blocks of about 4,096
+    elements (one row at a time from ``D`` = 4,097), 16 elements a thread, as many programs as fit on an
+    SM at once (about 128 registers a thread), the next block's loads issued while this one is computed."""
+    block_d = triton.next_power_of_2(d)
+    block_r = max(1, 4096 // block_d)
+    num_warps = min(16, max(4, block_r * block_d // 512))
+    return block_r, num_warps, max(1, 16 // num_warps), 2
+
+
+def rms_norm_backward(dy_RD: torch.Tensor, x_RD: torch.Tensor, weight_D: torch.Tensor, eps: float, *,
+                      config: tuple[int, int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx, dweight)`` of ``y = rms_norm(x) · weight`` given ``dy``, in one pass over ``dy`` and ``x``.
+
+    Args:
+        dy_RD, x_RD: ``[R, D]`` of one dtype (bf16, fp16, fp32; float64 runs the torch reference), any
+            ``R`` (0 included); rows may be strided, columns are made contiguous if they are not.
+        weight_D: ``[D]``, ``x``'s dtype or fp32.
+        eps: added to the mean square before the rsqrt (the forward's).
+        config: ``(BLOCK_R, num_warps, programs per SM, pipeline stages)`` for the kernel (benchmarks);
+            None: the default.
+    Returns:
+        ``dx_RD`` contiguous in ``x``'s dtype, ``dweight_D`` in ``weight``'s dtype (summed in fp32,
+        rounded once).
+    Raises:
+        ValueError: shapes or dtypes that do not match.
+    """
+    if x_RD.dim() != 2 or dy_RD.shape != x_RD.shape or weight_D.shape != (x_RD.shape[1],):
+        raise ValueError(f"rms_norm_backward: dy and x must be [R, D] with weight [D]; got {tuple(dy_RD.shape)}, "
+                         f"{tuple(x_RD.shape)}, {tuple(weight_D.shape)}")
+    if dy_RD.dtype != x_RD.dtype or weight_D.dtype not in (x_RD.dtype, torch.float32):
+        raise ValueError(f"rms_norm_backward: dy must have x's dtype and weight x's or fp32; got {dy_RD.dtype}, "
+                         f"{x_RD.dtype}, {weight_D.dtype}")
+    if not select.use_triton(x_RD) or x_RD.dtype == torch.float64:
+        return rms_norm_backward_torch(dy_RD, x_RD, weight_D, eps)
+    dy_RD, x_RD = (t if t.stride(1) == 1 else t.contiguous() for t in (dy_RD, x_RD))
+    r, d = x_RD.shape
+    dx_RD = torch.empty((r, d), dtype=x_RD.dtype, device=x_RD.device)
+    if r == 0:
+        return dx_RD, torch.zeros_like(weight_D)
+    block_r, num_warps, per_sm, stages = config or _launch_config(d)
+    sms = torch.cuda.get_device_properties(x_RD.device).multi_processor_count if x_RD.is_cuda else 2
+    blocks = -(-r // block_r)
+    rows_per_prog = -(-blocks // min(blocks, sms * per_sm)) * block_r   # whole blocks per program
+    g = -(-r // rows_per_prog)
+    dw_GD = torch.empty((g, d), dtype=torch.float32, device=x_RD.device)
+    _rms_norm_bwd_kernel[(g,)](dy_RD, x_RD, weight_D.contiguous(), dx_RD, dw_GD, r, rows_per_prog, dy_RD.stride(0),
+                               x_RD.stride(0), float(eps), D=d, BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(d),
+                               STAGES=stages, num_warps=num_warps)
+    return dx_RD, dw_GD.sum(0).to(weight_D.dtype)
