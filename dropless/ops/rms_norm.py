@@ -72,11 +72,11 @@ def rms_norm_backward_torch(dy_RD: torch.Tensor, x_RD: torch.Tensor, weight_D: t
 def _launch_config(d: int) -> tuple[int, int, int, int]:
     """``(BLOCK_R, num_warps, programs per SM, pipeline stages)`` for ``D = d``: blocks of about 4,096
     elements (one row at a time from ``D`` = 4,097), 16 elements a thread, as many programs as fit on an
-    SM at once (about 128 registers a thread), the next block's loads issued while this one is computed."""
+    SM at once (about 128 registers a thread), the next two blocks' loads issued while this one is computed."""
     block_d = triton.next_power_of_2(d)
     block_r = max(1, 4096 // block_d)
     num_warps = min(16, max(4, block_r * block_d // 512))
-    return block_r, num_warps, max(1, 16 // num_warps), 2
+    return block_r, num_warps, max(1, 16 // num_warps), 3
 
 
 def rms_norm_backward(dy_RD: torch.Tensor, x_RD: torch.Tensor, weight_D: torch.Tensor, eps: float, *,
