@@ -8,10 +8,17 @@ and its shared experts (``n_shared_experts * moe_intermediate_size``).
 Memory: the forward and backward are one autograd Function that saves ``x``, ``a = w1 x``
 and ``b = w3 x`` only; ``silu(a)`` and ``h = silu(a)·b`` (the input of ``w2``) are rebuilt in
 backward (two elementwise ops) instead of being saved: two ``[T, hidden_dim]`` tensors fewer
-per layer. The arithmetic is the ops autograd would run (``F.silu``, ``aten::silu_backward``,
-the same matmuls), so outputs and gradients equal the unfused module's. Under ``torch.compile``
+per layer. In this plain form (CPU, fp32 and fp64, compiled code) the arithmetic is the ops
+autograd would run (``F.silu``, ``aten::silu_backward``, the same matmuls), so outputs and
+gradients equal the unfused module's. Under ``torch.compile``
 the backward writes the product as ``b·silu(a)`` so that inductor's partitioner rebuilds it too
 rather than saving the forward's (see :meth:`_SwiGLUMLP.backward`).
+
+Gate‖up form (:func:`gate_up_kernels`: CUDA with Triton, eager, 16-bit, ``hidden_dim`` a multiple
+of 8): ``h13 = x [w1; w3]ᵀ`` in one GEMM, ``silu(a)·b`` by :func:`dropless.ops.swiglu.swiglu_fwd`
+(fp32 in registers, rounded once, so it differs from the unfused module in the last bf16 bit),
+and in backward ``d h13`` by one :func:`~dropless.ops.swiglu.swiglu_bwd`, ``dx`` and ``d[w1; w3]``
+by one GEMM each; it saves ``x`` and ``h13`` (the same bytes as ``a`` and ``b``).
 """
 
 from __future__ import annotations
@@ -20,12 +27,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dropless.ops import select
+from dropless.ops.swiglu import swiglu_bwd, swiglu_fwd
+
 
 class _SwiGLUMLP(torch.autograd.Function):
     """``w2(silu(w1 x) · w3 x)`` on ``x_TH`` [T, H]; saves ``x``, ``a``, ``b`` (see the module doc)."""
 
     @staticmethod
     def forward(ctx, x_TH, w1_FH, w3_FH, w2_HF):
+        ctx.gate_up = gate_up_kernels(x_TH, w1_FH.shape[0])
+        if ctx.gate_up:
+            h13_T2F = F.linear(x_TH, torch.cat((w1_FH, w3_FH)))
+            ctx.save_for_backward(x_TH, w1_FH, w3_FH, w2_HF, h13_T2F)
+            return F.linear(swiglu_fwd(h13_T2F), w2_HF)
         a_TF = F.linear(x_TH, w1_FH)
         b_TF = F.linear(x_TH, w3_FH)
         y_TH = F.linear(F.silu(a_TF) * b_TF, w2_HF)
@@ -34,6 +49,8 @@ class _SwiGLUMLP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy_TH):
+        if ctx.gate_up:
+            return _gate_up_backward(ctx, gy_TH)
         x_TH, w1_FH, w3_FH, w2_HF, a_TF, b_TF = ctx.saved_tensors
         silu_TF = F.silu(a_TF)
         gh_TF = gy_TH @ w2_HF
@@ -50,6 +67,27 @@ class _SwiGLUMLP(torch.autograd.Function):
         # (h200_single: ~1.1 GiB over 16 layers). As another node it is rebuilt here from the saved a, b.
         dw2 = gy_TH.t() @ (b_TF * silu_TF) if need[3] else None
         return dx, dw1, dw3, dw2
+
+
+def gate_up_kernels(x_TH: torch.Tensor, hidden_dim: int) -> bool:
+    """True when :class:`_SwiGLUMLP` runs its gate‖up form: ``x`` on the Triton path
+    (:func:`dropless.ops.select.use_triton`), eager (inductor fuses the elementwise ops itself when
+    compiling), 16-bit, and ``hidden_dim`` a multiple of 8 (the SwiGLU kernel's 16-byte vectors)."""
+    return (select.use_triton(x_TH) and not torch.compiler.is_compiling() and hidden_dim % 8 == 0
+            and x_TH.dtype in (torch.bfloat16, torch.float16))
+
+
+def _gate_up_backward(ctx, gy_TH):
+    """Backward of the gate‖up form: ``d h13`` in one SwiGLU-backward kernel, then one GEMM each for
+    ``dx`` and ``d[w1; w3]``; the SwiGLU output (``w2``'s input) rebuilt by one forward kernel."""
+    x_TH, w1_FH, w3_FH, w2_HF, h13_T2F = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    dh13_T2F = swiglu_bwd(h13_T2F, gy_TH @ w2_HF)
+    dx = dh13_T2F @ torch.cat((w1_FH, w3_FH)) if need[0] else None
+    dw13_2FH = dh13_T2F.t() @ x_TH if need[1] or need[2] else None
+    dw1, dw3 = dw13_2FH.chunk(2) if dw13_2FH is not None else (None, None)
+    dw2 = gy_TH.t() @ swiglu_fwd(h13_T2F) if need[3] else None
+    return dx, dw1 if need[1] else None, dw3 if need[2] else None, dw2
 
 
 class FeedForward(nn.Module):
