@@ -15,9 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from dropless.model import RMSNorm
-from dropless.model.norm import _RMSNormFn
 from dropless.ops import select
-from dropless.ops.rms_norm import rms_norm_backward
+from dropless.ops.rms_norm import _RMSNormFn, rms_norm_backward
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 KERNEL = select.HAS_TRITON and (DEV == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")

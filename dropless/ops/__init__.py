@@ -28,7 +28,9 @@ torch reference and the one place that picks between them (:mod:`dropless.ops.se
 :mod:`~dropless.ops.rows` (permute, gather-sum / combine, combine backward),
 :mod:`~dropless.ops.zero_fill` (gap rows, empty experts' gradients) and
 :mod:`~dropless.ops.triton_wgrad` (the accumulating grouped weight gradient); and, outside the
-MoE layer, :mod:`~dropless.ops.softmax_ce` (the LM head's chunked cross-entropy and its gradient);
+MoE layer, :mod:`~dropless.ops.softmax_ce` (the LM head's chunked cross-entropy and its gradient),
+:mod:`~dropless.ops.rope_tail` (MLA's RoPE on each head's last features, the head copied) and
+:mod:`~dropless.ops.rms_norm` (RMSNorm with its input and weight gradients in one pass);
 before the dispatch, :mod:`~dropless.ops.route_topk` (the router's biased group-limited top-k).
 """
 

@@ -1,4 +1,7 @@
-"""RMSNorm's backward: the input gradient and the weight gradient in one pass over ``dy`` and ``x``.
+"""RMSNorm, with its input and weight gradients in one pass over ``dy`` and ``x``.
+
+:func:`rms_norm` is the op :class:`dropless.model.norm.RMSNorm` calls: ``F.rms_norm`` forward, and on
+the Triton path an autograd Function whose backward is :func:`rms_norm_backward`.
 
 For ``y = x · rstd · w`` with ``rstd = 1 / sqrt(mean(x²) + eps)`` over the last dimension (Zhang &
 Sennrich 2019), the derivative of RMSNorm (differentiate ``y_j = w_j x_j rstd`` and
@@ -21,10 +24,11 @@ Shape letters: R rows, D features (the normalised dimension), G programs.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from dropless.ops import select
 
-__all__ = ["rms_norm_backward", "rms_norm_backward_torch"]
+__all__ = ["rms_norm", "rms_norm_backward", "rms_norm_backward_torch"]
 
 if select.HAS_TRITON:
     import triton
@@ -119,3 +123,51 @@ def rms_norm_backward(dy_RD: torch.Tensor, x_RD: torch.Tensor, weight_D: torch.T
                                x_RD.stride(0), float(eps), D=d, BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(d),
                                STAGES=stages, num_warps=num_warps)
     return dx_RD, dw_GD.sum(0).to(weight_D.dtype)
+
+
+def _rms_norm(x_xD: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tensor:
+    """``F.rms_norm`` in ``promote_types(x.dtype, float32)``, in ``x``'s dtype (16-bit ``x`` with a weight of its
+    own dtype as it is: torch's kernels compute in fp32 and round once)."""
+    if x_xD.dtype in (torch.bfloat16, torch.float16) and weight_D.dtype == x_xD.dtype:
+        return F.rms_norm(x_xD, weight_D.shape, weight_D, eps)
+    compute_dtype = torch.promote_types(x_xD.dtype, torch.float32)
+    return F.rms_norm(x_xD.to(compute_dtype), weight_D.shape, weight_D.to(compute_dtype), eps).to(x_xD.dtype)
+
+
+class _RMSNormFn(torch.autograd.Function):
+    """:func:`_rms_norm` whose backward is :func:`rms_norm_backward` (one kernel for ``dx`` and ``dweight``);
+    saves ``x`` and ``weight`` only. A ``create_graph`` backward (grad mode on), and a gradient in another
+    dtype than ``x`` (an autocast forward), run the differentiable torch reference instead."""
+
+    @staticmethod
+    def forward(ctx, x_xD, weight_D, eps):
+        ctx.save_for_backward(x_xD, weight_D)
+        ctx.eps = eps
+        return _rms_norm(x_xD, weight_D, eps)
+
+    @staticmethod
+    def backward(ctx, dy_xD):
+        x_xD, weight_D = ctx.saved_tensors
+        bwd = rms_norm_backward_torch if torch.is_grad_enabled() or dy_xD.dtype != x_xD.dtype else rms_norm_backward
+        D = weight_D.shape[0]
+        dx_RD, dw_D = bwd(dy_xD.reshape(-1, D), x_xD.reshape(-1, D), weight_D, ctx.eps)
+        return dx_RD.reshape(x_xD.shape), dw_D, None
+
+
+def rms_norm(x_xD: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x²) + eps) · weight`` over the last dim in ``promote_types(x.dtype, float32)``, in
+    ``x``'s dtype (16-bit ``x`` with a weight of its own dtype goes to ``F.rms_norm`` as it is: its kernels
+    compute in fp32 and round once).
+
+    The forward is ``F.rms_norm``. Backward: where :func:`dropless.ops.select.use_triton` takes ``x``
+    (CUDA), ``x`` is bf16/fp16/fp32 and the weight ``x``'s dtype or fp32, with grad mode on and neither
+    compiling (inductor generates its own backward) nor under ``torch.func`` transforms, an autograd
+    Function that saves only ``x`` and the weight and runs :func:`rms_norm_backward` (one kernel; last-bit
+    differences from torch's backward). Everywhere else autograd differentiates ``F.rms_norm``.
+    """
+    if (torch.is_grad_enabled() and x_xD.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and weight_D.dtype in (x_xD.dtype, torch.float32) and select.use_triton(x_xD)
+            and not torch.compiler.is_compiling()
+            and not any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in (x_xD, weight_D))):
+        return _RMSNormFn.apply(x_xD, weight_D, eps)
+    return _rms_norm(x_xD, weight_D, eps)
