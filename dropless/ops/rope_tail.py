@@ -19,7 +19,10 @@ Three implementations, picked here and nowhere else:
   last dim contiguous.
 * **The functional expression** (compiling, grad mode on — a backward with ``create_graph=True`` —,
   or under ``torch.func``): ``x·[c, c] + swap(x)·[−σs, σs]`` as one differentiable expression and
-  a ``cat`` with the head, which inductor fuses into one kernel.
+  a ``cat`` with the head, which inductor fuses into one kernel (writes into the two halves of each
+  pair would become two passes after functionalisation; ``addcmul(out=)`` is not differentiable;
+  ``vmap`` cannot write a batched value into a preallocated output; a Triton launch is opaque to
+  autograd and ``torch.func``).
 * **The eager torch path** (CPU, no grad mode): the head's copy, then ``x·[c, c]``, the swap and
   ``addcmul`` stored into the output.
 
