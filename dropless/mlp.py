@@ -19,6 +19,11 @@ of 8): ``h13 = x [w1; w3]ᵀ`` in one GEMM, ``silu(a)·b`` by :func:`dropless.op
 (fp32 in registers, rounded once, so it differs from the unfused module in the last bf16 bit),
 and in backward ``d h13`` by one :func:`~dropless.ops.swiglu.swiglu_bwd`, ``dx`` and ``d[w1; w3]``
 by one GEMM each; it saves ``x`` and ``h13`` (the same bytes as ``a`` and ``b``).
+
+Higher order: a backward run with ``create_graph=True`` (gradient penalties, double backward)
+rebuilds ``a`` and ``b`` from the saved ``x`` and weights and runs the plain form's ops, so its
+graph reaches the inputs and second-order gradients are those of the unfused module. Under
+``torch.func`` transforms the module runs the plain modules.
 """
 
 from __future__ import annotations
@@ -49,24 +54,38 @@ class _SwiGLUMLP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy_TH):
-        if ctx.gate_up:
-            return _gate_up_backward(ctx, gy_TH)
-        x_TH, w1_FH, w3_FH, w2_HF, a_TF, b_TF = ctx.saved_tensors
-        silu_TF = F.silu(a_TF)
-        gh_TF = gy_TH @ w2_HF
-        gb_TF = gh_TF * silu_TF
-        ga_TF = torch.ops.aten.silu_backward(gh_TF * b_TF, a_TF)
+        saved = ctx.saved_tensors  # read once (torch.utils.checkpoint unpacks each saved tensor once)
+        x_TH, w1_FH, w3_FH, w2_HF = saved[:4]
         need = ctx.needs_input_grad
-        dx = (ga_TF @ w1_FH + gb_TF @ w3_FH) if need[0] else None
-        dw1 = ga_TF.t() @ x_TH if need[1] else None
-        dw3 = gb_TF.t() @ x_TH if need[2] else None
-        # ``b · silu(a)``, not the forward's ``silu(a) · b``: traced, the same op on the same nodes would
-        # be the forward's product itself (the common-subexpression pass merges them), a forward value
-        # that this matmul reads in backward, which inductor's min-cut partitioner then refuses to
-        # recompute ("materialized in backward") and saves: one [T, hidden_dim] more per FFN than eager
-        # (h200_single: ~1.1 GiB over 16 layers). As another node it is rebuilt here from the saved a, b.
-        dw2 = gy_TH.t() @ (b_TF * silu_TF) if need[3] else None
-        return dx, dw1, dw3, dw2
+        if torch.is_grad_enabled():  # create_graph: a and b rebuilt from the saved inputs, so the graph reaches them
+            return _plain_backward(gy_TH, x_TH, w1_FH, w3_FH, w2_HF, F.linear(x_TH, w1_FH), F.linear(x_TH, w3_FH),
+                                   need)
+        if ctx.gate_up:
+            return _gate_up_backward(gy_TH, x_TH, w1_FH, w3_FH, w2_HF, saved[4], need)
+        return _plain_backward(gy_TH, x_TH, w1_FH, w3_FH, w2_HF, *saved[4:], need)
+
+
+def _plain_backward(gy_TH, x_TH, w1_FH, w3_FH, w2_HF, a_TF, b_TF, need):
+    """The unfused module's backward ops, from ``a = w1 x`` and ``b = w3 x``; with grad mode on (a
+    ``create_graph`` backward) SiLU's derivative is written out, so the whole pass is differentiable."""
+    silu_TF = F.silu(a_TF)
+    gh_TF = gy_TH @ w2_HF
+    gb_TF = gh_TF * silu_TF
+    if torch.is_grad_enabled():  # recording a graph: aten::silu_backward has no derivative of its own
+        sig_TF = torch.sigmoid(a_TF)
+        ga_TF = gh_TF * b_TF * sig_TF * (1 + a_TF * (1 - sig_TF))
+    else:
+        ga_TF = torch.ops.aten.silu_backward(gh_TF * b_TF, a_TF)
+    dx = (ga_TF @ w1_FH + gb_TF @ w3_FH) if need[0] else None
+    dw1 = ga_TF.t() @ x_TH if need[1] else None
+    dw3 = gb_TF.t() @ x_TH if need[2] else None
+    # ``b · silu(a)``, not the forward's ``silu(a) · b``: traced, the same op on the same nodes would
+    # be the forward's product itself (the common-subexpression pass merges them), a forward value
+    # that this matmul reads in backward, which inductor's min-cut partitioner then refuses to
+    # recompute ("materialized in backward") and saves: one [T, hidden_dim] more per FFN than eager
+    # (h200_single: ~1.1 GiB over 16 layers). As another node it is rebuilt here from the saved a, b.
+    dw2 = gy_TH.t() @ (b_TF * silu_TF) if need[3] else None
+    return dx, dw1, dw3, dw2
 
 
 def gate_up_kernels(x_TH: torch.Tensor, hidden_dim: int) -> bool:
@@ -77,11 +96,9 @@ def gate_up_kernels(x_TH: torch.Tensor, hidden_dim: int) -> bool:
             and x_TH.dtype in (torch.bfloat16, torch.float16))
 
 
-def _gate_up_backward(ctx, gy_TH):
+def _gate_up_backward(gy_TH, x_TH, w1_FH, w3_FH, w2_HF, h13_T2F, need):
     """Backward of the gate‖up form: ``d h13`` in one SwiGLU-backward kernel, then one GEMM each for
     ``dx`` and ``d[w1; w3]``; the SwiGLU output (``w2``'s input) rebuilt by one forward kernel."""
-    x_TH, w1_FH, w3_FH, w2_HF, h13_T2F = ctx.saved_tensors
-    need = ctx.needs_input_grad
     dh13_T2F = swiglu_bwd(h13_T2F, gy_TH @ w2_HF)
     dx = dh13_T2F @ torch.cat((w1_FH, w3_FH)) if need[0] else None
     dw13_2FH = dh13_T2F.t() @ x_TH if need[1] or need[2] else None
@@ -123,8 +140,11 @@ class FeedForward(nn.Module):
     def forward(self, x_xH: torch.Tensor) -> torch.Tensor:
         """``x_xH`` [..., H] -> [..., H], same dtype as the weights' compute."""
         w1, w3, w2 = self.w1.weight, self.w3.weight, self.w2.weight
-        if not (w1.dtype == w3.dtype == w2.dtype == x_xH.dtype) or torch.is_autocast_enabled(x_xH.device.type):
-            return self.w2(F.silu(self.w1(x_xH)) * self.w3(x_xH))  # mixed dtypes / autocast: plain modules
+        if (not (w1.dtype == w3.dtype == w2.dtype == x_xH.dtype) or torch.is_autocast_enabled(x_xH.device.type)
+                or (not torch.compiler.is_compiling()
+                    and any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in (x_xH, w1, w3, w2)))):
+            # mixed dtypes, autocast, torch.func transforms (the Function has no setup_context): plain modules
+            return self.w2(F.silu(self.w1(x_xH)) * self.w3(x_xH))
         return _SwiGLUMLP.apply(x_xH.reshape(-1, self.dim), w1, w3, w2).view(x_xH.shape)
 
     def extra_repr(self) -> str:

@@ -68,3 +68,33 @@ def test_hidden_width_not_a_multiple_of_8_keeps_the_plain_form(monkeypatch):
     m = FeedForward(16, 20).to(DEV, torch.bfloat16)
     y = m(x)
     assert y.shape == (4, 16) and y.dtype == torch.bfloat16
+
+
+def test_gate_up_form_second_order_gradients(monkeypatch):
+    """A gradient penalty (create_graph=True) through the gate‖up form: d‖∂L/∂x‖²/dw1 and d/dx within bf16
+    rounding of the float64 plain modules' (the backward takes the plain ops when recording a graph)."""
+    if DEV == "cpu":
+        monkeypatch.setattr(select, "FORCE_TRITON", True)
+    gen = torch.Generator().manual_seed(14)
+    H, Fh, T = 16, 32, 9
+    m = FeedForward(H, Fh)
+    with torch.no_grad():
+        for lin in (m.w1, m.w3, m.w2):
+            lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen) * 0.3)
+    m = m.to(DEV, torch.bfloat16)
+    m64 = FeedForward(H, Fh).double()
+    m64.load_state_dict({k: w.double().cpu() for k, w in m.state_dict().items()})
+    x0 = torch.randn(T, H, generator=gen).bfloat16()
+    v = torch.randn(T, H, generator=gen).bfloat16()
+    assert mlp.gate_up_kernels(x0.to(DEV), Fh)
+
+    def penalty_grads(mod, x, vv, plain):
+        x = x.clone().requires_grad_()
+        y = mod.w2(F.silu(mod.w1(x)) * mod.w3(x)) if plain else mod(x)
+        (gx,) = torch.autograd.grad((y * vv).sum(), x, create_graph=True)
+        return torch.autograd.grad((gx.float() ** 2).sum(), [x, mod.w1.weight])
+
+    got = penalty_grads(m, x0.to(DEV), v.to(DEV), plain=False)
+    want = penalty_grads(m64, x0.double(), v.double(), plain=True)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double().cpu(), b, rtol=3e-2, atol=3e-2 * float(b.abs().max()))

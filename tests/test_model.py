@@ -627,3 +627,32 @@ def test_mla_functions_pass_gradcheck_and_gradgradcheck():
     cos, sin = rope_cos_sin(3, 4, 10000.0, dtype=torch.float64)
     h = torch.randn(2, 3, 8, generator=gen, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradgradcheck(lambda t: mla(t, cos, sin), (h,))
+
+
+def test_feed_forward_second_order_gradients_and_torch_func_equal_the_plain_modules():
+    """A gradient penalty (create_graph=True) through FeedForward's Function: d‖∂L/∂x‖²/dθ for x and every
+    weight equal the plain modules' in float64 (the backward rebuilds a, b from the saved inputs so that
+    its graph reaches them); torch.func.grad through the module equals plain autograd."""
+    from dropless.mlp import FeedForward
+    gen = torch.Generator().manual_seed(13)
+    m = FeedForward(12, 16).double()
+    with torch.no_grad():
+        for lin in (m.w1, m.w3, m.w2):
+            lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen) * 0.4)
+    x0 = torch.randn(7, 12, generator=gen, dtype=torch.float64)
+    v = torch.randn(7, 12, generator=gen, dtype=torch.float64)
+    params = [m.w1.weight, m.w3.weight, m.w2.weight]
+
+    def penalty_grads(fn):
+        x = x0.clone().requires_grad_()
+        (gx,) = torch.autograd.grad((fn(x) * v).sum(), x, create_graph=True)
+        return torch.autograd.grad((gx ** 2).sum(), [x] + params)
+
+    got = penalty_grads(m)
+    want = penalty_grads(lambda t: m.w2(torch.nn.functional.silu(m.w1(t)) * m.w3(t)))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    g = torch.func.grad(lambda t: (m(t) * v).sum())(x0)
+    x = x0.clone().requires_grad_()
+    (g_ref,) = torch.autograd.grad((m.w2(torch.nn.functional.silu(m.w1(x)) * m.w3(x)) * v).sum(), x)
+    torch.testing.assert_close(g, g_ref, rtol=1e-12, atol=1e-12)

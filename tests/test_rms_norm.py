@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from dropless.model import RMSNorm
 from dropless.ops import select
-from dropless.ops.rms_norm import _RMSNormFn, rms_norm_backward
+from dropless.ops.rms_norm import _RMSNormFn, rms_norm, rms_norm_backward
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 KERNEL = select.HAS_TRITON and (DEV == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
@@ -80,6 +80,12 @@ def test_empty_strided_and_expanded_inputs(monkeypatch, path):
     dy, x, w = _inputs(0, 64, torch.float32)
     dx, dw = rms_norm_backward(dy, x, w, EPS)
     assert dx.shape == (0, 64) and torch.equal(dw, torch.zeros_like(w))
+    dy, x, w = _inputs(5, 0, torch.float32)                            # no feature: empty results, no launch
+    dx, dw = rms_norm_backward(dy, x, w, EPS)
+    assert dx.shape == (5, 0) and dw.shape == (0,)
+    x0 = x.clone().requires_grad_()
+    rms_norm(x0, w, EPS).sum().backward()
+    assert x0.grad.shape == (5, 0)
     dy, x, w = _inputs(45, 80, torch.bfloat16)
     wide = torch.cat([x, x[:, :16]], dim=1)[:, :80]                     # row stride 96
     dy0 = dy[:1].expand(45, 80)                                          # row stride 0

@@ -95,3 +95,20 @@ def test_kernel_and_torch_path_agree_and_empty_input(monkeypatch):
         monkeypatch.setattr(select, "FORCE_TRITON", True)
     with torch.no_grad():
         assert rotate_tail(x[:0], cos, sin, 1.0).shape == (0, 7, 2, 96)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_empty_tables_copy_and_bad_x_raise(monkeypatch, path):
+    """Tables with no pair (P = 0) give a copy of x on every path; an integer or a 3-D x is refused by
+    rope_tail with a message naming what it needs."""
+    _path(monkeypatch, path)
+    x = torch.randn(2, 3, 2, 5, device=DEV)
+    empty = torch.zeros(3, 0, device=DEV)
+    with torch.no_grad():
+        out = rotate_tail(x, empty, empty, 1.0)
+    assert torch.equal(out, x) and out.is_contiguous()
+    cos, sin = (t.to(DEV) for t in rope_cos_sin(3, 4, 10000.0))
+    with pytest.raises(ValueError, match="floating-point"):
+        rope_tail(torch.ones(2, 3, 2, 4, dtype=torch.int64, device=DEV), cos, sin)
+    with pytest.raises(ValueError, match=r"\[B, S, N, D\]"):
+        rope_tail(torch.randn(3, 2, 4, device=DEV), cos, sin)

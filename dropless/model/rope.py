@@ -191,9 +191,12 @@ def rope_tail(x_BSND: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch.Tensor) 
         for them (:func:`apply_rope` differentiates with respect to the angles); forward mode is not
         available inside ``torch.compile`` (Dynamo does not trace a custom ``jvp``).
     Raises:
-        ValueError: tables that do not match ``x``, or tables that require grad (no gradient flows
-            to them: use :func:`apply_rope` to learn the angles).
+        ValueError: ``x`` not a floating-point 4-D tensor, tables that do not match ``x``, or tables
+            that require grad (no gradient flows to them: use :func:`apply_rope` to learn the angles).
     """
+    if x_BSND.dim() != 4 or not x_BSND.is_floating_point():
+        raise ValueError(f"rope_tail: x must be a floating-point [B, S, N, D] tensor, got {x_BSND.dtype} "
+                         f"{tuple(x_BSND.shape)}")
     B, S, N, D = x_BSND.shape
     if cos_SP.shape != sin_SP.shape or cos_SP.dim() != 2 or cos_SP.shape[0] != S or 2 * cos_SP.shape[1] > D:
         raise ValueError(f"rope_tail: tables {tuple(cos_SP.shape)} do not match x {tuple(x_BSND.shape)}; expected "

@@ -111,7 +111,7 @@ def rms_norm_backward(dy_RD: torch.Tensor, x_RD: torch.Tensor, weight_D: torch.T
     dy_RD, x_RD = (t if t.stride(1) == 1 else t.contiguous() for t in (dy_RD, x_RD))
     r, d = x_RD.shape
     dx_RD = torch.empty((r, d), dtype=x_RD.dtype, device=x_RD.device)
-    if r == 0:
+    if r == 0 or d == 0:
         return dx_RD, torch.zeros_like(weight_D)
     block_r, num_warps, per_sm, stages = config or _launch_config(d)
     sms = torch.cuda.get_device_properties(x_RD.device).multi_processor_count if x_RD.is_cuda else 2
@@ -165,7 +165,7 @@ def rms_norm(x_xD: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Te
     Function that saves only ``x`` and the weight and runs :func:`rms_norm_backward` (one kernel; last-bit
     differences from torch's backward). Everywhere else autograd differentiates ``F.rms_norm``.
     """
-    if (torch.is_grad_enabled() and x_xD.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    if (torch.is_grad_enabled() and x_xD.shape[-1] > 0 and x_xD.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and weight_D.dtype in (x_xD.dtype, torch.float32) and select.use_triton(x_xD)
             and not torch.compiler.is_compiling()
             and not any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in (x_xD, weight_D))):

@@ -85,8 +85,8 @@ def _rotate_tail_triton(x_BSND: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torc
     cos_SP, sin_SP = cos_SP.contiguous(), sin_SP.contiguous()
     out = torch.empty((B, S, N, D), dtype=x_BSND.dtype, device=x_BSND.device)
     n_rows = B * S * N
-    if n_rows == 0:
-        return out
+    if n_rows == 0 or P == 0:                                      # nothing to rotate: the copy alone
+        return out.copy_(x_BSND)
     block_d = triton.next_power_of_2(D)
     block_rows = max(1, min(32, 4096 // block_d))                  # about 4k elements a program
     f64 = torch.float64 in (x_BSND.dtype, cos_SP.dtype, sin_SP.dtype)
