@@ -22,19 +22,19 @@ KERNEL = select.HAS_TRITON and (DEV == "cuda" or os.environ.get("TRITON_INTERPRE
 pytestmark = pytest.mark.skipif(not KERNEL, reason="no CUDA and Triton's interpreter is off")
 
 
+def _bf16_and_float64_modules(H, Fh, gen):
+    """A bf16 FeedForward on DEV and a float64 copy holding the same (bf16-rounded) weights."""
+    m, m64 = _bf16_and_float64_modules(H, Fh, gen)
+    return m, m64
+
+
 @pytest.mark.parametrize("needs_x_grad", [True, False])
 def test_gate_up_form_equals_float64_plain_modules(monkeypatch, needs_x_grad):
     if DEV == "cpu":
         monkeypatch.setattr(select, "FORCE_TRITON", True)
     gen = torch.Generator().manual_seed(12)
     H, Fh, T = 32, 48, 37
-    m = FeedForward(H, Fh)
-    with torch.no_grad():
-        for lin in (m.w1, m.w3, m.w2):
-            lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen) * 0.3)
-    m = m.to(DEV, torch.bfloat16)
-    m64 = FeedForward(H, Fh).double()
-    m64.load_state_dict({k: v.double().cpu() for k, v in m.state_dict().items()})   # the same bf16 values
+    m, m64 = _bf16_and_float64_modules(H, Fh, gen)
     x = torch.randn(T, H, generator=gen).bfloat16().float()
     g = torch.randn(T, H, generator=gen).bfloat16().float()
     xb = x.to(DEV, torch.bfloat16).requires_grad_(needs_x_grad)
@@ -77,13 +77,7 @@ def test_gate_up_form_second_order_gradients(monkeypatch):
         monkeypatch.setattr(select, "FORCE_TRITON", True)
     gen = torch.Generator().manual_seed(14)
     H, Fh, T = 16, 32, 9
-    m = FeedForward(H, Fh)
-    with torch.no_grad():
-        for lin in (m.w1, m.w3, m.w2):
-            lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen) * 0.3)
-    m = m.to(DEV, torch.bfloat16)
-    m64 = FeedForward(H, Fh).double()
-    m64.load_state_dict({k: w.double().cpu() for k, w in m.state_dict().items()})
+    m, m64 = _bf16_and_float64_modules(H, Fh, gen)
     x0 = torch.randn(T, H, generator=gen).bfloat16()
     v = torch.randn(T, H, generator=gen).bfloat16()
     assert mlp.gate_up_kernels(x0.to(DEV), Fh)
