@@ -24,7 +24,13 @@ pytestmark = pytest.mark.skipif(not KERNEL, reason="no CUDA and Triton's interpr
 
 def _bf16_and_float64_modules(H, Fh, gen):
     """A bf16 FeedForward on DEV and a float64 copy holding the same (bf16-rounded) weights."""
-    m, m64 = _bf16_and_float64_modules(H, Fh, gen)
+    m = FeedForward(H, Fh)
+    with torch.no_grad():
+        for lin in (m.w1, m.w3, m.w2):
+            lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen) * 0.3)
+    m = m.to(DEV, torch.bfloat16)
+    m64 = FeedForward(H, Fh).double()
+    m64.load_state_dict({k: w.double().cpu() for k, w in m.state_dict().items()})
     return m, m64
 
 
