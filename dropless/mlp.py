@@ -37,7 +37,8 @@ from dropless.ops.swiglu import swiglu_bwd, swiglu_fwd
 
 
 class _SwiGLUMLP(torch.autograd.Function):
-    """``w2(silu(w1 x) · w3 x)`` on ``x_TH`` [T, H]; saves ``x``, ``a``, ``b`` (see the module doc)."""
+    """``w2(silu(w1 x) · w3 x)`` on ``x_TH`` [T, H]; saves ``x`` and ``a``, ``b`` (plain form) or ``h13 = [a | b]``
+    (gate‖up form), besides the weights (see the module doc)."""
 
     @staticmethod
     def forward(ctx, x_TH, w1_FH, w3_FH, w2_HF):
