@@ -1,8 +1,9 @@
 """Permute tokens into expert-sorted, aligned rows and combine them back.
 
-Both are custom autograd Functions that save only integer indices (MaxText's
-custom sort VJP; DESIGN.md "Memory"): the backward of a gather is the inverse
-gather, not a stored copy of the rows.
+Where each row lands, :func:`sort_by_expert`, is the op of :mod:`dropless.ops.expert_sort`
+(re-exported here). The permute and the combine are custom autograd Functions that save only
+integer indices (MaxText's custom sort VJP; DESIGN.md "Memory"): the backward of a gather is
+the inverse gather, not a stored copy of the rows.
 
 * :func:`permute_rows` lands rows straight from ``x_NH`` by index into the
   buffer (:func:`dropless.ops.rows.land_rows`: each token read once and scattered to
@@ -19,59 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from dropless.layout import ExpertLayout
 from dropless.ops.backward import first_order_only
+from dropless.ops.expert_sort import sort_by_expert  # noqa: F401 (re-exported)
 from dropless.ops.rows import RowSource, combine_bwd, gather_rows, gather_sum, land_rows  # noqa: F401 (re-exported)
-
-
-def sort_by_expert(expert_idx_Nk: torch.Tensor, num_experts: int, alignment: int = 1,
-                   capacity: int | None = None, num_rows: int | None = None
-                   ) -> tuple[ExpertLayout, torch.Tensor, torch.Tensor]:
-    """Where each (row, choice) lands in an expert-sorted, aligned buffer. No host sync.
-
-    Args:
-        expert_idx_Nk: int ``[N, k]`` expert of each choice, in ``[0, num_experts)``;
-            a value ``< 0`` or ``>= num_experts`` means "not routed here" (dropped
-            from this buffer, e.g. another rank's expert).
-        num_experts: ``e``, experts in the buffer.
-        alignment: ``A``.
-        capacity: static ``M``; default the exact bound for ``N·k`` rows
-            (:func:`dropless.layout.aligned_capacity`).
-        num_rows: host bound on the rows routed here (defaults to ``N·k``).
-    Returns:
-        layout: the :class:`ExpertLayout`.
-        dest_Nk: int64 ``[N, k]`` landed row of each choice; ``-1`` where not routed here.
-        src_M: int64 ``[M]`` source row of each landed row; ``-1`` on padding rows.
-    """
-    n, k = expert_idx_Nk.shape
-    dev = expert_idx_Nk.device
-    flat = expert_idx_Nk.reshape(-1).to(torch.int64)
-    here = (flat >= 0) & (flat < num_experts)
-    # not-routed choices sort after every real expert (key = num_experts)
-    key = torch.where(here, flat, torch.full_like(flat, num_experts))
-    # one stable sort gives the order and, by binary search of its keys, the counts: no atomic
-    # histogram (an int64 scatter_add of N·k ones into e + 1 bins serialises on the bins)
-    key_sorted, order = torch.sort(key, stable=True)
-    bounds = torch.searchsorted(key_sorted, torch.arange(num_experts + 2, device=dev, dtype=key.dtype))
-    first_sorted = bounds[:-1]  # first sorted position of each key
-    counts_all = bounds[1:] - first_sorted
-    counts = counts_all[:num_experts]
-    if capacity is None:
-        capacity_rows = n * k if num_rows is None else num_rows
-        layout = ExpertLayout.from_counts(counts, alignment, num_rows=capacity_rows)
-    else:
-        layout = ExpertLayout.from_counts(counts, alignment, capacity=capacity)
-    layout.check_capacity()  # never drop a row silently, whatever the bound (async on GPU, no sync)
-    pos = torch.empty_like(order)
-    pos[order] = torch.arange(order.numel(), device=dev)
-    key_c = key.clamp(max=max(num_experts - 1, 0))
-    dest = layout.start.to(torch.int64)[key_c] + (pos - first_sorted[key])
-    dest = torch.where(here, dest, torch.full_like(dest, -1))
-    src = torch.full((layout.capacity + 1,), -1, dtype=torch.int64, device=dev)
-    # not-routed choices write into the extra slot M, which is cut off below
-    src.scatter_(0, torch.where(here & (dest < layout.capacity), dest, torch.full_like(dest, layout.capacity)),
-                 torch.arange(n * k, device=dev) // k)
-    return layout, dest.view(n, k), src[: layout.capacity]
 
 
 class _PermuteRows(torch.autograd.Function):
