@@ -259,8 +259,8 @@ class MoE(nn.Module):
                 pending_y = Pending(value=ahead.attach(pending_y.wait()))
             combines.append(pending_y)
         outs = [p.wait() for p in combines]
-        stats["rows_live"] = torch.stack(live).sum()
+        stats["rows_live"] = live[0] if n_chunks == 1 else torch.stack(live).sum()
         stats["rows_capacity"] = torch.tensor(cap)
-        stats.setdefault("rows_dropped", torch.zeros((), dtype=torch.int64, device=x_TH.device))
-        stats.setdefault("rows_padded", torch.zeros((), dtype=torch.int64, device=x_TH.device))
+        if "rows_dropped" not in stats:  # dropless: one zero for both (read only)
+            stats["rows_dropped"] = stats["rows_padded"] = torch.zeros((), dtype=torch.int64, device=x_TH.device)
         return outs[0] if n_chunks == 1 else torch.cat(outs, dim=0)
