@@ -14,13 +14,13 @@ time, made each MoE layer's dispatch about 1 ms of an eager step in which the GP
 (``benchmarks/results/h200_host_timeline_s19.json``):
 
 1. ``_hist_kernel``: each program counts the choices of its ``BLOCK`` consecutive flat entries per
-   expert, ``hist[b, i]``;
-2. ``_scan_kernel`` (one program): per expert, the exclusive prefix of ``hist`` over the blocks
-   (``offs[b, i]``, the rows of expert ``i`` in earlier blocks), the ``counts``, and the aligned
-   ``start = exclusive prefix of align_up(counts, A)`` and ``end = start + counts``; it also writes
-   whether ``end[e-1] <= M``;
-3. ``_dest_kernel``: each program ranks its entries within their expert by a cumulative sum of the
-   ``[BLOCK, e]`` one-hot, and writes ``dest = start[i] + offs[b, i] + rank`` and ``src[dest] = n``.
+   expert, ``hist[i, b]``;
+2. ``_scan_kernel``, one program per expert: the exclusive prefix of ``hist[i]`` over the blocks
+   (``offs[i, b]``, the rows of expert ``i`` in earlier blocks) and ``counts[i]``;
+3. ``_dest_kernel``: each program derives ``start = exclusive prefix of align_up(counts, A)`` (the
+   first also writes ``start``, ``end = start + counts`` and whether ``end[e-1] <= M``), ranks its
+   entries within their expert by a cumulative sum of the ``[BLOCK, e]`` one-hot, and writes
+   ``dest = start[i] + offs[i, b] + rank`` and ``src[dest] = n``.
 
 ``BLOCK`` is ``4096 / e`` (padded to a power of two): a program holds a ``[BLOCK, e]`` one-hot. With
 ``e`` above :data:`MAX_KERNEL_EXPERTS`, or while ``torch.compile`` traces (inductor fuses the
@@ -60,42 +60,43 @@ if select.HAS_TRITON:
         return offs, inb, here, ec, hit
 
     @triton.jit
-    def _hist_kernel(idx_ptr, hist_ptr, n, E, EP: tl.constexpr, BLOCK: tl.constexpr):
+    def _hist_kernel(idx_ptr, hist_ptr, n, nblocks, E, EP: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         _, _, _, _, hit = _one_hot(idx_ptr, pid, n, E, EP, BLOCK)
-        tl.store(hist_ptr + pid * EP + tl.arange(0, EP), tl.sum(hit.to(tl.int32), axis=0))
+        tl.store(hist_ptr + tl.arange(0, EP) * nblocks + pid, tl.sum(hit.to(tl.int32), axis=0))
 
     @triton.jit
-    def _scan_kernel(hist_ptr, offs_ptr, meta_ptr, ok_ptr, nblocks, E, capacity, A,
-                     EP: tl.constexpr, RB: tl.constexpr):
-        ids = tl.arange(0, EP)
-        carry = tl.zeros([EP], tl.int32)
+    def _scan_kernel(hist_ptr, offs_ptr, counts_ptr, nblocks, RB: tl.constexpr):
+        i = tl.program_id(0)  # one expert
+        carry = tl.zeros([], tl.int32)
         for b0 in range(0, nblocks, RB):
             rows = b0 + tl.arange(0, RB)
-            m = rows[:, None] < nblocks
-            ptrs = rows[:, None] * EP + ids[None, :]
-            h = tl.load(hist_ptr + ptrs, mask=m, other=0)
-            tl.store(offs_ptr + ptrs, tl.cumsum(h, axis=0) - h + carry[None, :], mask=m)
+            m = rows < nblocks
+            h = tl.load(hist_ptr + i * nblocks + rows, mask=m, other=0)
+            tl.store(offs_ptr + i * nblocks + rows, tl.cumsum(h, axis=0) - h + carry, mask=m)
             carry += tl.sum(h, axis=0)
-        real = ids < E
-        counts = tl.where(real, carry, 0)
-        padded = (counts + (A - 1)) // A * A
-        start = tl.cumsum(padded, axis=0) - padded
-        end = start + counts
-        tl.store(meta_ptr + ids, counts, mask=real)
-        tl.store(meta_ptr + E + ids, start, mask=real)
-        tl.store(meta_ptr + 2 * E + ids, end, mask=real)
-        # ends never decrease, so the largest is end[e-1]
-        tl.store(ok_ptr, (tl.max(tl.where(real, end, 0), axis=0) <= capacity).to(tl.int8))
+        tl.store(counts_ptr + i, carry)
 
     @triton.jit
-    def _dest_kernel(idx_ptr, offs_ptr, meta_ptr, dest_ptr, src_ptr, n, E, K, capacity,
+    def _dest_kernel(idx_ptr, offs_ptr, meta_ptr, ok_ptr, dest_ptr, src_ptr, n, nblocks, E, K, capacity, A,
                      EP: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
+        ids = tl.arange(0, EP)
+        real = ids < E
+        counts = tl.load(meta_ptr + ids, mask=real, other=0)
+        padded = (counts + (A - 1)) // A * A
+        start = tl.cumsum(padded, axis=0) - padded
+        if pid == 0:
+            end = start + counts
+            tl.store(meta_ptr + E + ids, start, mask=real)
+            tl.store(meta_ptr + 2 * E + ids, end, mask=real)
+            # ends never decrease, so the largest is end[e-1]
+            tl.store(ok_ptr, (tl.max(tl.where(real, end, 0), axis=0) <= capacity).to(tl.int8))
         offs, inb, here, ec, hit = _one_hot(idx_ptr, pid, n, E, EP, BLOCK)
-        rank = tl.sum(tl.where(hit, tl.cumsum(hit.to(tl.int32), axis=0), 0), axis=1) - 1
-        base = tl.load(offs_ptr + pid * EP + ec, mask=here, other=0) + tl.load(meta_ptr + E + ec, mask=here, other=0)
-        dest = tl.where(here, (base + rank).to(tl.int64), -1)
+        # each entry's expert start and rank within the block, picked from the [BLOCK, e] one-hot
+        first = tl.sum(tl.where(hit, start[None, :] + tl.cumsum(hit.to(tl.int32), axis=0), 0), axis=1) - 1
+        before = tl.load(offs_ptr + ec * nblocks + pid, mask=here, other=0)  # rows of its expert in earlier blocks
+        dest = tl.where(here, (first + before).to(tl.int64), -1)
         tl.store(dest_ptr + offs, dest, mask=inb)
         tl.store(src_ptr + dest, (offs // K).to(tl.int64), mask=here & (dest < capacity))
 
@@ -113,18 +114,16 @@ def _sort_by_expert_triton(flat: torch.Tensor, n: int, k: int, e: int, alignment
     dev = flat.device
     ep, block = _pow2(e), kernel_block(e)
     nblocks = triton.cdiv(n * k, block)
-    hist = torch.empty(2, nblocks, ep, dtype=torch.int32, device=dev)  # [0]: per block, [1]: its prefix
+    hist = torch.empty(2, ep, nblocks, dtype=torch.int32, device=dev)  # [0]: per block, [1]: its prefix
     meta = torch.empty(3, e, dtype=torch.int32, device=dev)            # counts, start, end
     ok = torch.empty((), dtype=torch.int8, device=dev)
     dest = torch.empty(n * k, dtype=torch.int64, device=dev)
     src = torch.full((capacity,), -1, dtype=torch.int64, device=dev)
     if nblocks:
-        _hist_kernel[(nblocks,)](flat, hist[0], n * k, e, EP=ep, BLOCK=block, num_warps=4)
-    _scan_kernel[(1,)](hist[0], hist[1], meta, ok, nblocks, e, capacity, alignment, EP=ep,
-                       RB=max(1, min(64, _ONE_HOT_ELEMS // ep)), num_warps=4)
-    if nblocks:
-        _dest_kernel[(nblocks,)](flat, hist[1], meta, dest, src, n * k, e, k, capacity, EP=ep, BLOCK=block,
-                                 num_warps=4)
+        _hist_kernel[(nblocks,)](flat, hist[0], n * k, nblocks, e, EP=ep, BLOCK=block, num_warps=4)
+    _scan_kernel[(e,)](hist[0], hist[1], meta, nblocks, RB=1024, num_warps=4)
+    _dest_kernel[(max(nblocks, 1),)](flat, hist[1], meta, ok, dest, src, n * k, nblocks, e, k, capacity, alignment,
+                                     EP=ep, BLOCK=block, num_warps=4)
     torch._assert_async(ok, _OVERFLOW)
     counts, start, end = meta.unbind(0)
     return ExpertLayout(counts=counts, start=start, end=end, capacity=capacity, alignment=alignment), dest, src
