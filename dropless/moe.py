@@ -182,18 +182,24 @@ class MoE(nn.Module):
                              f"or [T, hidden_size]; got {tuple(x.shape)} {x.dtype}")
         seq_len = x.shape[1] if x.dim() == 3 else None
         x_TH = x.reshape(-1, a.hidden_size)
-        r = self.router(x_TH, seq_len=seq_len)
+        # Launch order (eager): the shared experts first and the router's counts and aux loss
+        # (Router.account) after the routed experts, so that the GPU has GEMMs queued while the host
+        # launches the router's and the dispatch's many small kernels. The values do not depend on it.
+        y_sh = None
+        if self.shared_experts is not None:
+            if a.recompute_fc1 and torch.is_grad_enabled():  # save only x_TH, recompute in backward
+                y_sh = checkpoint(self.shared_experts, x_TH, use_reentrant=False)
+            else:
+                y_sh = self.shared_experts(x_TH)
+        r = self.router(x_TH, seq_len=seq_len, account=False)
         topk_idx_Tk = r.topk_idx_Tk
         stats: dict[str, torch.Tensor] = {}
         if a.capacity_factor is not None:
             topk_idx_Tk, stats["rows_dropped"], stats["rows_padded"] = capacity_drop(
                 topk_idx_Tk, a.n_routed_experts, a.capacity_factor)
         y_TH = self._routed(x_TH, topk_idx_Tk, r.topk_weight_Tk, stats)
-        if self.shared_experts is not None:
-            if a.recompute_fc1 and torch.is_grad_enabled():  # save only x_TH, recompute in backward
-                y_sh = checkpoint(self.shared_experts, x_TH, use_reentrant=False)
-            else:
-                y_sh = self.shared_experts(x_TH)
+        self.router.account(r)
+        if y_sh is not None:
             y_TH = y_TH + y_sh.to(y_TH.dtype)
         self.last_stats = stats
         if not in_backward_recompute():  # a recompute's graph is not kept alive on the module

@@ -79,13 +79,18 @@ class RouterOutput:
         counts_E: int64 [E], routed rows per expert in this call, padding tokens
             excluded (exact at any T; these are balancing counts — a
             dispatcher that also moves padding tokens counts its own rows).
+        seq_len, token_mask_T: what :meth:`Router.account` needs of the call.
+    ``aux_loss`` and ``counts_E`` are None after ``forward(..., account=False)`` until
+    :meth:`Router.account` fills them.
     """
 
     topk_idx_Tk: torch.Tensor
     topk_weight_Tk: torch.Tensor
     scores_TE: torch.Tensor
-    aux_loss: torch.Tensor
-    counts_E: torch.Tensor
+    aux_loss: torch.Tensor | None
+    counts_E: torch.Tensor | None
+    seq_len: int = 1
+    token_mask_T: torch.Tensor | None = None
 
 
 class _Fp32Logits(torch.autograd.Function):
@@ -299,7 +304,7 @@ class Router(nn.Module):
                                       bias_E=self.e_score_correction_bias.to(scores_TE.dtype))
 
     def forward(self, x_TH: torch.Tensor, seq_len: int | None = None,
-                token_mask_T: torch.Tensor | None = None) -> RouterOutput:
+                token_mask_T: torch.Tensor | None = None, account: bool = True) -> RouterOutput:
         """Route T tokens.
 
         Args:
@@ -310,6 +315,10 @@ class Router(nn.Module):
             token_mask_T: optional bool [T], False for padding tokens: they are
                 still routed (their rows are well defined) but are left out of
                 the aux loss and of the balancing counts.
+            account: compute the counts and the aux loss here (:meth:`account`). False leaves
+                them to the caller's later ``account(out)`` call: the MoE layer makes it after
+                its expert GEMMs are queued, so that these small, host-bound kernels are
+                launched while the GPU is busy rather than while it waits.
 
         Returns: :class:`RouterOutput`.
 
@@ -321,9 +330,6 @@ class Router(nn.Module):
                 ``tokens_per_expert`` is touched; not with ``check_finite = False``.
         """
         seq_len = self._check_inputs(x_TH, seq_len, token_mask_T)
-        T = x_TH.shape[0]
-        E = self.n_experts
-
         with torch.autocast(device_type=x_TH.device.type, enabled=False):  # fp32 logits
             logits_TE = _Fp32Logits.apply(x_TH, self.weight)
         if self.check_finite:
@@ -348,10 +354,22 @@ class Router(nn.Module):
         if self.norm_topk_prob:
             weight_Tk = weight_Tk / (weight_Tk.sum(dim=-1, keepdim=True) + _NORM_EPS)
         topk_weight_Tk = weight_Tk * self.routed_scaling_factor
+        out = RouterOutput(topk_idx_Tk, topk_weight_Tk, scores_TE, None, None, seq_len, token_mask_T)
+        return self.account(out) if account else out
 
+    def account(self, out: RouterOutput) -> RouterOutput:
+        """Fill ``out.counts_E`` and ``out.aux_loss`` of a ``forward(..., account=False)`` call; returns ``out``.
+
+        Adds the counts into ``tokens_per_expert`` (training mode) and keeps them and the aux loss for
+        :meth:`stats`, except inside an activation-checkpointing recompute (module docstring). Call it
+        once per forward, in the same autograd context (the aux loss is differentiable wrt the scores).
+        No host sync.
+        """
+        scores_TE, topk_idx_Tk, seq_len, token_mask_T = out.scores_TE, out.topk_idx_Tk, out.seq_len, out.token_mask_T
+        T, E = scores_TE.shape
         with torch.no_grad():
             # selection one-hot [T, E] (a token meets an expert at most once), padding tokens zeroed
-            chosen_TE = torch.zeros(T, E, dtype=torch.float32, device=x_TH.device)
+            chosen_TE = torch.zeros(T, E, dtype=torch.float32, device=scores_TE.device)
             chosen_TE.scatter_(1, topk_idx_Tk, 1.0)
             if token_mask_T is not None:
                 chosen_TE.mul_(token_mask_T.unsqueeze(1).to(torch.float32))
@@ -362,14 +380,15 @@ class Router(nn.Module):
         if self.training and self.aux_loss_alpha > 0 and T > 0:
             aux_loss = self._seq_aux_loss(scores_TE, chosen_TE, seq_len, token_mask_T)
         else:
-            aux_loss = torch.zeros((), dtype=torch.float32, device=x_TH.device)
+            aux_loss = torch.zeros((), dtype=torch.float32, device=scores_TE.device)
 
         if not in_backward_recompute():
             if self.training:
                 self.tokens_per_expert.add_(counts_E)
             self._last_counts_E = counts_E
             self._last_aux_loss = aux_loss.detach()
-        return RouterOutput(topk_idx_Tk, topk_weight_Tk, scores_TE, aux_loss, counts_E)
+        out.aux_loss, out.counts_E = aux_loss, counts_E
+        return out
 
     def _seq_aux_loss(self, scores_TE: torch.Tensor, chosen_TE: torch.Tensor, seq_len: int,
                       token_mask_T: torch.Tensor | None) -> torch.Tensor:

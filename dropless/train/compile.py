@@ -106,6 +106,7 @@ def compile_blocks(model: nn.Module, backend: str = "inductor", moe: bool = Fals
         if getattr(block, "moe_enabled", False) and not moe:
             layer = block.moe
             layer.router.forward = torch.compiler.disable(layer.router.forward)
+            layer.router.account = torch.compiler.disable(layer.router.account)
             layer._routed = torch.compiler.disable(layer._routed)
             layer._kept_eager = True
         block.compile(backend=backend)
