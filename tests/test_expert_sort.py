@@ -75,6 +75,7 @@ def _check(idx, e, a, capacity=None, num_rows=None):
     (300, 2, 10, 1),      # e not a power of two, no alignment
     (200, 1, 1, 16),      # one expert
     (64, 4, 3, 1),        # k > e: repeated experts in a row keep their flat order
+    (64, 2, 1000, 8),     # the widest kernel: 1,024 padded experts, 16-entry blocks
     (0, 6, 64, 128),      # no rows
 ])
 def test_kernel_equals_reference(kernel_path, n, k, e, a):
@@ -147,8 +148,9 @@ def test_kernel_cases_under_the_interpreter():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA or not select.HAS_TRITON, reason="needs CUDA and triton")
-@pytest.mark.parametrize("n,k,e", [(32768, 6, 64), (8192, 8, 256), (4096, 8, 32)])
+@pytest.mark.parametrize("n,k,e", [(32768, 6, 64), (8192, 8, 256), (4096, 8, 32), (2048, 4, 1000)])
 def test_kernel_matches_reference_on_cuda(n, k, e):
-    """recipe=h200_single's routing, DeepSeek-V3's, and an EP rank's 32 local experts with foreign ids."""
+    """recipe=h200_single's routing, DeepSeek-V3's, an EP rank's 32 local experts with foreign ids, and the
+    widest kernel (1,024 padded experts)."""
     idx = _routing(n, k, e, seed=e, foreign=0.0 if e == 64 else 0.3, device="cuda")
     _check(idx, e, 128)

@@ -37,7 +37,7 @@ from dropless.ops import select
 __all__ = ["sort_by_expert", "sort_by_expert_torch", "MAX_KERNEL_EXPERTS"]
 
 #: padded experts above this take the torch reference (a program's one-hot would be one row)
-MAX_KERNEL_EXPERTS = 4096
+MAX_KERNEL_EXPERTS = 1024
 #: entries of a program's ``[BLOCK, e]`` one-hot
 _ONE_HOT_ELEMS = 4096
 _OVERFLOW = ("dropless: the landed rows overflow the buffer capacity M; raise the capacity "
