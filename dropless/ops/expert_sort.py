@@ -22,9 +22,9 @@ time, made each MoE layer's dispatch about 1 ms of an eager step in which the GP
    entries within their expert by a cumulative sum of the ``[BLOCK, e]`` one-hot, and writes
    ``dest = start[i] + offs[i, b] + rank`` and ``src[dest] = n``.
 
-``BLOCK`` is ``4096 / e`` (padded to a power of two): a program holds a ``[BLOCK, e]`` one-hot. With
-``e`` above :data:`MAX_KERNEL_EXPERTS`, or while ``torch.compile`` traces (inductor fuses the
-reference's operators itself), the reference runs.
+``BLOCK`` is ``4096 / e`` (``e`` padded to a power of two; at least 16): a program holds a
+``[BLOCK, e]`` one-hot. With more than :data:`MAX_KERNEL_EXPERTS` padded experts, or while
+``torch.compile`` traces (inductor fuses the reference's operators itself), the reference runs.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from dropless.ops import select
 
 __all__ = ["sort_by_expert", "sort_by_expert_torch", "MAX_KERNEL_EXPERTS"]
 
-#: padded experts above this take the torch reference (a program's one-hot would be one row)
+#: padded experts above this take the torch reference (a program's ``[16, e]`` one-hot would not fit)
 MAX_KERNEL_EXPERTS = 1024
 #: entries of a program's ``[BLOCK, e]`` one-hot
 _ONE_HOT_ELEMS = 4096
