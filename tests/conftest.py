@@ -8,6 +8,11 @@ that it equals ``reference_moe``.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -45,6 +50,20 @@ def ref_moe_batched(x_TH, router_w_EH, topk_idx_Tk, w13_EHI2, w2_EIH, shared, *,
         w1, w3, w2 = (p.double() for p in shared)
         y = y + (F.silu(x @ w1.t()) * (x @ w3.t())) @ w2.t()
     return y
+
+
+def rerun_under_interpreter(test_file: str) -> None:
+    """Run ``test_file``'s non-GPU tests again in a subprocess with ``TRITON_INTERPRET=1`` (set before triton is
+    imported there), so that a CPU-only run checks its Triton kernels too; fails with the subprocess's tail."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
+        [str(root)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not gpu",
+                           str(Path(test_file).resolve())], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=600)
+    tail = (proc.stdout + proc.stderr)[-3000:]
+    assert proc.returncode == 0, tail
+    assert " passed" in proc.stdout and "failed" not in proc.stdout, tail
 
 
 def py_layout(counts: list[int], a: int) -> tuple[list[int], list[int]]:

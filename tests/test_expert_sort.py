@@ -9,16 +9,12 @@ Everything is integer: the two paths must agree exactly.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from dropless.ops import expert_sort as es
 from dropless.ops import select
+from tests.conftest import rerun_under_interpreter
 from tests.test_permute import py_sort
 
 CUDA = torch.cuda.is_available()
@@ -135,15 +131,7 @@ def test_reference_is_taken_off_the_kernel_path(monkeypatch):
 @pytest.mark.skipif(not select.HAS_TRITON or KERNEL_HERE, reason="triton missing, or the kernels run here")
 def test_kernel_cases_under_the_interpreter():
     """This file again with ``TRITON_INTERPRET=1``: the kernel cases above run on the CPU."""
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
-        [str(root)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not gpu",
-                           str(Path(__file__).resolve())], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=600)
-    tail = (proc.stdout + proc.stderr)[-3000:]
-    assert proc.returncode == 0, tail
-    assert " passed" in proc.stdout and "failed" not in proc.stdout, tail
+    rerun_under_interpreter(__file__)
 
 
 @pytest.mark.gpu

@@ -10,16 +10,12 @@ at every stage, so equal values go to the lowest index (expert and group), as th
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from dropless.ops import route_topk as rt
 from dropless.ops import select
+from tests.conftest import rerun_under_interpreter
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -227,15 +223,7 @@ def test_bad_input_raises_before_any_launch(monkeypatch):
 @pytest.mark.skipif(not select.HAS_TRITON or KERNEL_HERE, reason="triton missing, or the kernel runs here")
 def test_kernel_cases_under_the_interpreter():
     """This file again with ``TRITON_INTERPRET=1``: the kernel cases above run on the CPU."""
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
-        [str(root)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not gpu",
-                           str(Path(__file__).resolve())], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=600)
-    tail = (proc.stdout + proc.stderr)[-3000:]
-    assert proc.returncode == 0, tail
-    assert " passed" in proc.stdout and "failed" not in proc.stdout, tail
+    rerun_under_interpreter(__file__)
 
 
 @pytest.mark.gpu
