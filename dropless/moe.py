@@ -184,7 +184,9 @@ class MoE(nn.Module):
         x_TH = x.reshape(-1, a.hidden_size)
         # Launch order (eager): the shared experts first and the router's counts and aux loss
         # (Router.account) after the routed experts, so that the GPU has GEMMs queued while the host
-        # launches the router's and the dispatch's many small kernels. The values do not depend on it.
+        # launches the router's and the dispatch's many small kernels. The outputs and the parameters'
+        # gradients do not depend on it; x's gradient adds its three parts (shared, routed, router) in
+        # another order than before session 19, so it can differ in the last bit.
         y_sh = None
         if self.shared_experts is not None:
             if a.recompute_fc1 and torch.is_grad_enabled():  # save only x_TH, recompute in backward

@@ -71,7 +71,7 @@ def _check(idx, e, a, capacity=None, num_rows=None):
     (300, 2, 10, 1),      # e not a power of two, no alignment
     (200, 1, 1, 16),      # one expert
     (64, 4, 3, 1),        # k > e: repeated experts in a row keep their flat order
-    (64, 2, 1000, 8),     # the widest kernel: 1,024 padded experts, 16-entry blocks
+    (64, 2, 256, 8),      # the widest kernel: 256 experts, 16-entry blocks
     (0, 6, 64, 128),      # no rows
 ])
 def test_kernel_equals_reference(kernel_path, n, k, e, a):
@@ -114,17 +114,24 @@ def test_bad_input_raises_before_any_launch():
     with pytest.raises(ValueError, match="2-D integer"):
         es.sort_by_expert(torch.zeros(4, 2), 3)
     with pytest.raises(ValueError, match="2-D integer"):
+        es.sort_by_expert(torch.zeros(4, 2, dtype=torch.complex64), 3)
+    with pytest.raises(ValueError, match="num_experts"):
+        es.sort_by_expert(torch.zeros(4, 2, dtype=torch.int64), 0)
+    with pytest.raises(ValueError, match="capacity"):
+        es.sort_by_expert(torch.zeros(4, 2, dtype=torch.int64), 3, capacity=-1)
+    with pytest.raises(ValueError, match="2-D integer"):
         es.sort_by_expert(torch.zeros(4, dtype=torch.int64), 3)
     with pytest.raises(ValueError, match="alignment"):
         es.sort_by_expert(torch.zeros(4, 2, dtype=torch.int64), 3, alignment=0)
 
 
 def test_reference_is_taken_off_the_kernel_path(monkeypatch):
-    """CPU tensors without the interpreter, or more padded experts than a program holds: the reference."""
-    monkeypatch.setattr(es, "MAX_KERNEL_EXPERTS", 2)
-    idx = _routing(40, 2, 5, seed=0, device="cpu")
-    layout, dest, src = es.sort_by_expert(idx, 5, 8)
-    want = es.sort_by_expert_torch(idx, 5, 8, layout.capacity)
+    """CPU tensors without the interpreter, or more padded experts than the kernels take: the reference."""
+    monkeypatch.setattr(select, "FORCE_TRITON", True)
+    monkeypatch.setattr(es, "_sort_by_expert_triton", None)  # calling it would fail
+    idx = _routing(40, 2, 257, seed=0, device="cpu")
+    layout, dest, src = es.sort_by_expert(idx, 257, 8)
+    want = es.sort_by_expert_torch(idx, 257, 8, layout.capacity)
     assert torch.equal(dest, want[1]) and torch.equal(src, want[2])
 
 
@@ -136,9 +143,9 @@ def test_kernel_cases_under_the_interpreter():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA or not select.HAS_TRITON, reason="needs CUDA and triton")
-@pytest.mark.parametrize("n,k,e", [(32768, 6, 64), (8192, 8, 256), (4096, 8, 32), (2048, 4, 1000)])
+@pytest.mark.parametrize("n,k,e", [(32768, 6, 64), (8192, 8, 256), (4096, 8, 32), (2048, 4, 200)])
 def test_kernel_matches_reference_on_cuda(n, k, e):
-    """recipe=h200_single's routing, DeepSeek-V3's, an EP rank's 32 local experts with foreign ids, and the
-    widest kernel (1,024 padded experts)."""
+    """recipe=h200_single's routing, DeepSeek-V3's, an EP rank's 32 local experts with foreign ids, and 200
+    experts (256 padded)."""
     idx = _routing(n, k, e, seed=e, foreign=0.0 if e == 64 else 0.3, device="cuda")
     _check(idx, e, 128)

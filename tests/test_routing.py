@@ -293,6 +293,39 @@ def test_aux_loss_one_sequence_when_seq_len_none():
     assert out.aux_loss.item() == pytest.approx(expect, rel=1e-5)
 
 
+def test_aux_loss_without_a_mask_equals_an_all_true_mask_and_the_paper():
+    """The mask-free path (fewer kernels) against the masked one with every token real, and eq. 17-20."""
+    r = _identity_router(4, 2, n_group=1, topk_group=1, aux_loss_alpha=0.1)
+    r.train()
+    logits = torch.randn(12, 4, generator=torch.Generator().manual_seed(3)).requires_grad_(True)
+    a = r(logits, seq_len=6)
+    b = r(logits, seq_len=6, token_mask_T=torch.ones(12, dtype=torch.bool))
+    assert torch.equal(a.topk_idx_Tk, b.topk_idx_Tk)
+    torch.testing.assert_close(a.aux_loss, b.aux_loss, rtol=1e-6, atol=0)
+    (ga,) = torch.autograd.grad(a.aux_loss, logits)
+    (gb,) = torch.autograd.grad(b.aux_loss, logits)
+    torch.testing.assert_close(ga, gb, rtol=1e-6, atol=1e-12)
+    chosen = [set(row) for row in a.topk_idx_Tk.tolist()]
+    expect = ref_aux_loss(logits.detach().double().tolist(), chosen, E=4, k=2, alpha=0.1, seq_len=6)
+    assert a.aux_loss.item() == pytest.approx(expect, rel=1e-6)
+
+
+def test_account_later_equals_account_in_forward():
+    """forward(account=False) leaves the counts, the aux loss and tokens_per_expert to account(out)."""
+    r = make_router(small_args(aux_loss_alpha=1e-2), seed=1, std=0.3)
+    r.train()
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(5))
+    full = r(x, seq_len=8)
+    once = r.tokens_per_expert.clone()
+    part = r(x, seq_len=8, account=False)
+    assert part.aux_loss is None and part.counts_E is None
+    assert torch.equal(r.tokens_per_expert, once)          # not counted yet
+    assert r.account(part) is part
+    assert torch.equal(part.counts_E, full.counts_E) and torch.equal(part.aux_loss, full.aux_loss)
+    assert torch.equal(r.tokens_per_expert, 2 * once)
+    assert torch.equal(part.topk_weight_Tk, full.topk_weight_Tk)
+
+
 # ------------------------------------------------------------------ case-06
 class TwoLayers(nn.Module):
     def __init__(self, args: ModelArgs):

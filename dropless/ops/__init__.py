@@ -31,7 +31,8 @@ torch reference and the one place that picks between them (:mod:`dropless.ops.se
 MoE layer, :mod:`~dropless.ops.softmax_ce` (the LM head's chunked cross-entropy and its gradient),
 :mod:`~dropless.ops.rope_tail` (MLA's RoPE on each head's last features, the head copied) and
 :mod:`~dropless.ops.rms_norm` (RMSNorm with its input and weight gradients in one pass);
-before the dispatch, :mod:`~dropless.ops.route_topk` (the router's biased group-limited top-k).
+before the dispatch, :mod:`~dropless.ops.route_topk` (the router's biased group-limited top-k);
+the dispatch's layout, :mod:`~dropless.ops.expert_sort` (each choice's landed row, the counts, starts and ends).
 """
 
 from dropless.ops.backends import GemmBackend, get_backend, list_backends, register_backend

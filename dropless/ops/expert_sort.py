@@ -22,9 +22,12 @@ time, made each MoE layer's dispatch about 1 ms of an eager step in which the GP
    entries within their expert by a cumulative sum of the ``[BLOCK, e]`` one-hot, and writes
    ``dest = start[i] + offs[i, b] + rank`` and ``src[dest] = n``.
 
-``BLOCK`` is ``4096 / e`` (``e`` padded to a power of two; at least 16): a program holds a
-``[BLOCK, e]`` one-hot. With more than :data:`MAX_KERNEL_EXPERTS` padded experts, or while
-``torch.compile`` traces (inductor fuses the reference's operators itself), the reference runs.
+``BLOCK`` is ``4096 / e`` with ``e`` padded to a power of two and at most 256 (16 from 256 experts
+on): a program holds a ``[BLOCK, e]`` one-hot. The two histograms take ``2·e·⌈N·k / BLOCK⌉`` int32,
+``N·k·e² / 512`` bytes: 1.5 MiB at ``recipe=h200_single`` (196,608 choices over 64 experts), 8 MiB
+at DeepSeek-V3's 65,536 choices over 256. With more than :data:`MAX_KERNEL_EXPERTS` padded experts,
+a histogram past int32 indexing, or while ``torch.compile`` traces (inductor fuses the reference's
+operators itself), the reference runs.
 """
 
 from __future__ import annotations
@@ -36,9 +39,9 @@ from dropless.ops import select
 
 __all__ = ["sort_by_expert", "sort_by_expert_torch", "MAX_KERNEL_EXPERTS"]
 
-#: padded experts above this take the torch reference (a program's ``[16, e]`` one-hot would not fit)
-MAX_KERNEL_EXPERTS = 1024
-#: entries of a program's ``[BLOCK, e]`` one-hot
+#: padded experts above this take the torch reference (DeepSeek-V3's 256; the histograms grow as e²)
+MAX_KERNEL_EXPERTS = 256
+#: entries of a program's ``[BLOCK, e]`` one-hot (``BLOCK`` at least 16)
 _ONE_HOT_ELEMS = 4096
 _OVERFLOW = ("dropless: the landed rows overflow the buffer capacity M; raise the capacity "
              "(or leave it None for the exact bound) -- no row is ever dropped silently")
@@ -177,22 +180,30 @@ def sort_by_expert(expert_idx_Nk: torch.Tensor, num_experts: int, alignment: int
         dest_Nk: int64 ``[N, k]`` landed row of each choice; ``-1`` where not routed here.
         src_M: int64 ``[M]`` source row of each landed row; ``-1`` on padding rows.
     Raises:
-        ValueError: ``expert_idx_Nk`` not a 2-D integer tensor, ``alignment < 1``.
+        ValueError: ``expert_idx_Nk`` not a 2-D integer tensor, ``alignment < 1``, ``num_experts < 1``,
+            a negative ``capacity``.
         RuntimeError: the live rows overflow ``M`` (``torch._assert_async``: at once on the CPU, a
             device-side assert on the GPU); no row is dropped silently.
     """
-    if expert_idx_Nk.dim() != 2 or expert_idx_Nk.dtype.is_floating_point or expert_idx_Nk.dtype == torch.bool:
+    dt = expert_idx_Nk.dtype
+    if expert_idx_Nk.dim() != 2 or dt.is_floating_point or dt.is_complex or dt == torch.bool:
         raise ValueError(f"sort_by_expert: expert_idx_Nk must be a 2-D integer tensor [N, k], got "
-                         f"{tuple(expert_idx_Nk.shape)} {expert_idx_Nk.dtype}")
+                         f"{tuple(expert_idx_Nk.shape)} {dt}")
     if int(alignment) < 1:
         raise ValueError(f"sort_by_expert: expert_alignment must be >= 1, got {alignment}")
+    if int(num_experts) < 1:
+        raise ValueError(f"sort_by_expert: num_experts must be >= 1 (the experts in the buffer), got {num_experts}")
     n, k = expert_idx_Nk.shape
     if capacity is None:
-        capacity = aligned_capacity(n * k if num_rows is None else int(num_rows), max(num_experts, 1), alignment)
-    capacity, alignment = int(capacity), int(alignment)
-    kernel = (select.use_triton(expert_idx_Nk) and not torch.compiler.is_compiling() and num_experts >= 1
-              and _pow2(num_experts) <= MAX_KERNEL_EXPERTS
-              and n * k + num_experts * alignment + capacity < 2**31)  # int32 counts and positions
+        capacity = aligned_capacity(n * k if num_rows is None else int(num_rows), num_experts, alignment)
+    capacity, alignment, num_experts = int(capacity), int(alignment), int(num_experts)
+    if capacity < 0:
+        raise ValueError(f"sort_by_expert: capacity must be >= 0 rows, got {capacity}")
+    ep = _pow2(num_experts)
+    kernel = (select.use_triton(expert_idx_Nk) and not torch.compiler.is_compiling() and ep <= MAX_KERNEL_EXPERTS
+              # int32 counts and positions, and int32 indices into the [e, blocks] histograms
+              and n * k + num_experts * alignment + capacity < 2**31
+              and ep * (-(-n * k // kernel_block(num_experts))) < 2**31)
     if not kernel:
         return sort_by_expert_torch(expert_idx_Nk, num_experts, alignment, capacity)
     flat = expert_idx_Nk.reshape(-1)
