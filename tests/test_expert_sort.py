@@ -79,6 +79,18 @@ def test_kernel_equals_reference(kernel_path, n, k, e, a):
 
 
 @needs_kernel
+def test_kernel_no_choices(kernel_path):
+    """k = 0 (or N = 0): an empty layout, every row padding, and no warning from the masked lanes."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layout, dest, src = _check(torch.empty(5, 0, dtype=torch.int64, device=DEV), 4, 8)
+    assert layout.counts.tolist() == [0] * 4 and layout.end.tolist() == [0] * 4
+    assert dest.shape == (5, 0) and (src == -1).all()
+
+
+@needs_kernel
 def test_kernel_equals_python_stable_sort(kernel_path):
     """The rule itself, not only the reference: a stable sort of the flat choices by expert."""
     idx = _routing(53, 3, 5, seed=3, foreign=0.2)

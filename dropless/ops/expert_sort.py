@@ -125,8 +125,9 @@ def _sort_by_expert_triton(flat: torch.Tensor, n: int, k: int, e: int, alignment
     if nblocks:
         _hist_kernel[(nblocks,)](flat, hist[0], n * k, nblocks, e, EP=ep, BLOCK=block, num_warps=4)
     _scan_kernel[(e,)](hist[0], hist[1], meta, nblocks, RB=1024, num_warps=4)
-    _dest_kernel[(max(nblocks, 1),)](flat, hist[1], meta, ok, dest, src, n * k, nblocks, e, k, capacity, alignment,
-                                     EP=ep, BLOCK=block, num_warps=4)
+    # max(k, 1): with k = 0 every lane is masked, but the interpreter still divides by K
+    _dest_kernel[(max(nblocks, 1),)](flat, hist[1], meta, ok, dest, src, n * k, nblocks, e, max(k, 1), capacity,
+                                     alignment, EP=ep, BLOCK=block, num_warps=4)
     torch._assert_async(ok, _OVERFLOW)
     counts, start, end = meta.unbind(0)
     return ExpertLayout(counts=counts, start=start, end=end, capacity=capacity, alignment=alignment), dest, src
