@@ -16,7 +16,14 @@ import torch.nn.functional as F
 
 from dropless.model import RMSNorm
 from dropless.ops import select
-from dropless.ops.rms_norm import _RMSNormFn, rms_norm, rms_norm_backward
+from dropless.ops.rms_norm import (
+    _AddRMSNormFn,
+    _RMSNormFn,
+    add_rms_norm,
+    add_rms_norm_forward,
+    rms_norm,
+    rms_norm_backward,
+)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 KERNEL = select.HAS_TRITON and (DEV == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
@@ -182,3 +189,128 @@ def test_create_graph_backward_and_torch_func(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     gfx = torch.func.grad(lambda xi: (norm(xi) * dy).sum())(x)
     torch.testing.assert_close(gfx, got[0].detach(), rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- add_rms_norm
+def _add_inputs(r, d, dtype, wdtype=None, seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(r, d, generator=gen) * 3 + torch.randn(r, 1, generator=gen)).to(dtype)
+    a = torch.randn(r, d, generator=gen).to(dtype)
+    w = (torch.rand(d, generator=gen) * 1.5 + 0.5).to(wdtype or dtype)
+    dh = torch.randn(r, d, generator=gen).to(dtype)
+    dy = torch.randn(r, d, generator=gen).to(dtype)
+    return [t.to(DEV) for t in (x, a, w, dh, dy)]
+
+
+def _add_ref(x, a, w, dh, dy, eps=EPS):
+    """float64 ``(h, y, dx, dw)`` of ``h = round(x + a)``, ``y = F.rms_norm(h)`` by autograd, for
+    ``loss = Σ h·dh + y·dy`` (a None ``dh``/``dy`` contributes nothing); ``h`` rounded to ``x``'s
+    dtype first, as the op stores it and its backward reads it."""
+    h64 = (x + a).double().requires_grad_()
+    w64 = w.detach().double().requires_grad_()
+    y = F.rms_norm(h64, (x.shape[-1],), w64, eps)
+    loss = sum(((t * g.double()).sum() for t, g in ((h64, dh), (y, dy)) if g is not None),
+               torch.zeros((), dtype=torch.float64))
+    dx, dw = torch.autograd.grad(loss, (h64, w64), allow_unused=True)
+    return h64.detach(), y.detach(), dx, dw
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype,wdtype,tol", [(torch.float32, None, 2e-5), (torch.bfloat16, None, 8e-3),
+                                              (torch.bfloat16, torch.float32, 8e-3)])
+@pytest.mark.parametrize("r,d", [(1, 256), (37, 100), (300, 256)])
+def test_add_rms_norm_equals_float64_autograd(monkeypatch, path, dtype, wdtype, tol, r, d):
+    """h is x + a exactly as torch rounds it; y, dx (= da) and dw within rounding of float64 autograd of
+    the two ops; the kernel path runs one autograd node that saves h and the weight only."""
+    _force(monkeypatch, path)
+    x, a, w, dh, dy = _add_inputs(r, d, dtype, wdtype)
+    h, y = add_rms_norm_forward(x, a, w, EPS)
+    assert h.is_contiguous() and y.dtype == h.dtype == dtype
+    if DEV == "cuda" or path == "torch" or dtype == torch.float32:
+        assert torch.equal(h, x + a)
+    else:  # the interpreter rounds fp32 -> bf16 toward zero: one bf16 ulp
+        torch.testing.assert_close(h, x + a, rtol=2 ** -7, atol=0)
+    h64, y64, dx64, dw64 = _add_ref(x, a, w, dh, dy)
+    _close(y, y64, tol)
+    xi, ai, wi = x.clone().requires_grad_(), a.clone().requires_grad_(), w.clone().requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        hh, yy = add_rms_norm(xi.view(1, r, d), ai.view(1, r, d), wi, EPS)
+    assert hh.shape == yy.shape == (1, r, d)
+    assert ("AddRMSNormFn" in type(yy.grad_fn).__name__) == (path == "triton")
+    if path == "triton":
+        assert [(t.dtype, tuple(t.shape)) for t in saved] == [(dtype, (1, r, d)), (w.dtype, (d,))]
+    torch.autograd.backward((hh, yy), (dh.view(1, r, d), dy.view(1, r, d)))
+    assert torch.equal(hh.view(r, d), h)
+    _close(yy.view(r, d), y64, tol)
+    _close(xi.grad, dx64, tol)
+    _close(ai.grad, dx64, tol)
+    _close(wi.grad, dw64, tol)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_add_rms_norm_with_one_output_used(monkeypatch, path):
+    """Only y reaches the loss: dx is the norm's gradient alone; only h: dx = da = dh and no weight
+    gradient; neither output needs the other's gradient materialised."""
+    _force(monkeypatch, path)
+    x, a, w, dh, dy = _add_inputs(29, 64, torch.float32)
+    for use in ("y", "h"):
+        xi, ai, wi = x.clone().requires_grad_(), a.clone().requires_grad_(), w.clone().requires_grad_()
+        h, y = add_rms_norm(xi, ai, wi, EPS)
+        (y if use == "y" else h).backward(dy if use == "y" else dh)
+        _, _, dx64, dw64 = _add_ref(x, a, w, None if use == "y" else dh, dy if use == "y" else None)
+        _close(xi.grad, dx64, 2e-5)
+        _close(ai.grad, dx64, 2e-5)
+        if use == "y":
+            _close(wi.grad, dw64, 2e-5)
+        else:
+            assert wi.grad is None
+
+
+def test_add_rms_norm_function_gradcheck_and_bad_arguments(monkeypatch):
+    """float64 (the torch ops inside the Function) passes gradcheck and gradgradcheck; mismatched
+    shapes or dtypes raise ValueError naming what is wrong."""
+    monkeypatch.setattr(select, "FORCE_TRITON", True)   # float64 never takes the kernel
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 4, 6, dtype=torch.float64, generator=gen).requires_grad_()
+    a = torch.randn(3, 4, 6, dtype=torch.float64, generator=gen).requires_grad_()
+    w = (torch.rand(6, dtype=torch.float64, generator=gen) + 0.5).requires_grad_()
+    fn = lambda x, a, w: _AddRMSNormFn.apply(x, a, w, EPS)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x, a, w))
+    assert torch.autograd.gradgradcheck(fn, (x, a, w))
+    x2, a2 = x.detach()[0], a.detach()[0]
+    with pytest.raises(ValueError, match=r"\[R, D\]"):
+        add_rms_norm_forward(x2, a2[:3], w.detach(), EPS)
+    with pytest.raises(ValueError, match="dtype"):
+        add_rms_norm_forward(x2, a2.float(), w.detach(), EPS)
+    with pytest.raises(ValueError, match="residual_grad"):
+        rms_norm_backward(x2, x2, w.detach(), EPS, residual_grad=a2.float())
+
+
+@needs_kernel
+def test_block_forward_add_equals_the_separate_ops(monkeypatch):
+    """A decoder block (bf16) through the fused op gives the plain ops' output and gradients within rounding."""
+    from dropless.config import ModelArgs
+    from dropless.model.rope import rope_cos_sin
+    from dropless.model.transformer import Block
+
+    args = ModelArgs()                                   # the tiny default: one dense layer first
+    torch.manual_seed(0)
+    block = Block(args, 0).to(DEV)
+    block.attention.init_weights(0.1)
+    block.to(torch.bfloat16)
+    cos, sin = rope_cos_sin(12, args.qk_rope_head_dim, args.rope_theta, device=DEV)
+    H = args.hidden_size
+    x = torch.randn(2, 12, H, device=DEV).to(torch.bfloat16)
+    dy = torch.randn(2, 12, H, device=DEV).to(torch.bfloat16)
+    got = []
+    for path in ("torch", "triton"):
+        _force(monkeypatch, path)
+        block.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        out, _ = block(xi, cos, sin)
+        out.backward(dy)
+        got.append((out.float(), xi.grad.float(), block.ffn_norm.weight.grad.float()))
+        monkeypatch.undo()
+    for want, have in zip(*got):
+        torch.testing.assert_close(have, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))

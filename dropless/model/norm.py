@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dropless.ops.rms_norm import rms_norm
+from dropless.ops.rms_norm import add_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -52,6 +52,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x_xD: torch.Tensor) -> torch.Tensor:
         return rms_norm(x_xD, self.weight, self.eps)
+
+    def forward_add(self, x_xD: torch.Tensor, a_xD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A residual add and this norm: ``(h, self(h))`` with ``h = x + a`` (``x``, ``a`` of one shape
+        and dtype), in one kernel forward and one backward where the Triton kernels run
+        (:func:`dropless.ops.rms_norm.add_rms_norm`), else the two plain ops. Call it from inside the
+        module that owns this norm (FSDP2 gathers the weight for that module's forward)."""
+        return add_rms_norm(x_xD, a_xD, self.weight, self.eps)
 
     @torch.no_grad()
     def init_weights(self) -> None:

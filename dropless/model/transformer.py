@@ -92,11 +92,12 @@ class Block(nn.Module):
         than read from the MoE layer so that it stays connected to the graph when the block
         runs under ``torch.utils.checkpoint``.
         """
-        h_BSH = x_BSH + self.attention(self.attention_norm(x_BSH), rope_cos_SP, rope_sin_SP)
+        a_BSH = self.attention(self.attention_norm(x_BSH), rope_cos_SP, rope_sin_SP)
+        h_BSH, n_BSH = self.ffn_norm.forward_add(x_BSH, a_BSH)  # h = x + a, n = ffn_norm(h): one kernel on CUDA
         if self.moe_enabled:
-            y_BSH, aux_loss = self.moe(self.ffn_norm(h_BSH), return_aux=True)
+            y_BSH, aux_loss = self.moe(n_BSH, return_aux=True)
             return h_BSH + y_BSH, aux_loss
-        return h_BSH + self.feed_forward(self.ffn_norm(h_BSH)), None
+        return h_BSH + self.feed_forward(n_BSH), None
 
 
 class Transformer(nn.Module):
