@@ -32,6 +32,7 @@ from torch import nn
 from dropless.config import ModelArgs
 from dropless.model.norm import RMSNorm
 from dropless.model.rope import rope_tail
+from dropless.ops.keys_values import keys_values
 
 
 class _SplitLast(torch.autograd.Function):
@@ -40,8 +41,9 @@ class _SplitLast(torch.autograd.Function):
     Autograd's own split backward concatenates the part gradients with ``CatArrayBatchedCopy``;
     here one ``copy_`` per part into an uninitialised buffer (:func:`_join_last`). A part with no
     gradient gets zeros. Forward returns views of ``x``, as ``split`` does. MLA uses it for
-    ``wkv_a``'s output ``[c | k_pe]``; with :class:`_KeysValues` it removed the 7.8 ms of
-    ``CatArrayBatchedCopy`` over MLA's parts from an eager ``h200_single`` step on the H200
+    ``wkv_a``'s output ``[c | k_pe]``; with the copies that then built the keys
+    (:func:`~dropless.ops.keys_values.keys_values`) it removed the 7.8 ms of ``CatArrayBatchedCopy``
+    over MLA's parts from an eager ``h200_single`` step on the H200
     (``benchmarks/results/h200_train_step_s14.jsonl``).
     """
 
@@ -75,60 +77,6 @@ def _join_last(parts: tuple[torch.Tensor | None, ...], sizes: list[int]) -> torc
         else:
             dst.copy_(p)
     return out
-
-
-class _KeysValues(torch.autograd.Function):
-    """MLA's per-head keys and values from the up-projection and the shared rope key.
-
-    ``k = [kv[..., :Dn] | k_pe broadcast over the N heads]`` as one new tensor written by two
-    copies (autograd's ``cat`` of a strided slice and an expanded tensor ran as
-    ``CatArrayBatchedCopy`` at 215 µs a layer on the H200 at ``h200_single``'s shape), and
-    ``v = kv[..., Dn:]``, a view. Backward writes the two gradients of ``kv`` into one buffer
-    (no split backward's concatenation) and sums the rope key's gradient over the heads, as
-    ``expand``'s backward does.
-    """
-
-    @staticmethod
-    def forward(ctx, kv_BSNX, k_pe_BS1r, nope_dim):
-        B, S, N, X = kv_BSNX.shape
-        Dr = k_pe_BS1r.shape[-1]
-        k_BSND = torch.empty(B, S, N, nope_dim + Dr, dtype=torch.promote_types(kv_BSNX.dtype, k_pe_BS1r.dtype),
-                             device=kv_BSNX.device)
-        k_BSND[..., :nope_dim].copy_(kv_BSNX[..., :nope_dim])
-        k_BSND[..., nope_dim:].copy_(k_pe_BS1r.expand(B, S, N, Dr))
-        ctx.sizes = [nope_dim, X - nope_dim]
-        ctx.set_materialize_grads(False)
-        return k_BSND, kv_BSNX[..., nope_dim:]
-
-    @staticmethod
-    def backward(ctx, gk_BSND, gv_BSNv):
-        n = ctx.sizes[0]
-        if gk_BSND is None:  # also when neither output got a gradient: None for kv
-            return _join_last((None, gv_BSNv), ctx.sizes), None, None
-        gkv = _join_last((gk_BSND[..., :n], gv_BSNv), ctx.sizes)
-        return gkv, gk_BSND[..., n:].sum(2, keepdim=True), None
-
-
-def keys_values(kv_BSNX: torch.Tensor, k_pe_BS1r: torch.Tensor,
-                nope_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(k, v)`` = ``(cat([kv[..., :Dn], k_pe.expand(..., N, Dr)], -1), kv[..., Dn:])``.
-
-    Args:
-        kv_BSNX: [B, S, N, Dn + Dv], ``wkv_b``'s output per head.
-        k_pe_BS1r: [B, S, 1, Dr], the rotated shared rope key.
-        nope_dim: Dn.
-    Returns:
-        k [B, S, N, Dn + Dr] (new, contiguous; the promoted dtype of the two inputs, as ``cat``)
-        and v [B, S, N, Dv] (a view of ``kv``). Differentiable twice (``create_graph=True``).
-
-    Eagerly through :class:`_KeysValues`; under ``torch.compile`` the plain expression, which the
-    compiler fuses with its neighbours.
-    """
-    if torch.compiler.is_compiling():
-        k_nope, v = torch.split(kv_BSNX, [nope_dim, kv_BSNX.shape[-1] - nope_dim], dim=-1)
-        B, S, N, _ = kv_BSNX.shape
-        return torch.cat([k_nope, k_pe_BS1r.expand(B, S, N, k_pe_BS1r.shape[-1])], dim=-1), v
-    return _KeysValues.apply(kv_BSNX, k_pe_BS1r, nope_dim)
 
 
 def split_last(x: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:

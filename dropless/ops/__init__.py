@@ -29,7 +29,8 @@ torch reference and the one place that picks between them (:mod:`dropless.ops.se
 :mod:`~dropless.ops.zero_fill` (gap rows, empty experts' gradients) and
 :mod:`~dropless.ops.triton_wgrad` (the accumulating grouped weight gradient); and, outside the
 MoE layer, :mod:`~dropless.ops.softmax_ce` (the LM head's chunked cross-entropy and its gradient),
-:mod:`~dropless.ops.rope_tail` (MLA's RoPE on each head's last features, the head copied) and
+:mod:`~dropless.ops.rope_tail` (MLA's RoPE on each head's last features, the head copied),
+:mod:`~dropless.ops.keys_values` (MLA's per-head keys ``[k_nope | k_pe]`` and their gradient's join and head sum) and
 :mod:`~dropless.ops.rms_norm` (RMSNorm with its input and weight gradients in one pass);
 before the dispatch, :mod:`~dropless.ops.route_topk` (the router's biased group-limited top-k);
 the dispatch's layout, :mod:`~dropless.ops.expert_sort` (each choice's landed row, the counts, starts and ends).

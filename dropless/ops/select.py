@@ -1,8 +1,9 @@
 """Where the MoE ops choose between their Triton kernel and their torch reference.
 
 Every op file under :mod:`dropless.ops` (``swiglu``, ``rows``, ``zero_fill``, ``fp8_quant``,
-``triton_wgrad``, ``route_topk``, ``softmax_ce``, ``rope_tail``, ``rms_norm``, ``expert_sort``) has one public function
-per op that asks :func:`use_triton` once and runs either its Triton kernel or its torch reference.
+``triton_wgrad``, ``route_topk``, ``softmax_ce``, ``rope_tail``, ``keys_values``, ``rms_norm``,
+``expert_sort``) has one public function per op that asks :func:`use_triton` once and runs either its
+Triton kernel or its torch reference.
 Outside ``ops`` one caller asks too: :func:`dropless.mlp.gate_up_kernels`, which picks the FFN's
 form (one ``[w1; w3]`` GEMM feeding the SwiGLU kernels, or the plain ops) rather than a kernel.
 Tests that run the CUDA code path on CPU tensors under Triton's interpreter
