@@ -112,13 +112,20 @@ class GroupedExperts(nn.Module):
                 letting autograd add a fresh one per chunk. Ignored without grad mode, and
                 while ``torch.compile`` traces the layer (the accumulator is Python state
                 shared by backward nodes, which Dynamo cannot trace: autograd sums the chunks).
+
+        A weight with a ``main_grad_sink`` attribute (a :class:`~dropless.ops.grouped_gemm.GradSink`
+        that the trainer's gradient buckets set on bf16 parameters) gets its gradient written into
+        that fp32 buffer by the weight-gradient kernel, chunks or not, under the same conditions
+        (grad mode, not compiling); autograd gets a placeholder.
         """
         w13, w2 = self.w13, self.w2
         acc = None
-        if (accumulate_wgrad and torch.is_grad_enabled() and (w13.requires_grad or w2.requires_grad)
-                and not torch.compiler.is_compiling()):
-            acc = WgradAccumulator(self.backend)
-            w13, w2 = acc.collect(w13, "w13"), acc.collect(w2, "w2")
+        if torch.is_grad_enabled() and (w13.requires_grad or w2.requires_grad) and not torch.compiler.is_compiling():
+            sinks = {n: s for n, s in (("w13", getattr(w13, "main_grad_sink", None)),
+                                       ("w2", getattr(w2, "main_grad_sink", None))) if s is not None}
+            if accumulate_wgrad or sinks:
+                acc = WgradAccumulator(self.backend, sinks)
+                w13, w2 = acc.collect(w13, "w13"), acc.collect(w2, "w2")
         w13c, w2c = w13.to(dtype), w2.to(dtype)
         alias = getattr(self.backend, "alias", None)
         if alias is not None:  # the FP8 cache keys on the parameters, so a cast copy reuses their FP8 copies

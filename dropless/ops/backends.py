@@ -17,7 +17,9 @@ class GemmBackend(Protocol):
     cannot run these operands (dtype, device, strides). ``gmm`` and ``gmm_wgrad`` as
     described in :mod:`dropless.ops`. Optional: ``gmm_wgrad_acc_(dw, x, dy, layout)`` adds
     ``gmm_wgrad(x, dy, layout)`` into ``dw`` in place (used by
-    :class:`~dropless.ops.grouped_gemm.WgradAccumulator`; without it, ``dw += gmm_wgrad(...)``).
+    :class:`~dropless.ops.grouped_gemm.WgradAccumulator`; without it, ``dw += gmm_wgrad(...)``);
+    ``gmm_wgrad_into_(dw, x, dy, layout)`` writes it into ``dw`` in ``dw``'s dtype (used by
+    :class:`~dropless.ops.grouped_gemm.GradSink`; without it, ``dw.copy_(gmm_wgrad(...))``).
     """
 
     name: str

@@ -5,9 +5,16 @@ chunks (``num_token_chunks``) in a single buffer: the first chunk to run backwar
 it, every later one adds into it (the Triton kernel of :mod:`dropless.ops.triton_wgrad`
 on CUDA, a GEMM with ``beta = 1``). Autograd's own accumulation would give each chunk a
 fresh ``[e, K, N]`` gradient (a transient as large as the weight) and then add the two.
+
+:class:`GradSink` takes a weight's gradient straight into an fp32 buffer the trainer owns (its
+main gradient, :class:`dropless.train.grads.GradBuckets`): the weight-gradient kernel writes
+or adds there in fp32, so a bf16 weight's gradient is neither rounded to bf16 nor copied into
+fp32 afterwards (Megatron-Core calls this gradient-accumulation fusion).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -96,12 +103,62 @@ def check_operands(x_MK: torch.Tensor, w_eKN: torch.Tensor, layout: ExpertLayout
     backend.check(x_MK, w_eKN)
 
 
+@dataclass(eq=False)
+class GradSink:
+    """An fp32 buffer that a weight's gradient goes into directly, instead of to autograd.
+
+    The owner (the trainer's :class:`~dropless.train.grads.GradBuckets`) sets it as the
+    parameter's ``main_grad_sink`` attribute; :meth:`GroupedExperts.weights
+    <dropless.experts.GroupedExperts.weights>` finds it there and routes the weight's gradient
+    through a :class:`WgradAccumulator` that writes ``buf``. Autograd then gets a placeholder
+    gradient (an uninitialised tensor of the weight's shape and dtype, no kernel) so that the
+    parameter's hooks still run, and the owner's hook, seeing ``wrote``, drops it.
+
+    Attributes:
+        buf: fp32 tensor of the weight's shape (the main gradient).
+        active: the owner's switch: only while it is on (the trainer's backward passes) does a
+            backward write ``buf``; otherwise the weight's gradient goes to autograd as usual
+            (``torch.autograd.grad`` on the model, a backward outside a training step).
+        fresh: True while ``buf`` holds no gradient of the current step: the next write
+            overwrites it (an empty expert's rows become exact zeros), later writes add. The
+            owner sets it at the start of a step and clears it when it writes ``buf`` itself.
+        wrote: set when a backward wrote ``buf``; the owner clears it when it takes the gradient.
+
+    Every use of the weight must go through the accumulator (as :class:`GroupedExperts
+    <dropless.experts.GroupedExperts>` does): the placeholder would replace the gradient of
+    any other use when autograd sums them.
+    """
+
+    buf: torch.Tensor
+    active: bool = False
+    fresh: bool = True
+    wrote: bool = False
+
+    def write(self, backend: GemmBackend, x_MK: torch.Tensor, dy_MN: torch.Tensor, layout: ExpertLayout) -> None:
+        """``buf[i] = x[live_i]^T @ dy[live_i]`` if :attr:`fresh`, else ``+=`` (fp32, in place)."""
+        if self.fresh:
+            into = getattr(backend, "gmm_wgrad_into_", None)
+            if into is not None:
+                into(self.buf, x_MK, dy_MN, layout)
+            else:
+                self.buf.copy_(backend.gmm_wgrad(x_MK, dy_MN, layout))
+        else:
+            acc_ = getattr(backend, "gmm_wgrad_acc_", None)
+            if acc_ is not None:
+                acc_(self.buf, x_MK, dy_MN, layout)
+            else:
+                self.buf.add_(backend.gmm_wgrad(x_MK, dy_MN, layout))
+        self.fresh, self.wrote = False, True
+
+
 class _Collect(torch.autograd.Function):
-    """Identity on a weight; its backward returns the accumulator's sum as the weight's gradient."""
+    """Identity on a weight; its backward returns the accumulator's sum as the weight's gradient
+    (or, where the gradient went to a :class:`GradSink`, a placeholder of the weight's shape)."""
 
     @staticmethod
     def forward(ctx, w, acc, name):
         ctx.acc, ctx.name = acc, name
+        ctx.like = (w.shape, w.dtype, w.device)
         ctx.set_materialize_grads(False)
         return w.view_as(w)
 
@@ -109,6 +166,12 @@ class _Collect(torch.autograd.Function):
     @first_order_only
     def backward(ctx, grad):
         dw = ctx.acc.pop(ctx.name)
+        sink = ctx.acc.sinks.get(ctx.name)
+        if sink is not None and sink.wrote:
+            if grad is not None:  # a use of the weight outside the accumulator: into the sink too
+                sink.buf.add_(grad)
+            shape, dtype, device = ctx.like
+            return torch.empty(shape, dtype=dtype, device=device), None, None
         if grad is not None:  # a use of the weight outside the accumulator
             dw = grad if dw is None else dw + grad
         return dw, None, None
@@ -125,12 +188,17 @@ class WgradAccumulator:
     no extra pass), ``buffer += gmm_wgrad(...)`` elsewhere. The collect node, which runs
     after every chunk's backward, hands the buffer to autograd as the parameter's gradient.
 
+    With ``sinks``, a named weight's gradient goes into its :class:`GradSink` instead (every
+    chunk writes or adds there) and autograd gets a placeholder.
+
     Args:
         backend: the grouped GEMM backend computing the gradients.
+        sinks: ``{name: GradSink}`` for the weights whose gradient goes to a sink.
     """
 
-    def __init__(self, backend: GemmBackend):
+    def __init__(self, backend: GemmBackend, sinks: dict[str, GradSink] | None = None):
         self.backend = backend
+        self.sinks = dict(sinks or {})
         self._grads: dict[str, torch.Tensor] = {}
         self._dtypes: dict[str, torch.dtype] = {}
 
@@ -140,7 +208,11 @@ class WgradAccumulator:
         return _Collect.apply(w, self, name)
 
     def add(self, name: str, x_MK: torch.Tensor, dy_MN: torch.Tensor, layout: ExpertLayout) -> None:
-        """``buffer[name][i] += x[live_i]^T @ dy[live_i]`` for every local expert ``i``."""
+        """``buffer[name][i] += x[live_i]^T @ dy[live_i]`` for every local expert ``i`` (or into its sink)."""
+        sink = self.sinks.get(name)
+        if sink is not None and sink.active:
+            sink.write(self.backend, x_MK, dy_MN, layout)
+            return
         buf = self._grads.get(name)
         if buf is None:
             self._grads[name] = self.backend.gmm_wgrad(x_MK, dy_MN, layout).to(self._dtypes[name])

@@ -118,6 +118,16 @@ class TorchBackend:
         dw = _grouped_mm(x_MK.t(), dy_MN, layout.end)
         return zero_empty_experts_(dw if dw.is_contiguous() else dw.contiguous(), layout.counts)
 
+    def gmm_wgrad_into_(self, dw_eKN: torch.Tensor, x_MK: torch.Tensor, dy_MN: torch.Tensor,
+                        layout: ExpertLayout) -> None:
+        """``dw[i] = x[live_i]^T @ dy[live_i]`` written in place in ``dw``'s dtype (fp32 main gradients:
+        summed in fp32 and never rounded to bf16; the Triton kernel where it is the faster one)."""
+        if (wgrad_by_triton(x_MK, dy_MN.shape[1]) and dw_eKN.is_contiguous() and x_MK.stride(1) == 1
+                and dy_MN.stride(1) == 1):
+            triton_wgrad.grouped_wgrad_(dw_eKN, x_MK, dy_MN, layout, accumulate=False)
+        else:
+            dw_eKN.copy_(self.gmm_wgrad(x_MK, dy_MN, layout))
+
     def gmm_wgrad_acc_(self, dw_eKN: torch.Tensor, x_MK: torch.Tensor, dy_MN: torch.Tensor,
                        layout: ExpertLayout) -> None:
         """``dw[i] += x[live_i]^T @ dy[live_i]`` in place (the Triton kernel on CUDA)."""

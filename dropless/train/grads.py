@@ -11,7 +11,16 @@ accumulated it:
   the buckets are not zero-filled before a step; a parameter that got no gradient by
   :meth:`GradBuckets.finish` has its main gradient zeroed there;
 * fp32 parameters: ``p.grad`` *is* the main-gradient view (autograd accumulates into it in
-  place), the hook only counts.
+  place), the hook only counts;
+* bf16 parameters whose gradient a kernel can write in fp32 itself (the routed experts'
+  weights: :class:`~dropless.ops.grouped_gemm.GradSink`, found by
+  :meth:`~dropless.experts.GroupedExperts.weights` as the parameter's ``main_grad_sink``): the
+  weight-gradient kernel writes (first micro-batch) or adds (later ones) the main gradient in
+  fp32, autograd gets a placeholder, and the hook drops it and only counts (between
+  :meth:`GradBuckets.start` and :meth:`GradBuckets.finish`; outside, autograd gets the gradient
+  as usual). No bf16 gradient
+  of the weight is made, rounded or copied (the hook's copies were 5.5 ms of an ``h200_single``
+  step, most of it the experts').
 
 On the step's last micro-batch (:meth:`GradBuckets.start` with ``sync=True``) a bucket whose
 parameters all got their gradient is all-reduced asynchronously (SUM) while backward goes
@@ -52,6 +61,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dropless.ops.grouped_gemm import GradSink
 from dropless.train.optim import is_dtensor
 
 __all__ = ["GradBuckets", "grad_norm", "clip_", "clip_scale", "folds_clip", "clipped_step", "guarded_step",
@@ -85,6 +95,9 @@ class GradBuckets:
         world_group, dp_group, dp_size: the groups of the two kinds (see the module doc).
         bucket_elems: at most this many elements per bucket (a larger parameter gets its own).
         overlap: launch each bucket's all-reduce from the hooks (else all in :meth:`finish`).
+        sinks: put a :class:`~dropless.ops.grouped_gemm.GradSink` on each bf16 parameter
+            (``p.main_grad_sink``), so that kernels that can write its fp32 main gradient do;
+            False: every gradient comes through autograd and the hooks.
 
     Attributes:
         main: fp32 views, one per parameter (``main[i]`` is ``params[i]``'s gradient).
@@ -95,7 +108,7 @@ class GradBuckets:
     def __init__(self, params: list[torch.Tensor], sharded_ids: set[int], grads_are_params: bool,
                  world_size: int = 1, world_group: Any = None, dp_group: Any = None, dp_size: int = 1,
                  bucket_elems: int = BUCKET_ELEMS, overlap: bool = True,
-                 owners: list[torch.Tensor] | None = None):
+                 owners: list[torch.Tensor] | None = None, sinks: bool = True):
         self.params = list(params)
         self.owners = self.params if owners is None else list(owners)
         self.world_size, self.world_group, self.dp_group, self.dp_size = world_size, world_group, dp_group, dp_size
@@ -127,6 +140,14 @@ class GradBuckets:
         self._next = 0
         self._written: set[int] = set()     # ids of parameters whose main grad holds this step's value
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
+        #: bf16 parameters: a GradSink on each (id(p) -> sink), for the kernels that write fp32 themselves
+        self._sinks: dict[int, GradSink] = {}
+        if sinks and not grads_are_params:
+            if any(getattr(p, "main_grad_sink", None) is not None for p in self.params):
+                raise ValueError("GradBuckets: a parameter already has a main_grad_sink (another GradBuckets on "
+                                 "the same parameters); call that one's remove() first")
+            for p, g in zip(self.params, self.main):
+                self._sinks[id(p)] = p.main_grad_sink = GradSink(g)
         for b in self.buckets:
             b.flat.zero_()
         self.zero_()
@@ -138,6 +159,8 @@ class GradBuckets:
         the buckets (autograd accumulates into them); bf16 training defers it: each
         parameter's first gradient is copied in, and :meth:`finish` zeroes the rest."""
         self._written = set()
+        for sink in self._sinks.values():
+            sink.fresh, sink.wrote = True, False
         for b in self.buckets:
             if self.grads_are_params:
                 b.flat.zero_()
@@ -157,6 +180,9 @@ class GradBuckets:
         """Record gradients written without the hooks' host code running (a CUDA graph replay of a
         captured backward: ``dropless/train/graph.py``), so :meth:`finish` does not zero them."""
         self._written |= set(ids)
+        for i in ids:
+            if i in self._sinks:
+                self._sinks[i].fresh = False
 
     def detach_(self) -> None:
         """Set every owner's and parameter's ``.grad`` to None (until the next :meth:`zero_`)."""
@@ -168,12 +194,18 @@ class GradBuckets:
         self._sync = sync and self.world_size > 1
         for b in self.buckets:
             b.ready = 0
+        for sink in self._sinks.values():
+            sink.active = True
 
     def _hook(self, p: torch.Tensor) -> None:
         bi, k = self._where[id(p)]
         b = self.buckets[bi]
         if not self.grads_are_params:
-            if p.grad is not None:
+            sink = self._sinks.get(id(p))
+            if sink is not None and sink.wrote:  # a kernel wrote the main gradient itself; p.grad is a placeholder
+                sink.wrote = False
+                self._written.add(id(p))
+            elif p.grad is not None:
                 if id(p) in self._written:
                     b.views[k].add_(p.grad)
                 else:
@@ -182,6 +214,8 @@ class GradBuckets:
                     # copies 6.2 -> 5.5 ms (benchmarks/results/h200_train_step_s15.jsonl)
                     torch._foreach_copy_([b.views[k]], [p.grad])
                     self._written.add(id(p))
+                if sink is not None:
+                    sink.fresh = False
             p.grad = None
         if self._sync and self.overlap:
             b.ready += 1
@@ -211,6 +245,8 @@ class GradBuckets:
     def finish(self) -> None:
         """After the last micro-batch's backward: zero the main gradients no parameter wrote
         this step, launch the rest, wait, ``/ world``."""
+        for sink in self._sinks.values():
+            sink.active = False
         self._zero_unwritten()
         if self.world_size <= 1:
             return
@@ -224,10 +260,14 @@ class GradBuckets:
         self._sync = False
 
     def remove(self) -> None:
-        """Drop the hooks."""
+        """Drop the hooks and the parameters' gradient sinks."""
         for h in self._handles:
             h.remove()
         self._handles = []
+        for p in self.params:
+            if id(p) in self._sinks and getattr(p, "main_grad_sink", None) is self._sinks[id(p)]:
+                del p.main_grad_sink
+        self._sinks = {}
 
 
 # ----------------------------------------------------------------------------- norm and clip
