@@ -303,9 +303,14 @@ def test_scatter_rows_writes_live_rows_once_each(A):
 
 def test_moe_layer_compiles_on_the_triton_kernel_path(monkeypatch):
     """torch.compile(fullgraph=True) of the MoE layer with the Triton kernels as custom ops (issue 12 item 4):
-    forward and backward bitwise equal to eager."""
+    forward and backward bitwise equal to eager. The shared expert runs its plain form in eager too: its
+    eager gate-up form (one fused SwiGLU kernel, rounded once; ``dropless/mlp.py``) differs from the
+    compiled plain ops in the last bf16 bit by design, and made y, x's gradient and the shared expert's
+    gradients differ on an H200 (the routed path and the router were bitwise equal)."""
+    from dropless import mlp
     from tests.test_compile import _check_equal, _layer
 
+    monkeypatch.setattr(mlp, "gate_up_kernels", lambda x, hidden_dim: False)
     torch.manual_seed(1)
     m = _layer(fold_routing_weights=True).to(DEV).to(DT)
     x = torch.randn(2, 12, 32, device=DEV, dtype=DT, requires_grad=True)
