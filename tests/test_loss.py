@@ -242,6 +242,20 @@ def test_resolve_loss_impl():
         resolve_loss_impl("fast", "cpu")
 
 
+def test_auto_loss_impl_on_cuda_prefers_liger_unless_the_step_is_a_cuda_graph(monkeypatch):
+    """``auto`` on CUDA with Liger-Kernel importable: ``liger``; with ``train.cuda_graph=true``: ``torch``
+    and a note saying why (Liger's loss reads a host value inside forward; a capture forbids it)."""
+    from dropless.model import loss
+
+    monkeypatch.setattr(loss, "_liger_class", lambda: object)   # as if liger_kernel imported
+    assert resolve_loss_impl("auto", "cuda")[0] == "liger"
+    impl, note = resolve_loss_impl("auto", "cuda", cuda_graph=True)
+    assert impl == "torch" and "cuda_graph" in note
+    monkeypatch.setattr(loss, "_liger_class", lambda: None)
+    note = resolve_loss_impl("auto", "cuda", cuda_graph=True)[1]
+    assert note.endswith("(train.loss_impl=auto: liger_kernel not installed)")
+
+
 @pytest.mark.gpu
 def test_liger_matches_the_torch_path_on_cuda():
     if not torch.cuda.is_available():

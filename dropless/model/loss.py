@@ -207,11 +207,13 @@ def _liger_loss(h_TH, weight_VH, targets_T, ignore_index, reduction):
     return _liger_loss_fn(int(ignore_index), reduction)(weight_VH, h_TH, targets_T).float()
 
 
-def resolve_loss_impl(name: str, device: torch.device | str) -> tuple[str, str]:
+def resolve_loss_impl(name: str, device: torch.device | str, cuda_graph: bool = False) -> tuple[str, str]:
     """``train.loss_impl`` -> ``("torch" | "liger", a one-line note of what was picked and why)``.
 
-    ``auto``: ``liger`` on CUDA when ``liger_kernel`` imports, else ``torch``. ``liger``
-    asked for without the package, or off CUDA: :class:`ConfigError` naming the package.
+    ``auto``: ``liger`` on CUDA when ``liger_kernel`` imports and the step is not captured in a
+    CUDA graph (``cuda_graph``: Liger's fused loss reads a value on the host inside forward, which a
+    capture forbids), else ``torch``. ``liger`` asked for without the package, or off CUDA:
+    :class:`ConfigError` naming the package (with ``cuda_graph`` the trainer refuses it).
     """
     device = torch.device(device)
     name = str(name)
@@ -228,7 +230,8 @@ def resolve_loss_impl(name: str, device: torch.device | str) -> tuple[str, str]:
         return "liger", "Liger-Kernel fused linear cross-entropy (train.loss_impl=liger)"
     if name == "torch":
         return "torch", "chunked linear cross-entropy (train.loss_impl=torch)"
-    if device.type == "cuda" and have:
+    if device.type == "cuda" and have and not cuda_graph:
         return "liger", "Liger-Kernel fused linear cross-entropy (train.loss_impl=auto, liger_kernel found)"
-    why = "liger_kernel not installed" if device.type == "cuda" else f"{device.type}, Liger-Kernel needs CUDA"
+    why = (f"{device.type}, Liger-Kernel needs CUDA" if device.type != "cuda" else "liger_kernel not installed"
+           if not have else "train.cuda_graph=true, and Liger-Kernel's loss syncs with the host")
     return "torch", f"chunked linear cross-entropy (train.loss_impl=auto: {why})"

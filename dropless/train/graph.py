@@ -29,8 +29,8 @@ steps (``tests/test_train_gpu.py`` runs the step under ``torch.cuda.set_sync_deb
 collective inside (``dispatcher=local``, no FSDP2; the gradient all-reduce runs after the last
 micro-batch). The trainer refuses other configurations with a :class:`ConfigError` before any
 step and before the run directory is made (``check_train_config``: the dispatcher, ``model.gemm``
-other than ``torch``, ``train.loss_impl=liger``, ``train.shard_dense``; the Trainer: a CPU device,
-or ``loss_impl=auto`` resolving to Liger-Kernel).
+other than ``torch``, ``train.loss_impl=liger``, ``train.shard_dense``; the Trainer: a CPU device;
+``loss_impl=auto`` resolves to torch under a graph).
 What the host does inside the captured function (Python bookkeeping such as the hooks' record of
 which main gradients were written) happens at capture only: :meth:`MicroBatchGraphs.__call__`
 says whether the call replayed, so the caller repeats that bookkeeping itself. Likewise the

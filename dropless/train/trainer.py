@@ -167,18 +167,14 @@ class Trainer:
         note = alignment_note(self.args, self.batch * self.seq_len, env.ep_size)
         if note:
             self.print(f"[dropless] warning: {note}")
-        self.loss_impl, loss_note = resolve_loss_impl(t.get("loss_impl", "auto"), env.device)
+        self.loss_impl, loss_note = resolve_loss_impl(t.get("loss_impl", "auto"), env.device,
+                                                         bool(t.get("cuda_graph")))
         # what needs the device, before the data is read and the run dir is made
         if t.compile:
             check_compile(env.device, str(t.compile_backend))
-        if t.get("cuda_graph"):
-            if env.device.type != "cuda":
-                raise ConfigError(f"train.cuda_graph=true: CUDA graphs need a CUDA GPU, but the run's device is "
-                                  f"{env.device}; set train.cuda_graph=false (or device=cuda on a GPU machine)")
-            if self.loss_impl != "torch":
-                raise ConfigError(f"train.cuda_graph=true with train.loss_impl={t.get('loss_impl', 'auto')} (resolved: "
-                                  f"{self.loss_impl}): Liger-Kernel's fused loss reads a value on the host inside "
-                                  "forward, which a capture forbids; set train.loss_impl=torch")
+        if t.get("cuda_graph") and env.device.type != "cuda":  # (loss_impl=liger: check_train_config refuses it)
+            raise ConfigError(f"train.cuda_graph=true: CUDA graphs need a CUDA GPU, but the run's device is "
+                              f"{env.device}; set train.cuda_graph=false (or device=cuda on a GPU machine)")
         self.print(f"[dropless] loss: {loss_note}")
         self.run_dir = resolve_run_dir(cfg, env)
         self.tokens = load_tokens(cfg.data, self.args.vocab_size)
