@@ -135,12 +135,7 @@ def rms_norm_backward(dy_RD: torch.Tensor, x_RD: torch.Tensor, weight_D: torch.T
     Raises:
         ValueError: shapes or dtypes that do not match.
     """
-    if x_RD.dim() != 2 or dy_RD.shape != x_RD.shape or weight_D.shape != (x_RD.shape[1],):
-        raise ValueError(f"rms_norm_backward: dy and x must be [R, D] with weight [D]; got {tuple(dy_RD.shape)}, "
-                         f"{tuple(x_RD.shape)}, {tuple(weight_D.shape)}")
-    if dy_RD.dtype != x_RD.dtype or weight_D.dtype not in (x_RD.dtype, torch.float32):
-        raise ValueError(f"rms_norm_backward: dy must have x's dtype and weight x's or fp32; got {dy_RD.dtype}, "
-                         f"{x_RD.dtype}, {weight_D.dtype}")
+    _check_rows("rms_norm_backward", x_RD, "dy", dy_RD, weight_D)
     if residual_grad is not None and (residual_grad.shape != x_RD.shape or residual_grad.dtype != x_RD.dtype):
         raise ValueError(f"rms_norm_backward: residual_grad must be x's shape and dtype, got "
                          f"{tuple(residual_grad.shape)} {residual_grad.dtype} for x {tuple(x_RD.shape)} {x_RD.dtype}")
@@ -159,6 +154,17 @@ def rms_norm_backward(dy_RD: torch.Tensor, x_RD: torch.Tensor, weight_D: torch.T
                                float(eps), D=d, BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(d), STAGES=stages,
                                HAS_DR=dr is not None, num_warps=num_warps)
     return dx_RD, dw_GD.sum(0).to(weight_D.dtype)
+
+
+def _check_rows(fn: str, x_RD: torch.Tensor, name: str, other_RD: torch.Tensor, weight_D: torch.Tensor) -> None:
+    """ValueError unless ``x`` and ``other`` are ``[R, D]`` of one dtype and ``weight`` is ``[D]`` in ``x``'s dtype
+    or fp32 (``fn``, ``name``: the function and ``other``'s argument, for the message)."""
+    if x_RD.dim() != 2 or other_RD.shape != x_RD.shape or weight_D.shape != (x_RD.shape[1],):
+        raise ValueError(f"{fn}: x and {name} must be [R, D] with weight [D]; got x {tuple(x_RD.shape)}, "
+                         f"{name} {tuple(other_RD.shape)}, weight {tuple(weight_D.shape)}")
+    if other_RD.dtype != x_RD.dtype or weight_D.dtype not in (x_RD.dtype, torch.float32):
+        raise ValueError(f"{fn}: {name} must have x's dtype and weight x's or fp32; got x {x_RD.dtype}, "
+                         f"{name} {other_RD.dtype}, weight {weight_D.dtype}")
 
 
 def _grid(r: int, d: int, x: torch.Tensor, config: tuple[int, int, int, int] | None) -> tuple[int, int, int, int, int]:
@@ -187,12 +193,7 @@ def add_rms_norm_forward(x_RD: torch.Tensor, a_RD: torch.Tensor, weight_D: torch
     Raises:
         ValueError: shapes or dtypes that do not match.
     """
-    if x_RD.dim() != 2 or a_RD.shape != x_RD.shape or weight_D.shape != (x_RD.shape[1],):
-        raise ValueError(f"add_rms_norm_forward: x and a must be [R, D] with weight [D]; got {tuple(x_RD.shape)}, "
-                         f"{tuple(a_RD.shape)}, {tuple(weight_D.shape)}")
-    if a_RD.dtype != x_RD.dtype or weight_D.dtype not in (x_RD.dtype, torch.float32):
-        raise ValueError(f"add_rms_norm_forward: a must have x's dtype and weight x's or fp32; got {x_RD.dtype}, "
-                         f"{a_RD.dtype}, {weight_D.dtype}")
+    _check_rows("add_rms_norm_forward", x_RD, "a", a_RD, weight_D)
     if not select.use_triton(x_RD) or x_RD.dtype == torch.float64:
         h_RD = x_RD + a_RD
         return h_RD, _rms_norm(h_RD, weight_D, eps)
@@ -238,6 +239,17 @@ class _RMSNormFn(torch.autograd.Function):
         return dx_RD.reshape(x_xD.shape), dw_D, None
 
 
+def _backward_kernel_path(x_xD: torch.Tensor, weight_D: torch.Tensor, *others: torch.Tensor) -> bool:
+    """True where the norms' autograd Functions run (their backward the Triton kernel): grad mode on, ``x``
+    bf16/fp16/fp32 with ``D > 0`` on the Triton path, the weight ``x``'s dtype or fp32, neither compiling
+    (inductor generates its own backward) nor under ``torch.func`` transforms."""
+    return (torch.is_grad_enabled() and x_xD.shape[-1] > 0
+            and x_xD.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and weight_D.dtype in (x_xD.dtype, torch.float32) and select.use_triton(x_xD)
+            and not torch.compiler.is_compiling()
+            and not any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in (x_xD, weight_D, *others)))
+
+
 def rms_norm(x_xD: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / sqrt(mean(x²) + eps) · weight`` over the last dim in ``promote_types(x.dtype, float32)``, in
     ``x``'s dtype (16-bit ``x`` with a weight of its own dtype goes to ``F.rms_norm`` as it is: its kernels
@@ -249,10 +261,7 @@ def rms_norm(x_xD: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Te
     Function that saves only ``x`` and the weight and runs :func:`rms_norm_backward` (one kernel; last-bit
     differences from torch's backward). Everywhere else autograd differentiates ``F.rms_norm``.
     """
-    if (torch.is_grad_enabled() and x_xD.shape[-1] > 0 and x_xD.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and weight_D.dtype in (x_xD.dtype, torch.float32) and select.use_triton(x_xD)
-            and not torch.compiler.is_compiling()
-            and not any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in (x_xD, weight_D))):
+    if _backward_kernel_path(x_xD, weight_D):
         return _RMSNormFn.apply(x_xD, weight_D, eps)
     return _rms_norm(x_xD, weight_D, eps)
 
@@ -310,11 +319,7 @@ def add_rms_norm(x_xD: torch.Tensor, a_xD: torch.Tensor, weight_D: torch.Tensor,
     kernel; last-bit differences from the separate ops, which round ``dx`` twice). Everywhere
     else the plain ``x + a`` and :func:`rms_norm`, which the compiler fuses on its own.
     """
-    if (a_xD.shape == x_xD.shape and a_xD.dtype == x_xD.dtype and torch.is_grad_enabled() and x_xD.shape[-1] > 0
-            and x_xD.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and weight_D.dtype in (x_xD.dtype, torch.float32) and select.use_triton(x_xD)
-            and not torch.compiler.is_compiling()
-            and not any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in (x_xD, a_xD, weight_D))):
+    if a_xD.shape == x_xD.shape and a_xD.dtype == x_xD.dtype and _backward_kernel_path(x_xD, weight_D, a_xD):
         return _AddRMSNormFn.apply(x_xD, a_xD, weight_D, eps)
     h_xD = x_xD + a_xD
     return h_xD, rms_norm(h_xD, weight_D, eps)
