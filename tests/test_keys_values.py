@@ -211,6 +211,8 @@ def test_bad_shapes_raise():
         keys_values(kv, torch.randn(2, 3, 1, 2), 11)
     with pytest.raises(ValueError, match=r"\[B, S, N, Dn \+ Dv\]"):
         keys_values(kv[0], torch.randn(3, 1, 2), 4)
+    with pytest.raises(ValueError, match="nope_dim must be an int"):   # not a TypeError from inside
+        keys_values(kv, torch.randn(2, 3, 1, 2), 4.0)
 
 
 @pytest.mark.skipif(not select.HAS_TRITON or KERNEL_HERE, reason="triton missing, or the kernels run here")

@@ -285,6 +285,15 @@ def test_add_rms_norm_function_gradcheck_and_bad_arguments(monkeypatch):
         add_rms_norm_forward(x2, a2.float(), w.detach(), EPS)
     with pytest.raises(ValueError, match="residual_grad"):
         rms_norm_backward(x2, x2, w.detach(), EPS, residual_grad=a2.float())
+    with pytest.raises(ValueError, match="floating-point"):            # not a silently wrong integer norm
+        add_rms_norm_forward(torch.ones(1, 3, dtype=torch.int64), torch.ones(1, 3, dtype=torch.int64),
+                             torch.ones(3, dtype=torch.int64), EPS)
+    for op in (lambda: add_rms_norm(x.detach(), a.detach(), w.detach()[:5], EPS),
+               lambda: rms_norm(x.detach(), w.detach()[:5], EPS)):   # one message on every path
+        with pytest.raises(ValueError, match=r"weight must be \[D\] for x \[\.\.\., D\]"):
+            op()
+    dx, _ = rms_norm_backward(x2[:, ::2], x2[:, ::2], w.detach()[:3], EPS)   # strided columns, torch path
+    assert dx.is_contiguous()
 
 
 @needs_kernel

@@ -291,12 +291,14 @@ def keys_values(kv_BSNX: torch.Tensor, k_pe_BS1r: torch.Tensor,
         k [B, S, N, Dn + Dr] (new, contiguous; the promoted dtype of the two inputs, as ``cat``)
         and v [B, S, N, Dv] (a view of ``kv``). Differentiable twice (``create_graph=True``).
     Raises:
-        ValueError: shapes that do not fit.
+        ValueError: shapes that do not fit, or ``nope_dim`` not an int.
 
     Eagerly through an autograd Function (:func:`keys_forward`, :func:`keys_values_backward`);
     compiling or under ``torch.func`` transforms, the plain expression, which the compiler fuses with
     its neighbours.
     """
+    if not isinstance(nope_dim, int) or isinstance(nope_dim, bool):
+        raise ValueError(f"keys_values: nope_dim must be an int (Dn, qk_nope_head_dim), got {nope_dim!r}")
     if (kv_BSNX.dim() != 4 or k_pe_BS1r.dim() != 4 or k_pe_BS1r.shape[:3] != (*kv_BSNX.shape[:2], 1)
             or not 0 <= nope_dim <= kv_BSNX.shape[-1]):
         raise ValueError(f"keys_values: kv must be [B, S, N, Dn + Dv] with Dn = nope_dim and k_pe [B, S, 1, Dr]; "

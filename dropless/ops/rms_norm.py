@@ -140,7 +140,8 @@ def rms_norm_backward(dy_RD: torch.Tensor, x_RD: torch.Tensor, weight_D: torch.T
         raise ValueError(f"rms_norm_backward: residual_grad must be x's shape and dtype, got "
                          f"{tuple(residual_grad.shape)} {residual_grad.dtype} for x {tuple(x_RD.shape)} {x_RD.dtype}")
     if not select.use_triton(x_RD) or x_RD.dtype == torch.float64:
-        return rms_norm_backward_torch(dy_RD, x_RD, weight_D, eps, residual_grad)
+        dx_RD, dw_D = rms_norm_backward_torch(dy_RD, x_RD, weight_D, eps, residual_grad)
+        return dx_RD.contiguous(), dw_D
     dy_RD, x_RD = (t if t.stride(1) == 1 else t.contiguous() for t in (dy_RD, x_RD))
     dr = residual_grad if residual_grad is None or residual_grad.stride(1) == 1 else residual_grad.contiguous()
     r, d = x_RD.shape
@@ -159,12 +160,21 @@ def rms_norm_backward(dy_RD: torch.Tensor, x_RD: torch.Tensor, weight_D: torch.T
 def _check_rows(fn: str, x_RD: torch.Tensor, name: str, other_RD: torch.Tensor, weight_D: torch.Tensor) -> None:
     """ValueError unless ``x`` and ``other`` are ``[R, D]`` of one dtype and ``weight`` is ``[D]`` in ``x``'s dtype
     or fp32 (``fn``, ``name``: the function and ``other``'s argument, for the message)."""
+    if not x_RD.is_floating_point():
+        raise ValueError(f"{fn}: x must be a floating-point tensor (bf16, fp16, fp32, fp64), got {x_RD.dtype}")
     if x_RD.dim() != 2 or other_RD.shape != x_RD.shape or weight_D.shape != (x_RD.shape[1],):
         raise ValueError(f"{fn}: x and {name} must be [R, D] with weight [D]; got x {tuple(x_RD.shape)}, "
                          f"{name} {tuple(other_RD.shape)}, weight {tuple(weight_D.shape)}")
     if other_RD.dtype != x_RD.dtype or weight_D.dtype not in (x_RD.dtype, torch.float32):
         raise ValueError(f"{fn}: {name} must have x's dtype and weight x's or fp32; got x {x_RD.dtype}, "
                          f"{name} {other_RD.dtype}, weight {weight_D.dtype}")
+
+
+def _check_weight(fn: str, x_xD: torch.Tensor, weight_D: torch.Tensor) -> None:
+    """ValueError unless ``weight`` is ``[D]`` for ``x`` ``[..., D]`` (the same message on every path)."""
+    if weight_D.dim() != 1 or x_xD.dim() == 0 or weight_D.shape[0] != x_xD.shape[-1]:
+        raise ValueError(f"{fn}: weight must be [D] for x [..., D]; got weight {tuple(weight_D.shape)}, "
+                         f"x {tuple(x_xD.shape)}")
 
 
 def _grid(r: int, d: int, x: torch.Tensor, config: tuple[int, int, int, int] | None) -> tuple[int, int, int, int, int]:
@@ -261,6 +271,7 @@ def rms_norm(x_xD: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Te
     Function that saves only ``x`` and the weight and runs :func:`rms_norm_backward` (one kernel; last-bit
     differences from torch's backward). Everywhere else autograd differentiates ``F.rms_norm``.
     """
+    _check_weight("rms_norm", x_xD, weight_D)
     if _backward_kernel_path(x_xD, weight_D):
         return _RMSNormFn.apply(x_xD, weight_D, eps)
     return _rms_norm(x_xD, weight_D, eps)
@@ -311,7 +322,7 @@ def add_rms_norm(x_xD: torch.Tensor, a_xD: torch.Tensor, weight_D: torch.Tensor,
         x_xD, a_xD: ``[..., D]``, one shape and dtype (the residual stream and the branch's output).
         weight_D: ``[D]``. eps: as :func:`rms_norm`'s.
     Returns:
-        ``(h, y)``, ``[..., D]`` in ``x``'s dtype.
+        ``(h, y)``, ``[..., D]`` in ``x``'s dtype (where ``a``'s differs, the plain ops' promoted dtype).
 
     Where :func:`rms_norm` takes its autograd Function (CUDA, grad mode on, not compiling, not
     under ``torch.func``) and ``x``, ``a`` match in shape and dtype, :class:`_AddRMSNormFn`: one
@@ -319,6 +330,7 @@ def add_rms_norm(x_xD: torch.Tensor, a_xD: torch.Tensor, weight_D: torch.Tensor,
     kernel; last-bit differences from the separate ops, which round ``dx`` twice). Everywhere
     else the plain ``x + a`` and :func:`rms_norm`, which the compiler fuses on its own.
     """
+    _check_weight("add_rms_norm", x_xD, weight_D)
     if a_xD.shape == x_xD.shape and a_xD.dtype == x_xD.dtype and _backward_kernel_path(x_xD, weight_D, a_xD):
         return _AddRMSNormFn.apply(x_xD, a_xD, weight_D, eps)
     h_xD = x_xD + a_xD
