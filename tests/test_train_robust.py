@@ -156,3 +156,31 @@ def test_cli_divergence_exits_3_and_skip_says_so(tmp_path, capsys):
     assert main(common + [f"run_dir={tmp_path / 'b'}", "train.nonfinite=skip"]) == 0
     out, err = capsys.readouterr()
     assert "optimizer step skipped (train.nonfinite=skip" in out and "optimizer steps skipped: non-finite" in out
+
+
+def test_state_that_cannot_fit_is_refused_before_the_run_dir(tmp_path, monkeypatch):
+    """A model whose weights, main gradients and AdamW state alone exceed the process's memory: a
+    ConfigError naming the sizes and the fix before the model is built or the run dir made (before,
+    ``recipe=h200_single device=cpu`` on a 24 GiB machine was OOM-killed while building)."""
+    from dropless.config import ConfigError
+    from dropless.model.params import param_counts
+    from dropless.train import startup
+    from dropless.train.config import model_args
+    from dropless.train.dist import DistEnv
+
+    cfg = compose(QUICK + [f"run_dir={tmp_path / 'r'}", "logging.mode=disabled"])
+    n = param_counts(model_args(cfg)).total
+    monkeypatch.setattr(startup, "process_memory_bytes", lambda env: n * 16 - 1)   # fp32: 16 bytes a parameter
+    with pytest.raises(ConfigError, match=r"need at least .* GiB per process .*model=tiny"):
+        Trainer(cfg)
+    assert not (tmp_path / "r").exists()
+    monkeypatch.undo()
+    env = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"),
+                  ep_size=1, dp_size=1)
+    startup.check_state_fits(n, torch.float32, env, have=n * 16)          # exactly fits
+    with pytest.raises(ConfigError, match="18 bytes a parameter at bfloat16"):
+        startup.check_state_fits(n, torch.bfloat16, env, have=n * 16)
+    env4 = DistEnv(rank=0, world_size=4, local_rank=0, local_world_size=4, device=torch.device("cpu"),
+                   ep_size=4, dp_size=1)
+    startup.check_state_fits(4 * n, torch.float32, env4, have=n * 16)     # shared by 4 ranks
+    assert startup.process_memory_bytes(env4) * 4 <= startup.process_memory_bytes(env) + 3   # the node's share

@@ -133,6 +133,51 @@ def alignment_note(args: ModelArgs, tokens: int, ep_size: int = 1) -> str | None
             "backend needs more, e.g. 128 for gemm=deep_gemm; 8 or 16 are common")
 
 
+#: Bytes of training state per parameter, by compute dtype: bf16 weights + fp32 masters + two fp32 AdamW
+#: moments + fp32 main gradients; fp32: the weights are the masters.
+STATE_BYTES_PER_PARAM = {torch.bfloat16: 2 + 4 + 8 + 4, torch.float32: 4 + 8 + 4}
+
+
+def process_memory_bytes(env: DistEnv) -> int | None:
+    """Memory one process may fill: the GPU's total on CUDA; on a CPU the host's physical memory (or its
+    cgroup v2 limit, if lower) over the processes on this node. None where neither can be read."""
+    if env.device.type == "cuda":
+        return int(torch.cuda.get_device_properties(env.device).total_memory)
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return None
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        host = min(host, int(limit)) if limit.isdigit() else host
+    except OSError:
+        pass
+    return host // max(1, env.local_world_size)
+
+
+def check_state_fits(total_params: int, dtype: torch.dtype, env: DistEnv, have: int | None = None) -> None:
+    """ConfigError when the weights, main gradients and AdamW state alone outgrow this process's memory.
+
+    The bound is ``total_params / world_size · STATE_BYTES_PER_PARAM[dtype]``: no layout shards the
+    state over more than all ranks, and activations come on top, so a run this refuses cannot fit,
+    and one it lets through may still run out of memory. ``have``: bytes available (default
+    :func:`process_memory_bytes`; nothing is checked where that is None). Run before the model
+    is built, so an oversized model fails with this message instead of the kernel's OOM kill.
+    """
+    have = process_memory_bytes(env) if have is None else have
+    if have is None:
+        return
+    need = -(-total_params // max(1, env.world_size)) * STATE_BYTES_PER_PARAM.get(dtype, 16)
+    if need > have:
+        where = f"the GPU's {have / 2**30:.1f} GiB" if env.device.type == "cuda" else \
+            f"{have / 2**30:.1f} GiB of host memory per process ({env.local_world_size} on this node)"
+        raise ConfigError(
+            f"the model's {total_params / 1e9:.2f} B parameters need at least {need / 2**30:.1f} GiB per process "
+            f"for weights, main gradients and AdamW state alone ({STATE_BYTES_PER_PARAM.get(dtype, 16)} bytes a "
+            f"parameter at {str(dtype).replace('torch.', '')}, over {env.world_size} rank(s)), more than {where}; "
+            "use a smaller model (e.g. model=tiny, or the default recipe on a CPU), more ranks, or a larger device")
+
+
 def resolve_run_dir(cfg: DictConfig, env: DistEnv) -> Path:
     """The run directory, the same on every rank (rank 0 picks a fresh dated name by default).
 

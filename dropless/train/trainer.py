@@ -83,6 +83,7 @@ from dropless.train.optim import MasterWeights, RouterBiasUpdate, build_optimize
 from dropless.train.startup import (
     alignment_note,
     build_model,
+    check_state_fits,
     check_train_config,
     compute_dtype,
     config_changes,
@@ -167,6 +168,7 @@ class Trainer:
         note = alignment_note(self.args, self.batch * self.seq_len, env.ep_size)
         if note:
             self.print(f"[dropless] warning: {note}")
+        check_state_fits(param_counts(self.args).total, self.dtype, env)  # else an OOM kill while building
         self.loss_impl, loss_note = resolve_loss_impl(t.get("loss_impl", "auto"), env.device,
                                                          bool(t.get("cuda_graph")))
         # what needs the device, before the data is read and the run dir is made
