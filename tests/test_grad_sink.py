@@ -153,3 +153,53 @@ def test_a_second_step_overwrites_and_autograd_grad_outside_a_step_is_untouched(
     only = _step(ex, _buckets(ex), lay, batches[2:])
     for a, b in zip(second, only):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_backward_outside_a_step_fills_grad_as_autograd_does(monkeypatch, path):
+    """``loss.backward()`` on the model outside start/finish (before the first step and after a
+    finished one): ``.grad`` of w13 and w2 equal a model without GradBuckets, the main gradients
+    are untouched (before, the hooks moved the gradient there, adding it to the finished step's),
+    and the next step's zero_() drops the stray ``.grad``: the step equals a clean one."""
+    _force(monkeypatch, path)
+    ex = _experts()
+    lay, batches = _batches(2)
+    x, dy = batches[1]
+    ex(x, lay).backward(dy)                          # no GradBuckets: the reference
+    want = [ex.w13.grad.clone(), ex.w2.grad.clone()]
+    ex.zero_grad(set_to_none=True)
+    gb = _buckets(ex)
+    ex(x, lay).backward(dy)                          # before any step
+    assert torch.equal(ex.w13.grad, want[0]) and torch.equal(ex.w2.grad, want[1])
+    step = _step(ex, gb, lay, batches[:1])
+    clean = _experts()
+    gc = _buckets(clean)
+    for a, b in zip(step, _step(clean, gc, lay, batches[:1])):
+        assert torch.equal(a, b)
+    gc.remove()
+    before = [m.clone() for m in gb.main]
+    ex(x, lay).backward(dy)                          # after a finished step
+    assert torch.equal(ex.w13.grad, want[0]) and torch.equal(ex.w2.grad, want[1])
+    for m, b in zip(gb.main, before):
+        assert torch.equal(m, b)
+
+
+@pytest.mark.parametrize("fp32", [False, True])
+def test_any_second_grad_buckets_on_the_same_parameters_is_refused(fp32):
+    """Two sets of hooks would each take the gradient (the first registered wins, the other's main
+    gradients go stale): refused for every kind of GradBuckets (bf16 without sinks, fp32), not only
+    those with sinks; after the first's remove() a new one is accepted."""
+    ex = _experts().float() if fp32 else _experts()
+    params = list(ex.parameters())
+
+    def make():
+        if fp32:
+            return GradBuckets(params, set(), grads_are_params=True)
+        return GradBuckets(params, set(), grads_are_params=False, sinks=False,
+                           owners=[torch.nn.Parameter(p.detach().float()) for p in params])
+
+    first = make()
+    with pytest.raises(ValueError, match="remove"):
+        make()
+    first.remove()
+    make().remove()

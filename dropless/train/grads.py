@@ -3,7 +3,12 @@
 :class:`GradBuckets` holds one fp32 *main gradient* per plain (non-FSDP2) trainable parameter,
 as views into flat buckets of at most ``bucket_elems`` elements. Each parameter's
 ``register_post_accumulate_grad_hook`` moves its gradient there as soon as autograd has
-accumulated it:
+accumulated it, between :meth:`GradBuckets.start` and :meth:`GradBuckets.finish` (a backward
+outside a step, e.g. ``torch.autograd.grad`` or a user's own ``loss.backward()`` on the model, leaves
+``.grad`` as autograd makes it; :meth:`GradBuckets.zero_` clears the compute parameters' ``.grad``
+at the next step). One GradBuckets per parameter: a second on the same parameters is refused
+until the first's :meth:`~GradBuckets.remove`.
+
 
 * bf16 compute parameters: ``main += p.grad`` (fp32), then ``p.grad = None`` at once, so the
   micro-batches accumulate in fp32 and no second full-size bf16 gradient lives on. The step's
@@ -55,6 +60,7 @@ and a non-finite step skipped by the kernel's ``found_inf``, so the host need no
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +86,11 @@ class _Bucket:
     work: Any = None
     launched: bool = False
     views: list[torch.Tensor] = field(default_factory=list)
+
+
+def _dead() -> None:
+    """A dead weak reference's call (the default of ``getattr(p, "_grad_buckets", _dead)()``)."""
+    return None
 
 
 class GradBuckets:
@@ -139,13 +150,16 @@ class GradBuckets:
         self._sync = False
         self._next = 0
         self._written: set[int] = set()     # ids of parameters whose main grad holds this step's value
+        self._in_step = False               # between start() and finish(): the hooks act only then
+        if any(getattr(p, "_grad_buckets", _dead)() is not None for p in self.params):
+            raise ValueError("GradBuckets: a parameter already has another GradBuckets' hooks (two sets would "
+                             "each take its gradient); call that one's remove() first")
+        for p in self.params:
+            p._grad_buckets = weakref.ref(self)
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
         #: bf16 parameters: a GradSink on each (id(p) -> sink), for the kernels that write fp32 themselves
         self._sinks: dict[int, GradSink] = {}
         if sinks and not grads_are_params:
-            if any(getattr(p, "main_grad_sink", None) is not None for p in self.params):
-                raise ValueError("GradBuckets: a parameter already has a main_grad_sink (another GradBuckets on "
-                                 "the same parameters); call that one's remove() first")
             for p, g in zip(self.params, self.main):
                 self._sinks[id(p)] = p.main_grad_sink = GradSink(g)
         for b in self.buckets:
@@ -192,12 +206,15 @@ class GradBuckets:
     def start(self, sync: bool) -> None:
         """Before a micro-batch's backward: ``sync`` = it is the step's last (reduce during it)."""
         self._sync = sync and self.world_size > 1
+        self._in_step = True
         for b in self.buckets:
             b.ready = 0
         for sink in self._sinks.values():
             sink.active = True
 
     def _hook(self, p: torch.Tensor) -> None:
+        if not self._in_step:  # a backward outside a step: .grad stays as autograd made it
+            return
         bi, k = self._where[id(p)]
         b = self.buckets[bi]
         if not self.grads_are_params:
@@ -245,6 +262,7 @@ class GradBuckets:
     def finish(self) -> None:
         """After the last micro-batch's backward: zero the main gradients no parameter wrote
         this step, launch the rest, wait, ``/ world``."""
+        self._in_step = False
         for sink in self._sinks.values():
             sink.active = False
         self._zero_unwritten()
@@ -260,13 +278,15 @@ class GradBuckets:
         self._sync = False
 
     def remove(self) -> None:
-        """Drop the hooks and the parameters' gradient sinks."""
+        """Drop the hooks and the parameters' gradient sinks (another GradBuckets may then take them)."""
         for h in self._handles:
             h.remove()
         self._handles = []
         for p in self.params:
             if id(p) in self._sinks and getattr(p, "main_grad_sink", None) is self._sinks[id(p)]:
                 del p.main_grad_sink
+            if getattr(p, "_grad_buckets", _dead)() is self:
+                del p._grad_buckets
         self._sinks = {}
 
 
