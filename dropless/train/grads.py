@@ -7,8 +7,7 @@ accumulated it, between :meth:`GradBuckets.start` and :meth:`GradBuckets.finish`
 outside a step, e.g. ``torch.autograd.grad`` or a user's own ``loss.backward()`` on the model, leaves
 ``.grad`` as autograd makes it; :meth:`GradBuckets.zero_` clears the compute parameters' ``.grad``
 at the next step). One GradBuckets per parameter: a second on the same parameters is refused
-until the first's :meth:`~GradBuckets.remove`.
-
+until the first's :meth:`~GradBuckets.remove`. By kind of parameter:
 
 * bf16 compute parameters: ``main += p.grad`` (fp32), then ``p.grad = None`` at once, so the
   micro-batches accumulate in fp32 and no second full-size bf16 gradient lives on. The step's
