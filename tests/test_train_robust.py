@@ -184,3 +184,17 @@ def test_state_that_cannot_fit_is_refused_before_the_run_dir(tmp_path, monkeypat
                    ep_size=4, dp_size=1)
     startup.check_state_fits(4 * n, torch.float32, env4, have=n * 16)     # shared by 4 ranks
     assert startup.process_memory_bytes(env4) * 4 <= startup.process_memory_bytes(env) + 3   # the node's share
+
+
+def test_deepep_without_its_package_fails_before_the_run_dir(tmp_path):
+    """``dispatcher=deepep`` where ``deep_ep`` does not import: the ConfigError saying how to install it
+    comes before the config is printed and the run dir made (it came from the model build, after both)."""
+    try:
+        import deep_ep  # noqa: F401
+        pytest.skip("deep_ep is installed")
+    except ImportError:
+        pass
+    from dropless.config import ConfigError
+    with pytest.raises(ConfigError, match="cannot import deep_ep"):
+        Trainer(compose(QUICK + [f"run_dir={tmp_path / 'r'}", "logging.mode=disabled", "dispatcher=deepep"]))
+    assert not (tmp_path / "r").exists()
