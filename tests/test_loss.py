@@ -254,6 +254,12 @@ def test_auto_loss_impl_on_cuda_prefers_liger_unless_the_step_is_a_cuda_graph(mo
     monkeypatch.setattr(loss, "_liger_class", lambda: None)
     note = resolve_loss_impl("auto", "cuda", cuda_graph=True)[1]
     assert note.endswith("(train.loss_impl=auto: liger_kernel not installed)")
+    with pytest.raises(ConfigError, match="runs on CUDA, this run is on cpu"):   # the device first
+        resolve_loss_impl("liger", "cpu")
+    monkeypatch.setattr(loss, "_liger_class", lambda: object)
+    assert resolve_loss_impl("liger", "cuda")[0] == "liger"
+    with pytest.raises(ConfigError, match="cuda_graph=true"):   # asked for by name: refused, not swapped
+        resolve_loss_impl("liger", "cuda", cuda_graph=True)
 
 
 @pytest.mark.gpu

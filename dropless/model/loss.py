@@ -213,7 +213,7 @@ def resolve_loss_impl(name: str, device: torch.device | str, cuda_graph: bool = 
     ``auto``: ``liger`` on CUDA when ``liger_kernel`` imports and the step is not captured in a
     CUDA graph (``cuda_graph``: Liger's fused loss reads a value on the host inside forward, which a
     capture forbids), else ``torch``. ``liger`` asked for without the package, or off CUDA:
-    :class:`ConfigError` naming the package (with ``cuda_graph`` the trainer refuses it).
+    :class:`ConfigError` naming the package; with ``cuda_graph``, a :class:`ConfigError` too.
     """
     device = torch.device(device)
     name = str(name)
@@ -221,12 +221,16 @@ def resolve_loss_impl(name: str, device: torch.device | str, cuda_graph: bool = 
         raise ConfigError(f"train.loss_impl={name!r}: must be one of {LOSS_IMPLS}")
     have = _liger_class() is not None
     if name == "liger":
-        if not have:
-            raise ConfigError("train.loss_impl=liger: the liger_kernel package does not import; install it "
-                              "(`pip install liger-kernel`, CUDA only) or use train.loss_impl=torch")
         if device.type != "cuda":
             raise ConfigError(f"train.loss_impl=liger: Liger-Kernel runs on CUDA, this run is on {device.type}; "
                               "use train.loss_impl=torch (or auto)")
+        if not have:
+            raise ConfigError("train.loss_impl=liger: the liger_kernel package does not import; install it "
+                              "(`pip install liger-kernel`) or use train.loss_impl=torch")
+        if cuda_graph:
+            raise ConfigError("train.loss_impl=liger with train.cuda_graph=true: Liger-Kernel's fused loss reads a "
+                              "value on the host inside forward, which a capture forbids; use train.loss_impl=torch "
+                              "(or auto) or train.cuda_graph=false")
         return "liger", "Liger-Kernel fused linear cross-entropy (train.loss_impl=liger)"
     if name == "torch":
         return "torch", "chunked linear cross-entropy (train.loss_impl=torch)"
