@@ -171,7 +171,8 @@ class Trainer:
         note = alignment_note(self.args, self.batch * self.seq_len, env.ep_size)
         if note:
             self.print(f"[dropless] warning: {note}")
-        check_state_fits(param_counts(self.args).total, self.dtype, env)  # else an OOM kill while building
+        self.param_counts = param_counts(self.args)
+        check_state_fits(self.param_counts.total, self.dtype, env)  # else an OOM kill while building
         self.loss_impl, loss_note = resolve_loss_impl(t.get("loss_impl", "auto"), env.device,
                                                          bool(t.get("cuda_graph")))
         # what needs the device, before the data is read and the run dir is made
@@ -239,7 +240,6 @@ class Trainer:
                                                    "fused AdamW, the default on CUDA or with optim.fused=true, "
                                                    "folds it in)"))
 
-        self.param_counts = param_counts(self.args)
         self.peak_flops = peak_flops(env.device, cfg.logging)
         self.tokens_per_step = env.world_size * self.accum * self.batch * self.seq_len
 
