@@ -198,3 +198,28 @@ def test_deepep_without_its_package_fails_before_the_run_dir(tmp_path):
     with pytest.raises(ConfigError, match="cannot import deep_ep"):
         Trainer(compose(QUICK + [f"run_dir={tmp_path / 'r'}", "logging.mode=disabled", "dispatcher=deepep"]))
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("bad,match", [("model.tie_word_embeddings=true", "model.tie_word_embeddings=true: dropless"),
+                                       ("init_from=/nonexistent/dir", "not a Hugging Face model directory")])
+def test_config_errors_come_before_the_run_dir(tmp_path, bad, match):
+    """A tied head and an init_from that is none of the known kinds are errors of the config alone: raised
+    by check_train_config, before the run dir is made (they came from the model build and the weight
+    load, leaving an empty run dir; found by a new-user trial)."""
+    from dropless.config import ConfigError
+    from dropless.train.startup import check_train_config
+    cfg = compose(QUICK + [f"run_dir={tmp_path / 'r'}", "logging.mode=disabled", bad])
+    with pytest.raises(ConfigError, match=match):
+        check_train_config(cfg)
+    with pytest.raises(ConfigError, match=match):
+        Trainer(cfg)
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_run_that_ends_inside_the_warmup_is_warned_about(capsys):
+    """optim.warmup_steps >= train.steps: valid but rarely meant (the lr never reaches optim.lr nor
+    decays): a warning naming both values and how far the lr gets; none otherwise."""
+    from dropless.train.startup import schedule_note
+    note = schedule_note(compose(QUICK + ["train.steps=20", "optim.warmup_steps=50", "optim.lr=0.003"]))
+    assert note.startswith("optim.warmup_steps=50 >= train.steps=20") and "40% of optim.lr=0.003" in note
+    assert schedule_note(compose(QUICK + ["train.steps=20", "optim.warmup_steps=19"])) is None

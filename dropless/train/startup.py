@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from dropless.config import ConfigError, ModelArgs
+from dropless.convert.start import resolve_source
 from dropless.dispatch import build_dispatcher
 from dropless.dispatch.mesh import local_expert_count
 from dropless.layout import aligned_capacity
@@ -105,6 +106,10 @@ def check_train_config(cfg: DictConfig) -> None:
     need(cfg.num_threads is None or int(cfg.num_threads) >= 1, "num_threads", cfg.num_threads,
          "must be >= 1 (CPU threads per process), or null for the cores divided by the local processes")
     args = model_args(cfg)
+    need(not args.tie_word_embeddings, "model.tie_word_embeddings", True,
+         "dropless builds DeepSeek-V3's untied output head; set model.tie_word_embeddings=false")
+    if cfg.get("init_from") and not cfg.resume:  # (a resumed run may never read it)
+        resolve_source(cfg.init_from)
     if int(t.seq_len) > args.max_position_embeddings:
         raise ConfigError(f"train.seq_len={int(t.seq_len)} > model.max_position_embeddings="
                           f"{args.max_position_embeddings}: lower train.seq_len or raise "
@@ -176,6 +181,17 @@ def check_state_fits(total_params: int, dtype: torch.dtype, env: DistEnv, have: 
             f"for weights, main gradients and AdamW state alone ({STATE_BYTES_PER_PARAM.get(dtype, 16)} bytes a "
             f"parameter at {str(dtype).replace('torch.', '')}, over {env.world_size} rank(s)), more than {where}; "
             "use a smaller model (e.g. model=tiny, or the default recipe on a CPU), more ranks, or a larger device")
+
+
+def schedule_note(cfg: DictConfig) -> str | None:
+    """A warning when ``optim.warmup_steps`` reaches ``train.steps``: the run ends inside the warm-up, so
+    the learning rate never reaches ``optim.lr`` and never decays (valid, rarely meant). Else None."""
+    warmup, steps = int(cfg.optim.warmup_steps), int(cfg.train.steps)
+    if warmup < steps:
+        return None
+    return (f"optim.warmup_steps={warmup} >= train.steps={steps}: the run ends inside the warm-up, the learning "
+            f"rate climbs to {min(1.0, steps / max(1, warmup)):.0%} of optim.lr={cfg.optim.lr} and never decays; "
+            f"lower optim.warmup_steps (e.g. {max(0, steps // 10)}) or raise train.steps")
 
 
 def resolve_run_dir(cfg: DictConfig, env: DistEnv) -> Path:

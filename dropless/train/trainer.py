@@ -89,6 +89,7 @@ from dropless.train.startup import (
     compute_dtype,
     config_changes,
     resolve_run_dir,
+    schedule_note,
     set_deterministic,
 )
 
@@ -168,9 +169,9 @@ class Trainer:
         check_backend_shapes(self.args.gemm, env.device, self.dtype, self.args.hidden_size,
                              self.args.moe_intermediate_size)  # e.g. 16-byte GEMM rows, before the run dir exists
         self.main = env.is_main
-        note = alignment_note(self.args, self.batch * self.seq_len, env.ep_size)
-        if note:
-            self.print(f"[dropless] warning: {note}")
+        for note in (alignment_note(self.args, self.batch * self.seq_len, env.ep_size), schedule_note(cfg)):
+            if note:
+                self.print(f"[dropless] warning: {note}")
         self.param_counts = param_counts(self.args)
         check_state_fits(self.param_counts.total, self.dtype, env)  # else an OOM kill while building
         self.loss_impl, loss_note = resolve_loss_impl(t.get("loss_impl", "auto"), env.device,
