@@ -223,3 +223,15 @@ def test_a_run_that_ends_inside_the_warmup_is_warned_about(capsys):
     note = schedule_note(compose(QUICK + ["train.steps=20", "optim.warmup_steps=50", "optim.lr=0.003"]))
     assert note.startswith("optim.warmup_steps=50 >= train.steps=20") and "40% of optim.lr=0.003" in note
     assert schedule_note(compose(QUICK + ["train.steps=20", "optim.warmup_steps=19"])) is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_a_gpu_recipe_without_cuda_points_to_the_cpu_recipe(tmp_path):
+    """recipe=h200_single where torch sees no GPU: the error says the recipe is sized for GPUs and names
+    the CPU recipe (plain "set device=cpu" led to the memory error of its 1.88 B model)."""
+    from dropless.config import ConfigError
+    with pytest.raises(ConfigError, match=r"recipe=h200_single is sized for GPUs: on a CPU use the default recipe"):
+        Trainer(compose(["recipe=h200_single", f"run_dir={tmp_path / 'r'}", "logging.mode=disabled"]))
+    assert not (tmp_path / "r").exists()
+    with pytest.raises(ConfigError, match=r"set device=cpu \(or auto\)$"):   # no recipe: the plain advice
+        Trainer(compose(QUICK + ["device=cuda", f"run_dir={tmp_path / 'r'}", "logging.mode=disabled"]))

@@ -126,12 +126,16 @@ def default_num_threads(local_world_size: int) -> int:
     return max(1, cores // max(1, local_world_size))
 
 
-def _device(device_cfg: str, local_rank: int) -> torch.device:
+def _device(device_cfg: str, local_rank: int, recipe: str | None = None) -> torch.device:
     want = str(device_cfg)
     if want == "auto":
         want = "cuda" if torch.cuda.is_available() else "cpu"
     if want == "cuda":
         if not torch.cuda.is_available():
+            if recipe and recipe != "cpu_default":  # a GPU recipe: its model is sized for the GPU too
+                raise ConfigError(f"device=cuda (recipe={recipe}) but torch sees no CUDA device; recipe={recipe} is "
+                                  "sized for GPUs: on a CPU use the default recipe (cpu_default), or device=cpu "
+                                  "with a smaller model (e.g. model=tiny)")
             raise ConfigError("device=cuda but torch sees no CUDA device; set device=cpu (or auto)")
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         return torch.device("cuda", torch.cuda.current_device())
@@ -152,7 +156,7 @@ def init_distributed(cfg: Any, n_routed_experts: int) -> DistEnv:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     ep = resolve_ep_size(cfg.dispatcher, world)
     dp = check_mesh(world, ep, n_routed_experts)
-    device = _device(cfg.get("device", "auto"), local_rank)
+    device = _device(cfg.get("device", "auto"), local_rank, cfg.get("recipe"))
     threads = cfg.get("num_threads")  # >= 1 or null (dropless.train.startup.check_train_config)
     torch.set_num_threads(int(threads) if threads is not None else default_num_threads(local_world))
     env = DistEnv(rank, world, local_rank, local_world, device, ep, dp)
