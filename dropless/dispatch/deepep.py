@@ -242,6 +242,11 @@ class DeepEPDispatcher(Dispatcher):
 
     name = "deepep"
 
+    @classmethod
+    def check_available(cls) -> None:
+        """:func:`require_deep_ep` (the ConfigError says how to install DeepEP)."""
+        require_deep_ep()
+
     def __init__(self, num_experts: int, group: Any = None, *, version: int = 1,
                  num_max_tokens_per_rank: int | None = None):
         self._deep_ep = require_deep_ep()

@@ -68,7 +68,7 @@ from torch.profiler import record_function
 
 from dropless.config import ConfigError
 from dropless.convert import init_from
-from dropless.dispatch.deepep import require_deep_ep
+from dropless.dispatch.registry import dispatcher_class
 from dropless.model.loss import resolve_loss_impl
 from dropless.model.params import moe_flops_per_token, param_counts
 from dropless.ops.backends import check_backend_device, check_backend_shapes
@@ -163,8 +163,7 @@ class Trainer:
             int(t.grad_accum), int(t.steps)
         self.env = env = init_distributed(cfg, self.args.n_routed_experts)
         check_backend_device(self.args.gemm, env.device)  # e.g. gemm=fp8 on a GPU without FP8 tensor cores
-        if str(cfg.dispatcher.name) == "deepep":  # its package, before the config is printed and the run dir made
-            require_deep_ep()
+        dispatcher_class(cfg.dispatcher.name).check_available()  # e.g. deepep's package, before the run dir
         self.dtype = compute_dtype(t, env.device)
         check_backend_shapes(self.args.gemm, env.device, self.dtype, self.args.hidden_size,
                              self.args.moe_intermediate_size)  # e.g. 16-byte GEMM rows, before the run dir exists
