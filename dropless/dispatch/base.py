@@ -94,14 +94,14 @@ class Dispatcher(ABC):
 
     name: str = "base"
     expert_parallel: bool = True
+    #: True when the landed rows are a local gather of the rank's tokens (EP = 1), so the
+    #: experts can re-gather them in backward (``recompute_gather``; :meth:`dispatch_source`).
+    gathers_locally: bool = False
 
     @classmethod
     def check_available(cls) -> None:
         """Raise :class:`ConfigError` saying what to install when this dispatcher's optional dependency
         is missing (a run calls it before its config is printed and its run dir made); nothing here."""
-    #: True when the landed rows are a local gather of the rank's tokens (EP = 1), so the
-    #: experts can re-gather them in backward (``recompute_gather``; :meth:`dispatch_source`).
-    gathers_locally: bool = False
 
     def __init__(self, num_experts: int, group: Any = None):
         self.group = group

@@ -132,7 +132,7 @@ def _device(device_cfg: str, local_rank: int, recipe: str | None = None) -> torc
         want = "cuda" if torch.cuda.is_available() else "cpu"
     if want == "cuda":
         if not torch.cuda.is_available():
-            if recipe and recipe != "cpu_default":  # a GPU recipe: its model is sized for the GPU too
+            if recipe:  # a recipe that asks for CUDA (cpu_default leaves device=auto): its model is sized for GPUs
                 raise ConfigError(f"device=cuda (recipe={recipe}) but torch sees no CUDA device; recipe={recipe} is "
                                   "sized for GPUs: on a CPU use the default recipe (cpu_default), or device=cpu "
                                   "with a smaller model (e.g. model=tiny)")
