@@ -11,6 +11,7 @@ resumes bitwise. The lr of every step is ``lr_at`` through ``LambdaLR``.
 from __future__ import annotations
 
 import shutil
+import sys
 
 import pytest
 import torch
@@ -210,17 +211,91 @@ def test_compile_with_a_cxx_that_is_not_an_executable_is_a_config_error(tmp_path
         Trainer(compose(QUICK + [f"run_dir={tmp_path}", "train.compile=true", "device=cpu"]))
 
 
-def test_online_logging_without_a_wandb_login_is_a_config_error(tmp_path, monkeypatch):
-    """logging.mode=online with no API key: a ConfigError saying how to log in (not wandb's traceback)."""
-    pytest.importorskip("wandb")
-    from dropless.config import ConfigError
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.delenv("WANDB_MODE", raising=False)
+def _no_wandb_login(tmp_path, monkeypatch):
+    """An environment where wandb finds no credentials (no key, no ~/.netrc, no settings file)."""
+    for var in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_MODE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))          # no ~/.netrc
     monkeypatch.setenv("NETRC", str(tmp_path / "none"))
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_cfg"))
-    with pytest.raises(ConfigError, match="logging.mode=online.*wandb login"):
+
+
+def test_online_logging_without_a_wandb_login_fails_before_the_run_dir_and_the_model(tmp_path, monkeypatch):
+    """logging.mode=online with no API key: a ConfigError saying how to log in, before the run directory
+    is made or the model built (wandb.init used to raise it after both: an empty run dir was left)."""
+    pytest.importorskip("wandb")
+    from dropless.train import trainer as trainer_mod
+    _no_wandb_login(tmp_path, monkeypatch)
+
+    def no_build(*a, **kw):
+        raise AssertionError("the model was built before the logging check")
+    monkeypatch.setattr(trainer_mod, "build_model", no_build)
+    with pytest.raises(ConfigError) as e:
         Trainer(compose(QUICK + [f"run_dir={tmp_path / 'run'}", "logging.mode=online"]))
+    msg = str(e.value)
+    assert msg.startswith("logging.mode=online: wandb has no credentials")
+    for fix in ("`wandb login`", "WANDB_API_KEY", "logging.mode=offline", "logging.mode=disabled"):
+        assert fix in msg
+    assert not (tmp_path / "run").exists()
+
+
+def test_wandb_problem_reads_the_credentials_without_the_network(tmp_path, monkeypatch):
+    """What :func:`wandb_problem` finds: a malformed WANDB_API_KEY and a missing login are named, a
+    well-formed key in the environment or in $NETRC for wandb's host passes (never checked online),
+    offline and disabled need no login, and a wandb that does not import is refused unless disabled."""
+    pytest.importorskip("wandb")
+    from wandb.sdk import wandb_setup
+
+    from dropless.train.metrics import wandb_problem
+    _no_wandb_login(tmp_path, monkeypatch)
+    assert wandb_problem("online").startswith("logging.mode=online: wandb has no credentials")
+    assert wandb_problem("offline") is None and wandb_problem("disabled") is None
+    monkeypatch.setenv("WANDB_API_KEY", "x")
+    assert "wandb cannot read its credentials (WANDB_API_KEY invalid" in wandb_problem("online")
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    assert wandb_problem("online") is None
+    monkeypatch.delenv("WANDB_API_KEY")
+    host = wandb_setup.singleton().settings.base_url.split("://")[-1]
+    netrc = tmp_path / "netrc"
+    netrc.write_text(f"machine {host}\n  login user\n  password {'n' * 40}\n")
+    netrc.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc))
+    assert wandb_problem("online") is None
+    monkeypatch.setitem(sys.modules, "wandb", None)    # `import wandb` raises ImportError
+    for mode in ("online", "offline"):
+        assert wandb_problem(mode).startswith(f"logging.mode={mode} logs to wandb, which does not import")
+        assert "pip install wandb" in wandb_problem(mode) and "logging.mode=disabled" in wandb_problem(mode)
+    assert wandb_problem("disabled") is None
+
+
+def logging_check_worker(rank, world, tmp):
+    """Rank 0 without a wandb login, rank 1 with a well-formed key: check_logging's verdict on each."""
+    import os
+
+    from dropless.train.dist import DistEnv
+    from dropless.train.startup import check_logging
+    for var in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_MODE", "WANDB_BASE_URL"):
+        os.environ.pop(var, None)
+    os.environ.update(HOME=tmp, NETRC=f"{tmp}/none", WANDB_CONFIG_DIR=f"{tmp}/cfg{rank}")
+    if rank == 1:
+        os.environ["WANDB_API_KEY"] = "k" * 40
+    env = DistEnv(rank, world, rank, world, torch.device("cpu"), 1, world)
+    cfg = compose(QUICK + ["logging.mode=online"])
+    try:
+        check_logging(cfg, env)
+        return None
+    except ConfigError as e:
+        return str(e)
+
+
+def test_logging_check_gives_every_rank_rank_0s_verdict(tmp_path):
+    """Only rank 0 logs: its environment decides, and every rank raises the same ConfigError (a rank
+    with a login does not go on to wait for a rank 0 that stopped)."""
+    pytest.importorskip("wandb")
+    from tests import dist_harness as H
+    res = H.run_world("tests.test_train_optim:logging_check_worker", 2, str(tmp_path))
+    assert res[0] is not None and res[0].startswith("logging.mode=online: wandb has no credentials")
+    assert res[1] == res[0]
 
 
 @pytest.mark.parametrize("mode", ["nonreentrant", "reentrant"])

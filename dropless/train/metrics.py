@@ -50,7 +50,7 @@ import torch
 
 from dropless.config import ConfigError
 
-__all__ = ["MetricsLogger", "peak_flops", "peak_memory_gib", "counts_metrics", "PEAK_FLOPS_BF16",
+__all__ = ["MetricsLogger", "peak_flops", "peak_memory_gib", "counts_metrics", "wandb_problem", "PEAK_FLOPS_BF16",
            "REQUIRED_KEYS"]
 
 #: Dense bf16 peak FLOP/s per device (vendor data sheets, without sparsity).
@@ -110,6 +110,60 @@ def counts_metrics(counts: Mapping[str, list[float]]) -> dict[str, float]:
     return out
 
 
+def _login_hint(mode: str, why: str) -> str:
+    """The ConfigError text for a wandb run that cannot start under ``logging.mode=mode``."""
+    return (f"logging.mode={mode}: {why}. Log in first (`wandb login`, or set WANDB_API_KEY), or use "
+            "logging.mode=offline (sync later with `wandb sync`) or logging.mode=disabled")
+
+
+def _wandb_has_credentials() -> bool | None:
+    """Whether wandb would find credentials without asking: wandb's own lookup for its configured host
+    (``WANDB_API_KEY`` or ``WANDB_IDENTITY_TOKEN_FILE``, ``~/.netrc`` / ``$NETRC``, wandb's settings
+    file), told not to prompt. No network; a well-formed key is not verified with the server. A wandb
+    without that lookup (before its ``wbauth`` module): True when one of the two variables is set,
+    else None (unknown: the late error of :class:`MetricsLogger` remains).
+
+    Raises:
+        wandb.errors.AuthenticationError: credentials that wandb finds malformed (e.g. a short key).
+    """
+    try:
+        from wandb.sdk import wandb_setup
+        from wandb.sdk.lib.wbauth import authenticate_session
+    except ImportError:
+        if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+            return True
+        return None
+    host = wandb_setup.singleton().settings.base_url
+    return authenticate_session(host=host, source="dropless", prompt=False, update_session=False) is not None
+
+
+def wandb_problem(mode: str) -> str | None:
+    """Why ``logging.mode=mode`` cannot start a wandb run in this process, else None; no network.
+
+    ``disabled`` needs nothing. ``offline`` and ``online`` need the wandb package; ``online`` also
+    credentials that wandb finds without a prompt (:func:`_wandb_has_credentials`). The trainer
+    asks this before it makes the run directory or builds the model; :class:`MetricsLogger` still
+    turns a refused ``wandb.init`` (e.g. a key the server rejects) into the same kind of ConfigError.
+    """
+    if mode == "disabled":
+        return None
+    try:
+        import wandb
+    except ImportError as e:
+        return (f"logging.mode={mode} logs to wandb, which does not import ({e}); install it "
+                "(`pip install wandb`) or set logging.mode=disabled (metrics.jsonl is written either way)")
+    if mode != "online":
+        return None
+    try:
+        found = _wandb_has_credentials()
+    except (wandb.errors.UsageError, wandb.errors.AuthenticationError) as e:
+        return _login_hint(mode, f"wandb cannot read its credentials ({e})")
+    if found is False:
+        return _login_hint(mode, "wandb has no credentials (no WANDB_API_KEY, no ~/.netrc entry for its host, "
+                                 "no key in its settings), so it cannot start an online run")
+    return None
+
+
 def _clean(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         return None
@@ -135,7 +189,8 @@ class MetricsLogger:
     (W&B drops the logs of those steps when they are trained again).
     Raises:
         ValueError: ``logging.mode`` is not offline/online/disabled.
-        ConfigError: wandb cannot start the run (``online`` without a login).
+        ConfigError: wandb cannot start the run (``online`` without a login; the trainer has asked
+            :func:`wandb_problem` before the run dir, so this is the fallback).
     """
 
     def __init__(self, run_dir: Path, logging_cfg: Mapping[str, Any], config: Mapping[str, Any] | None = None,
@@ -176,9 +231,7 @@ class MetricsLogger:
             )
         except (wandb.errors.UsageError, wandb.errors.AuthenticationError) as e:
             self._f.close()
-            raise ConfigError(f"logging.mode={mode}: wandb could not start a run ({e}). Log in first "
-                              "(`wandb login`, or set WANDB_API_KEY), or use logging.mode=offline "
-                              "(sync later with `wandb sync`) or logging.mode=disabled") from e
+            raise ConfigError(_login_hint(mode, f"wandb could not start a run ({e})")) from e
         id_file.write_text(self.wandb_run.id)
         held = int(getattr(self.wandb_run, "step", 0) or 0)  # a resumed run: its next step (history's last + 1)
         if run_id and held > int(start_step) + 1:

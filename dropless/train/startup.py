@@ -1,7 +1,8 @@
 """What a run does before its first step: the config checks, the run directory, determinism, the model.
 
 :func:`check_train_config` raises every error that the config alone can show, before any work
-(``dropless-train`` calls it before printing the resolved config); :func:`alignment_note` warns
+(``dropless-train`` calls it before printing the resolved config); :func:`check_logging` refuses a
+``logging.mode`` that wandb cannot start (no login for ``online``); :func:`alignment_note` warns
 about a padding-heavy ``model.expert_alignment``; :func:`resolve_run_dir` picks (or checks) the
 run directory on every rank; :func:`set_deterministic` applies ``deterministic=true``;
 :func:`compute_dtype` reads ``train.dtype``; :func:`build_model` makes the initialised model
@@ -31,6 +32,7 @@ from dropless.train import checkpoint as ckpt
 from dropless.train.compile import check_compile_moe
 from dropless.train.config import model_args
 from dropless.train.dist import DistEnv
+from dropless.train.metrics import wandb_problem
 from dropless.train.shard import apply_fsdp, shard_dense_params
 
 
@@ -192,6 +194,26 @@ def schedule_note(cfg: DictConfig) -> str | None:
     return (f"optim.warmup_steps={warmup} >= train.steps={steps}: the run ends inside the warm-up, the learning "
             f"rate climbs to {min(1.0, steps / max(1, warmup)):.0%} of optim.lr={cfg.optim.lr} and never decays; "
             f"lower optim.warmup_steps (e.g. {max(0, steps // 10)}) or raise train.steps")
+
+
+def check_logging(cfg: DictConfig, env: DistEnv) -> None:
+    """ConfigError when ``logging.mode`` cannot start the wandb run (:func:`~dropless.train.metrics.wandb_problem`:
+    wandb not importable; ``online`` without credentials), before the run directory and the model.
+
+    Rank 0, the only rank that logs, looks in its own environment and broadcasts the answer, so every
+    rank raises the same error (a node without ``~/.netrc`` does not fail where rank 0 would log).
+    ``logging.mode=disabled`` is decided from the config alone, with no collective.
+    """
+    mode = str(cfg.logging.mode)
+    if mode == "disabled":
+        return
+    problem = wandb_problem(mode) if env.is_main else None
+    if env.distributed:
+        box = [problem]
+        dist.broadcast_object_list(box, src=0)
+        problem = box[0]
+    if problem:
+        raise ConfigError(problem)
 
 
 def resolve_run_dir(cfg: DictConfig, env: DistEnv) -> Path:

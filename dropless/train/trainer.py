@@ -87,6 +87,7 @@ from dropless.train.startup import (
     check_state_fits,
     check_train_config,
     compute_dtype,
+    check_logging,
     config_changes,
     resolve_run_dir,
     schedule_note,
@@ -184,6 +185,7 @@ class Trainer:
         self.print(f"[dropless] loss: {loss_note}")
         self.run_dir = resolve_run_dir(cfg, env)
         self.tokens = load_tokens(cfg.data, self.args.vocab_size)
+        check_logging(cfg, env)  # e.g. logging.mode=online without a wandb login
         self.loader = ShardedLoader(self.tokens.train, self.seq_len, self.batch, env.rank, env.world_size,
                                     int(cfg.seed), pin_memory=env.device.type == "cuda")
         self.val_batches = val_windows(self.tokens.val, self.seq_len, self.batch, int(t.val_batches),
