@@ -118,6 +118,34 @@ def test_bin_bad_input(tmp_path):
         load_tokens(_bin_cfg("???"))
 
 
+def test_bin_reports_every_missing_or_invalid_field_at_once(tmp_path, capsys):
+    """data=bin as the config group leaves it (path and vocab_size ``???``): one error names both
+    fields, and with a bad dtype, a directory for the path and a missing val_path every one of them
+    (it used to stop at the first, one run per field); dropless-train exits 2 before the run dir."""
+    from dropless.train.__main__ import main
+    from dropless.train.config import compose
+    from dropless.train.data import check_data_config
+
+    with pytest.raises(ConfigError) as e:
+        load_tokens(compose(["data=bin"]).data)
+    assert str(e.value) == ("2 problems in the data config: data.path is required for data=bin: "
+                            "data.path=/path/train.bin; data.vocab_size is required for data=bin (the tokenizer's "
+                            "vocabulary size)")
+    cfg = _bin_cfg(tmp_path, dtype="int8", vocab_size=0, val_path=str(tmp_path / "val.bin"), val_fraction=2.0)
+    with pytest.raises(ConfigError) as e:
+        check_data_config(cfg, model_vocab_size=256)
+    assert str(e.value) == (                                 # (val_fraction is not used beside val_path)
+        f"4 problems in the data config: data.path={str(tmp_path)!r} is a directory; data=bin needs a .bin file "
+        "(for a directory of text files use data=stdlib data.path=DIR); "
+        "data.dtype='int8': must be one of ['uint16', 'uint32']; data.vocab_size=0: must be >= 1; "
+        f"data.val_path={str(tmp_path / 'val.bin')!r}: no such file. Point it at a flat .bin of token ids")
+    run_dir = tmp_path / "run"
+    assert main(["data=bin", "data.path=/no/such/train.bin", "logging.mode=disabled", f"run_dir={run_dir}"]) == 2
+    err = capsys.readouterr().err
+    assert "2 problems in the data config: data.path='/no/such/train.bin': no such file" in err
+    assert "data.vocab_size is required for data=bin" in err and not run_dir.exists()
+
+
 def test_data_vocab_larger_than_model_is_an_error(tmp_path):
     np.zeros(100, np.uint16).tofile(tmp_path / "t.bin")
     with pytest.raises(ConfigError, match=r"data.vocab_size=1000 > model.vocab_size=256"):

@@ -12,8 +12,9 @@ Usage:
     torchrun --max-restarts 1 --nproc_per_node 2 -m dropless.train run_dir=runs/try
                                                      # a restart after a failure resumes by itself
 
---cfg (or Hydra's --cfg job) checks the config on its own (ranges, the model) and prints it
-resolved, then exits; the checks that need the machine (device, data, run directory) run at start.
+--cfg (or Hydra's --cfg job) checks the config on its own (ranges, the model, the data fields and
+that the data paths exist) and prints it resolved, then exits; the checks that need the machine
+(device, the data's contents, run directory) run at start.
 Exit status: 0 done, 1 a peer rank died or stopped taking part (the message names
 train.dist_timeout_s, within which it comes), 2 bad config or data (the message names the
 field), 3 training diverged (a non-finite loss or gradient norm with train.nonfinite=error;

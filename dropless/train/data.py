@@ -30,7 +30,9 @@ over its share of the validation windows, the same ones at every evaluation.
 Errors (:class:`~dropless.config.ConfigError`, raised before training): a missing path,
 a directory with no matching file or no bytes, a ``.bin`` whose size is not a multiple of
 the dtype, an id ``>= vocab_size``, a data vocabulary larger than the model's, too few
-tokens for one batch per rank.
+tokens for one batch per rank. What the config and a look at the files show
+(:func:`check_data_config`: missing or invalid fields, paths that are no file, sizes) comes
+as one error listing every problem, not one per run.
 """
 
 from __future__ import annotations
@@ -42,10 +44,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
 from dropless.config import ConfigError
 
-__all__ = ["TokenData", "ShardedLoader", "load_tokens", "stdlib_dir", "text_files",
+__all__ = ["TokenData", "ShardedLoader", "load_tokens", "check_data_config", "stdlib_dir", "text_files",
            "check_token_ids", "val_windows", "CHECK_CHUNK"]
 
 #: ids per chunk of the ``id < vocab_size`` check of a ``.bin`` (64 Mi ids: 128 MiB of uint16).
@@ -103,21 +106,102 @@ def check_token_ids(ids: np.ndarray, vocab_size: int, name: str = "data", chunk:
                 "data.dtype (uint16 vs uint32) matches how the file was written.")
 
 
-def _load_bin(path: Path, dtype: str, vocab_size: int, what: str) -> np.ndarray:
+def _missing(data_cfg: Any, key: str) -> bool:
+    """The field is absent, null, empty or Hydra's ``???`` (required, not given)."""
+    if key not in data_cfg or OmegaConf.is_missing(data_cfg, key):
+        return True
+    return data_cfg.get(key) in (None, "", "???")
+
+
+def _bin_file_problem(path: Path, what: str, dtype: str | None) -> str | None:
+    """Why the ``.bin`` at ``path`` (the field ``what``) cannot be read as token ids, from its stat alone."""
     if not path.exists():
-        raise ConfigError(f"{what}={str(path)!r}: no such file. Point it at a flat .bin of token ids.")
+        return f"{what}={str(path)!r}: no such file. Point it at a flat .bin of token ids."
     if path.is_dir():
-        raise ConfigError(f"{what}={str(path)!r} is a directory; data=bin needs a .bin file "
-                          "(for a directory of text files use data=stdlib data.path=DIR)")
-    np_dtype = _DTYPES[dtype]
+        return (f"{what}={str(path)!r} is a directory; data=bin needs a .bin file "
+                "(for a directory of text files use data=stdlib data.path=DIR)")
     size = path.stat().st_size
-    item = np.dtype(np_dtype).itemsize
     if size == 0:
-        raise ConfigError(f"{what}={str(path)!r} is empty (0 bytes)")
+        return f"{what}={str(path)!r} is empty (0 bytes)"
+    item = np.dtype(_DTYPES[dtype]).itemsize if dtype in _DTYPES else 1
     if size % item:
-        raise ConfigError(f"{what}={str(path)!r}: {size} bytes is not a multiple of {item} "
-                          f"(data.dtype={dtype}); is the dtype right?")
-    ids = np.memmap(path, dtype=np_dtype, mode="r")
+        return (f"{what}={str(path)!r}: {size} bytes is not a multiple of {item} (data.dtype={dtype}); "
+                "is the dtype right?")
+    return None
+
+
+def _data_problems(data_cfg: Any, model_vocab_size: int | None) -> list[str]:
+    """Every problem of ``cfg.data`` that the config and a stat of its paths show (see :func:`check_data_config`)."""
+    kind = str(data_cfg.kind)
+    if kind not in ("text", "bin"):
+        return [f"data.kind={kind!r}: must be 'text' (data=stdlib) or 'bin' (data=bin)"]
+    out: list[str] = []
+    vocab: int | None = None
+    has_val_path = kind == "bin" and not _missing(data_cfg, "val_path")
+    if kind == "text":
+        if not _missing(data_cfg, "path"):
+            root = Path(str(data_cfg.path)).expanduser()
+            if not root.exists():
+                out.append(f"data.path={str(root)!r}: no such file or directory. Pass a directory of text files "
+                           "(data.path=DIR data.glob='*.txt'), or leave data.path null for the Python standard "
+                           "library.")
+        vocab = 256 if _missing(data_cfg, "vocab_size") else int(data_cfg.vocab_size)
+        if vocab != 256:
+            out.append(f"data.vocab_size={vocab}: byte-level text has 256 token ids; set it to 256")
+    else:  # in the order of configs/data/bin.yaml
+        dtype = str(data_cfg.get("dtype", "uint16"))
+        if _missing(data_cfg, "path"):
+            out.append("data.path is required for data=bin: data.path=/path/train.bin")
+        else:
+            problem = _bin_file_problem(Path(str(data_cfg.path)).expanduser(), "data.path", dtype)
+            if problem:
+                out.append(problem)
+        if dtype not in _DTYPES:
+            out.append(f"data.dtype={dtype!r}: must be one of {sorted(_DTYPES)}")
+        if _missing(data_cfg, "vocab_size"):
+            out.append("data.vocab_size is required for data=bin (the tokenizer's vocabulary size)")
+        else:
+            vocab = int(data_cfg.vocab_size)
+            top = np.iinfo(_DTYPES[dtype]).max + 1 if dtype in _DTYPES else None
+            if vocab <= 0 or (top is not None and vocab > top):
+                out.append(f"data.vocab_size={vocab}: must lie in [1, {top}] for data.dtype={dtype}" if top else
+                           f"data.vocab_size={vocab}: must be >= 1")
+        if has_val_path:
+            problem = _bin_file_problem(Path(str(data_cfg.val_path)).expanduser(), "data.val_path", dtype)
+            if problem:
+                out.append(problem)
+    if not has_val_path:
+        frac = float(data_cfg.get("val_fraction", 0.01))
+        if not 0.0 < frac < 1.0:
+            out.append(f"data.val_fraction={frac}: must lie in (0, 1)")
+    if vocab is not None and model_vocab_size is not None and vocab > int(model_vocab_size):
+        out.append(f"data.vocab_size={vocab} > model.vocab_size={model_vocab_size}: the model's embedding cannot "
+                   f"hold every token id. Set model.vocab_size to at least {vocab}.")
+    return out
+
+
+def check_data_config(data_cfg: Any, model_vocab_size: int | None = None) -> None:
+    """Raise one ConfigError naming every problem of ``cfg.data`` that shows without reading the data.
+
+    The fields (``data.kind``; ``vocab_size``: 256 for text, required for bin and within its
+    ``dtype``'s range; ``dtype``; ``val_fraction`` in (0, 1) unless a ``val_path`` is given; a data
+    vocabulary not above ``model_vocab_size``) and a stat of the paths (a text ``path`` that does
+    not exist; a ``.bin`` ``path`` / ``val_path`` that is missing, a directory, empty, or not a
+    whole number of ``dtype`` ids). One problem gives its message alone; several give
+    ``"N problems in the data config: "`` and each message, ``;``-separated, so one run names
+    every field to fix. :func:`load_tokens` calls it first; ``check_train_config`` calls it
+    before any work.
+    """
+    problems = _data_problems(data_cfg, model_vocab_size)
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError(f"{len(problems)} problems in the data config: " + "; ".join(m.rstrip(".") for m in problems))
+
+
+def _load_bin(path: Path, dtype: str, vocab_size: int, what: str) -> np.ndarray:
+    """The checked file (:func:`check_data_config`) memory-mapped, every id checked ``< vocab_size``."""
+    ids = np.memmap(path, dtype=_DTYPES[dtype], mode="r")
     check_token_ids(ids, vocab_size, name=f"{what}={str(path)!r}")
     return ids
 
@@ -131,22 +215,14 @@ def load_tokens(data_cfg: Any, model_vocab_size: int | None = None) -> TokenData
         model_vocab_size: the model's ``vocab_size``; the data's must not exceed it.
     Returns: :class:`TokenData`.
     Raises:
-        ConfigError: see the module docstring.
+        ConfigError: see the module docstring; first :func:`check_data_config`'s, all in one.
     """
+    check_data_config(data_cfg, model_vocab_size)
     kind = str(data_cfg.kind)
-    vocab = data_cfg.get("vocab_size")
     frac = float(data_cfg.get("val_fraction", 0.01))
-    if not 0.0 < frac < 1.0 and not (kind == "bin" and data_cfg.get("val_path")):
-        raise ConfigError(f"data.val_fraction={frac}: must lie in (0, 1)")
     if kind == "text":
-        vocab = 256 if vocab is None else int(vocab)
-        if vocab != 256:
-            raise ConfigError(f"data.vocab_size={vocab}: byte-level text has 256 token ids; set it to 256")
-        root = stdlib_dir() if data_cfg.path in (None, "") else Path(str(data_cfg.path)).expanduser()
-        if not root.exists():
-            raise ConfigError(f"data.path={str(root)!r}: no such file or directory. Pass a directory "
-                              "of text files (data.path=DIR data.glob='*.txt'), or leave data.path "
-                              "null for the Python standard library.")
+        vocab = 256
+        root = stdlib_dir() if _missing(data_cfg, "path") else Path(str(data_cfg.path)).expanduser()
         glob = str(data_cfg.get("glob", "*.py"))
         files = [root] if root.is_file() else text_files(root, glob)
         if not files:
@@ -160,33 +236,18 @@ def load_tokens(data_cfg: Any, model_vocab_size: int | None = None) -> TokenData
         n_val = max(1, int(len(ids) * frac))
         train, val = ids[:-n_val], ids[-n_val:]
         source = f"{len(files)} files matching {glob!r} under {root} ({len(ids):,} bytes)"
-    elif kind == "bin":
-        if data_cfg.get("path") in (None, "", "???"):
-            raise ConfigError("data.path is required for data=bin: data.path=/path/train.bin")
+    else:
         dtype = str(data_cfg.get("dtype", "uint16"))
-        if dtype not in _DTYPES:
-            raise ConfigError(f"data.dtype={dtype!r}: must be one of {sorted(_DTYPES)}")
-        if vocab is None:
-            raise ConfigError("data.vocab_size is required for data=bin (the tokenizer's vocabulary size)")
-        vocab = int(vocab)
-        if vocab <= 0 or vocab > np.iinfo(_DTYPES[dtype]).max + 1:
-            raise ConfigError(f"data.vocab_size={vocab}: must lie in [1, {np.iinfo(_DTYPES[dtype]).max + 1}] "
-                              f"for data.dtype={dtype}")
+        vocab = int(data_cfg.vocab_size)
         path = Path(str(data_cfg.path)).expanduser()
         ids = _load_bin(path, dtype, vocab, "data.path")
-        if data_cfg.get("val_path"):
+        if not _missing(data_cfg, "val_path"):
             train = ids
             val = _load_bin(Path(str(data_cfg.val_path)).expanduser(), dtype, vocab, "data.val_path")
         else:
             n_val = max(1, int(len(ids) * frac))
             train, val = ids[:-n_val], ids[-n_val:]
         source = f"{path} ({len(ids):,} {dtype} tokens, vocab {vocab})"
-    else:
-        raise ConfigError(f"data.kind={kind!r}: must be 'text' (data=stdlib) or 'bin' (data=bin)")
-    if model_vocab_size is not None and vocab > int(model_vocab_size):
-        raise ConfigError(f"data.vocab_size={vocab} > model.vocab_size={model_vocab_size}: the model's "
-                          "embedding cannot hold every token id. Set model.vocab_size to at least "
-                          f"{vocab}.")
     return TokenData(train=train, val=val, vocab_size=vocab, source=source)
 
 

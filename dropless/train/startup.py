@@ -31,6 +31,7 @@ from dropless.model import Transformer
 from dropless.train import checkpoint as ckpt
 from dropless.train.compile import check_compile_moe
 from dropless.train.config import model_args
+from dropless.train.data import check_data_config
 from dropless.train.dist import DistEnv
 from dropless.train.metrics import wandb_problem
 from dropless.train.shard import apply_fsdp, shard_dense_params
@@ -40,7 +41,8 @@ def check_train_config(cfg: DictConfig) -> None:
     """Raise ConfigError for config values that cannot work, from the config alone (before any work).
 
     Checks the train/optim/logging ranges, the model (:func:`~dropless.train.config.model_args`:
-    every field and their relations, e.g. ``n_group`` dividing ``n_routed_experts``) and
+    every field and their relations, e.g. ``n_group`` dividing ``n_routed_experts``), the data
+    (:func:`~dropless.train.data.check_data_config`: all its problems in one error, paths included) and
     ``train.seq_len`` against ``model.max_position_embeddings``. ``dropless-train`` calls it
     before it prints the resolved config, so the error is the last thing on the terminal.
     """
@@ -108,6 +110,7 @@ def check_train_config(cfg: DictConfig) -> None:
     need(cfg.num_threads is None or int(cfg.num_threads) >= 1, "num_threads", cfg.num_threads,
          "must be >= 1 (CPU threads per process), or null for the cores divided by the local processes")
     args = model_args(cfg)
+    check_data_config(cfg.data, args.vocab_size)  # every missing/invalid data field in one error
     need(not args.tie_word_embeddings, "model.tie_word_embeddings", True,
          "dropless builds DeepSeek-V3's untied output head; set model.tie_word_embeddings=false")
     if cfg.get("init_from") and not cfg.resume:  # (a resumed run may never read it)
