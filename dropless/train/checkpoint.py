@@ -21,33 +21,61 @@ State saved (one dict, every rank calls :func:`save` collectively):
   every rank).
 * ``rng``: ``rank{r}`` -> this rank's torch CPU (and CUDA) generator state.
 
-Errors: :class:`FileNotFoundError` for a checkpoint directory without its completion marker.
+Asynchronous saves (:class:`Checkpointer` with ``asynchronous=True``, ``train.ckpt_async``):
+:func:`start_save` copies the state to host memory (DCP's ``async_save`` stages it before it
+returns, so the checkpoint holds the values of the step it was asked at, whatever training
+does next) and writes ``step_X.partial/`` in a background thread; :func:`finish_save`, run
+on the main thread, waits for every rank's write and only then writes ``COMPLETE`` and
+renames, exactly as a synchronous save does. A save in flight is never listed, loaded or
+deleted by :func:`prune` in this process. With several ranks the background writes talk over
+a gloo group of their own (async_save needs a CPU backend; the training collectives keep
+theirs). Cost: a host copy of this rank's whole saved state while the write runs.
+
+Errors: :class:`FileNotFoundError` for a checkpoint directory without its completion marker;
+:class:`SaveError` for a save whose write failed on any rank (an asynchronous one at
+:func:`finish_save`), naming the checkpoint.
 """
 
 from __future__ import annotations
 
 import copy
+import datetime
 import logging
 import os
 import re
 import shutil
+import time
 import warnings
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from dropless.config import ConfigError
 
-__all__ = ["MARKER", "checkpoint_dir", "incomplete_checkpoints", "is_complete", "latest_checkpoint", "list_checkpoints",
-           "load", "prune", "save"]
+__all__ = ["MARKER", "Checkpointer", "PendingSave", "SaveError", "checkpoint_dir", "finish_save",
+           "incomplete_checkpoints", "is_complete", "latest_checkpoint", "list_checkpoints", "load", "prune", "save",
+           "start_save"]
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _PARTIAL = ".partial"
 MARKER = "COMPLETE"  #: written last, by rank 0, once every rank's part of the checkpoint is on disk
 _log = logging.getLogger(__name__)
+#: ``.partial`` directories of the asynchronous saves in flight in this process: never listed as
+#: leftovers, never pruned
+_writing: set[Path] = set()
+
+
+class SaveError(RuntimeError):
+    """A checkpoint save failed (its write, on one rank or more); the message names the checkpoint.
+
+    The checkpoint is not complete: its ``.partial`` directory is never loaded.
+    """
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -61,11 +89,12 @@ def is_complete(path: Path) -> bool:
 
 
 def incomplete_checkpoints(run_dir: Path) -> list[Path]:
-    """Directories under ``<run_dir>/checkpoints`` left by a save that did not finish (never loaded)."""
+    """Directories under ``<run_dir>/checkpoints`` left by a save that did not finish (never loaded);
+    an asynchronous save of this process still in flight is not one."""
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and (
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.resolve() not in _writing and (
         p.name.endswith(_PARTIAL) or (_STEP_RE.match(p.name) and not is_complete(p))))
 
 
@@ -151,6 +180,34 @@ def _quiet():
     return ctx
 
 
+def _partial(path: Path) -> Path:
+    return path.with_name(path.name + _PARTIAL)
+
+
+def _begin(path: Path, env: Any) -> Path:
+    """Rank 0 makes an empty ``<path>.partial`` (a killed save's leftover removed); all ranks wait."""
+    partial = _partial(path)
+    if env.is_main:
+        shutil.rmtree(partial, ignore_errors=True)  # a leftover of a save that was killed
+        partial.mkdir(parents=True)
+    env.barrier()
+    return partial
+
+
+def _publish(partial: Path, path: Path, step: int, env: Any) -> None:
+    """Rank 0 writes the marker into ``partial`` and renames it to ``path`` (call once every rank's
+    files are written); all ranks wait."""
+    if env.is_main:
+        with open(partial / MARKER, "w") as f:
+            f.write(f"step {step}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(partial, path)
+    env.barrier()
+
+
 def save(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainer: dict, env: Any,
          expert_fqns: set[str]) -> Path:
     """Save a checkpoint to ``path`` atomically (collective: every rank calls it). Returns ``path``.
@@ -161,29 +218,164 @@ def save(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, t
     again) is replaced.
     """
     path = Path(path)
-    partial = path.with_name(path.name + _PARTIAL)
     state, _ = _state(model, optimizer, trainer, env, expert_fqns)
-    if env.is_main:
-        shutil.rmtree(partial, ignore_errors=True)  # a leftover of a save that was killed
-        partial.mkdir(parents=True)
-    env.barrier()
+    partial = _begin(path, env)
     ctx = _quiet()
     try:
         dcp.save(state, checkpoint_id=str(partial))
     finally:
         ctx.__exit__(None, None, None)
     env.barrier()  # every rank's shards are written
-    if env.is_main:
-        marker = partial / MARKER
-        with open(marker, "w") as f:
-            f.write(f"step {int(trainer.get('step', -1))}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(partial, path)
-    env.barrier()
+    _publish(partial, path, int(trainer.get("step", -1)), env)
     return path
+
+
+@dataclass
+class PendingSave:
+    """An asynchronous save in flight (:func:`start_save`); complete it with :func:`finish_save`.
+
+    Attributes:
+        path: the checkpoint it becomes; partial: the directory being written.
+        step: ``trainer["step"]`` of the state it holds; future: DCP's write (this rank's).
+        group: the gloo group its ranks agree over (None in one process).
+        staged_s: seconds :func:`start_save` took (the state's copy to host memory).
+    """
+
+    path: Path
+    partial: Path
+    step: int
+    future: Future
+    env: Any
+    group: Any = None
+    staged_s: float = 0.0
+
+
+def start_save(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainer: dict, env: Any,
+               expert_fqns: set[str], group: Any = None) -> PendingSave:
+    """Start an asynchronous save of ``path`` (collective) with ``torch.distributed.checkpoint.async_save``.
+
+    Returns once this rank's state is copied to host memory: the parameters and optimizer may
+    change from then on, the checkpoint holds their values at this call. The files are written
+    into ``<path>.partial`` by a background thread; nothing is complete until
+    :func:`finish_save` (call it before the next save, and before the process ends).
+
+    Args:
+        group: with several ranks, a process group with a CPU backend (gloo) used only by the
+            background writes; None in one process.
+    Raises:
+        ValueError: several ranks and no ``group``.
+    """
+    if env.distributed and group is None:
+        raise ValueError("start_save: with several ranks the background write needs a gloo process group of its "
+                         "own (Checkpointer makes it); got group=None")
+    t0 = time.perf_counter()
+    path = Path(path)
+    state, _ = _state(model, optimizer, trainer, env, expert_fqns)
+    partial = _begin(path, env)
+    if not env.distributed:  # DCP's note, from the writer thread (catch_warnings cannot reach it there)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized, "
+                                "assuming the intent is to save in a single process")
+    _writing.add(partial.resolve())
+    try:
+        res = dcp.async_save(state, checkpoint_id=str(partial), process_group=group)
+    except BaseException:
+        _writing.discard(partial.resolve())
+        raise
+    future = getattr(res, "upload_completion", res)  # an AsyncSaveResponse with an asynchronous stager
+    return PendingSave(path, partial, int(trainer.get("step", -1)), future, env, group, time.perf_counter() - t0)
+
+
+def finish_save(pending: PendingSave) -> Path:
+    """Complete an asynchronous save (collective): wait for this rank's write, agree with every
+    rank that all writes succeeded, then the marker and rename as in :func:`save`. Returns its path.
+
+    Raises:
+        SaveError: the write failed on this rank or another one (every rank raises it; this
+            rank's own error is its ``__cause__``); the ``.partial`` directory stays, never loaded.
+    """
+    env = pending.env
+    err = pending.future.exception()  # waits; DCP's CheckpointException is a BaseException
+    failed = [env.rank] if err is not None else []
+    if env.distributed:  # the writer thread is done with the group: the main thread may use it
+        flags = torch.zeros(env.world_size, dtype=torch.int32)
+        flags[env.rank] = int(err is not None)
+        dist.all_reduce(flags, group=pending.group)
+        failed = [r for r, f in enumerate(flags.tolist()) if f]
+    _writing.discard(pending.partial.resolve())
+    if failed:
+        detail = _describe(err) if err is not None else f"on rank(s) {', '.join(map(str, failed))}"
+        raise SaveError(f"{pending.path}: the asynchronous save of step {pending.step} failed ({detail}). It is "
+                        f"not complete: {pending.partial.name} is never loaded (the next save deletes it); "
+                        "resume=true continues from the newest complete checkpoint") from err
+    _publish(pending.partial, pending.path, pending.step, env)
+    return pending.path
+
+
+def _describe(err: BaseException) -> str:
+    """One line for a failed write: DCP's CheckpointException as each failing rank's error."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in sorted(failures.items()))
+    return f"{type(err).__name__}: {err}"
+
+
+class Checkpointer:
+    """A run's checkpoint saves, synchronous or asynchronous, and the pruning after each.
+
+    At most one save is in flight: :meth:`save` first completes the one before
+    (:meth:`finish`). Old checkpoints are pruned (rank 0) only after a save is complete, never
+    while one is being written. Collective: every rank makes it (with ``asynchronous`` and
+    several ranks it creates a gloo group) and calls its methods in the same order.
+
+    Args:
+        run_dir: the run directory (checkpoints under ``<run_dir>/checkpoints``).
+        env: the :class:`~dropless.train.dist.DistEnv`.
+        keep: newest complete checkpoints kept (``train.ckpt_keep``); 0: all.
+        asynchronous: ``train.ckpt_async``: :meth:`save` with ``wait=False`` writes in the background.
+        timeout_s: the gloo group's collective timeout (``train.dist_timeout_s``).
+    Attributes:
+        pending: the :class:`PendingSave` in flight, or None.
+    """
+
+    def __init__(self, run_dir: Path, env: Any, *, keep: int = 0, asynchronous: bool = False,
+                 timeout_s: float = 600.0):
+        self.run_dir, self.env, self.keep, self.asynchronous = Path(run_dir), env, int(keep), bool(asynchronous)
+        self.group = (dist.new_group(list(range(env.world_size)), backend="gloo",
+                                     timeout=datetime.timedelta(seconds=float(timeout_s)))
+                      if self.asynchronous and env.distributed else None)
+        self.pending: PendingSave | None = None
+
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainer: dict,
+             expert_fqns: set[str], *, wait: bool = True) -> Path:
+        """Save optimizer step ``step`` as ``checkpoint_dir(run_dir, step)``; returns that path.
+
+        First completes the save in flight, if any (:meth:`finish`; its :class:`SaveError`
+        is raised here). ``wait=False`` with ``asynchronous``: returns once the state is staged,
+        the write continues in the background; otherwise the checkpoint is complete (and
+        pruned after) on return.
+        """
+        self.finish()
+        path = checkpoint_dir(self.run_dir, step)
+        if wait or not self.asynchronous:
+            save(path, model, optimizer, trainer, self.env, expert_fqns)
+            self._prune()
+            return path
+        self.pending = start_save(path, model, optimizer, trainer, self.env, expert_fqns, self.group)
+        return path
+
+    def finish(self) -> Path | None:
+        """Complete the save in flight (waits for its write; :func:`finish_save`), then prune.
+        Returns its path, or None if none was in flight. Raises :class:`SaveError`."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return None
+        path = finish_save(pending)
+        self._prune()
+        return path
+
+    def _prune(self) -> None:
+        if self.env.is_main:
+            prune(self.run_dir, self.keep)
 
 
 def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainer: dict, env: Any,
@@ -259,7 +451,8 @@ def _check_complete(path: Path, state: dict) -> None:
 
 def prune(run_dir: Path, keep: int) -> None:
     """Delete what interrupted saves left, and all but the newest ``keep`` complete checkpoints
-    (call on one rank, after a save); keep <= 0: keep every complete one."""
+    (call on one rank, after a save); keep <= 0: keep every complete one. An asynchronous save
+    of this process still in flight is left alone (it is neither complete nor a leftover)."""
     for p in incomplete_checkpoints(run_dir):
         _log.warning("deleting %s: its save did not finish", p)
         shutil.rmtree(p, ignore_errors=True)
