@@ -46,7 +46,10 @@ and the run stops (:attr:`Trainer.interrupted`). A second Ctrl-C more than 3 s a
 first aborts at once (a repeat within 3 s is torchrun forwarding the same Ctrl-C to its
 workers). ``resume=true`` continues from the newest checkpoint in ``run_dir``: same fp32
 master weights, optimizer, scheduler, step, data position and RNG, so the losses continue
-as if never stopped (bitwise on CPU, same thread count).
+as if never stopped (bitwise on CPU, same thread count). With ``train.ckpt_async`` the periodic
+saves are written in the background (:class:`dropless.train.checkpoint.Checkpointer`): training
+pauses only while the state is copied to host memory; the next save, the last one, the one on a
+signal and an error that every rank raises (NonFiniteError) first complete the save in flight.
 """
 
 from __future__ import annotations
@@ -259,6 +262,10 @@ class Trainer:
         skip = str(t.nonfinite) == "skip"
         for r in self.balancer.routers:  # skip: a non-finite step is skipped by the loss check, not raised
             r.check_finite = not skip
+        #: the saves; with train.ckpt_async (and several ranks) it makes the writes' gloo group here
+        self.checkpoints = ckpt.Checkpointer(self.run_dir, env, keep=int(t.get("ckpt_keep", 0) or 0),
+                                             asynchronous=bool(t.get("ckpt_async", False)),
+                                             timeout_s=float(t.get("dist_timeout_s", 600)))
         if cfg.resume:
             found = ckpt.latest_checkpoint(self.run_dir)
             if found is not None:
@@ -333,14 +340,39 @@ class Trainer:
             from tqdm import tqdm
             tqdm.write(" ".join(str(x) for x in a), file=sys.stdout)
 
-    def save_checkpoint(self) -> Path:
-        path = ckpt.checkpoint_dir(self.run_dir, self.step)
-        ckpt.save(path, self.masters.state_module, self.optimizer, self._trainer_state(), self.env,
-                  self.expert_fqns)
-        if self.main:
-            ckpt.prune(self.run_dir, int(self.cfg.train.get("ckpt_keep", 0) or 0))
+    def save_checkpoint(self, wait: bool = True) -> Path:
+        """Save this step's checkpoint (collective); returns its path. The save in flight, if any,
+        completes first (its :class:`~dropless.train.checkpoint.SaveError` is raised here).
+        ``wait=False`` with ``train.ckpt_async``: returns once the state is staged in host memory
+        and the write goes on in the background; otherwise the checkpoint is complete on return."""
+        t0 = time.perf_counter()
+        path = self.checkpoints.save(self.step, self.masters.state_module, self.optimizer, self._trainer_state(),
+                                     self.expert_fqns, wait=wait)
+        paused = time.perf_counter() - t0
+        if self.checkpoints.pending is not None:
+            self.print(f"[dropless] checkpoint {path.name}: training paused {paused:.1f} s (staged in host memory "
+                       "and written in the background; complete at the next save)")
+        else:
+            self.print(f"[dropless] checkpoint {path.name} saved: training paused {paused:.1f} s")
         self._t_mark = None
         return path
+
+    def _finish_checkpoint_after(self, err: BaseException) -> None:
+        """After ``err`` left the loop: complete the save in flight where every rank is sure to take part
+        (one process, or an error that every rank raises at the same step), else leave it (never loaded):
+        another error may have left a rank behind, and an abort (a second Ctrl-C) does not wait."""
+        if self.checkpoints.pending is None:
+            return
+        if not isinstance(err, Exception) or (self.env.distributed and not isinstance(err, NonFiniteError)):
+            self.print(f"[dropless] the checkpoint being written ({self.checkpoints.pending.path.name}) is left "
+                       "incomplete (never loaded); resume=true uses the newest complete one")
+            self.checkpoints.pending = None
+            return
+        try:
+            path = self.checkpoints.finish()
+            self.print(f"[dropless] checkpoint {path.name} complete")
+        except Exception as e:  # noqa: BLE001 - err is the error to report; this one is only told
+            self.print(f"[dropless] {e}")
 
     # ------------------------------------------------------------------ eval
     @torch.no_grad()
@@ -674,7 +706,10 @@ class Trainer:
                                f"resume=true run_dir={self.run_dir}")
                     break
                 if last or (ckpt_every and self.step % ckpt_every == 0):
-                    self.save_checkpoint()
+                    self.save_checkpoint(wait=last)  # train.ckpt_async: the periodic ones in the background
+        except BaseException as e:
+            self._finish_checkpoint_after(e)
+            raise
         finally:
             bar.close()
             for s, h in old.items():
@@ -703,7 +738,8 @@ class Trainer:
     def close(self) -> None:
         """Release the run: close the metrics file and the wandb run (a trainer closed before or
         without :meth:`train`; :meth:`train` closes them itself), drop the gradient hooks on the
-        parameters, tear down the process group (if this run made it).
+        parameters, tear down the process group (if this run made it). A checkpoint still being
+        written (``save_checkpoint(wait=False)`` outside :meth:`train`) is completed first.
 
         The hooks (:class:`~dropless.train.grads.GradBuckets`' post-accumulate-grad hooks, bound
         methods holding the buckets and every parameter) sit in the parameters' C++ side, where
@@ -712,6 +748,14 @@ class Trainer:
         (a second trainer in one process, e.g. ``benchmarks/train_step.py``'s next variant, then
         ran with the first one's ~17 GiB still resident at ``recipe=h200_single``).
         """
+        checkpoints = getattr(self, "checkpoints", None)
+        try:
+            if checkpoints is not None:
+                checkpoints.finish()  # a save_checkpoint(wait=False) outside train(): complete it
+        finally:
+            self._release()
+
+    def _release(self) -> None:
         metrics = getattr(self, "metrics", None)
         if metrics is not None:
             metrics.close()

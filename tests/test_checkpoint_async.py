@@ -1,0 +1,254 @@
+"""``train.ckpt_async``: periodic checkpoints written in the background with DCP's ``async_save``.
+
+* A save asked at step k holds step k's weights and AdamW state bitwise, although training goes
+  on (and changes them) before the background write starts; until it is finished it is neither
+  listed, loaded nor pruned.
+* The save at the end and the one on SIGTERM are complete when ``train()`` returns, the save in
+  flight before them too.
+* A failed background write is raised on the main thread at the next save (or the last one),
+  as a ``SaveError`` naming the checkpoint; nothing incomplete is ever listed.
+* Resuming from an asynchronous checkpoint gives the losses of resuming from a synchronous one
+  (bitwise on CPU), in one process and on two gloo ranks with expert parallelism (the experts
+  saved as DTensors).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from dropless.train import checkpoint as ckpt
+from dropless.train.config import compose
+from dropless.train.trainer import Trainer
+from tests import dist_harness as H
+from tests.test_train import QUICK, _env, records
+
+COMMON = ["train.val_every=0", "train.ckpt_keep=0", "logging.mode=disabled", "optim.warmup_steps=0"]
+_write = dcp.FileSystemWriter.write_data
+
+
+def _snapshot(model, optimizer) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpointed state (weights, AdamW moments and steps), cloned, by name."""
+    msd, osd = get_state_dict(model, optimizer)
+    out = {f"model.{k}": v.detach().clone() for k, v in msd.items()}
+    for fqn, st in osd["state"].items():
+        out.update({f"optim.{fqn}.{n}": v.detach().clone() for n, v in st.items() if isinstance(v, torch.Tensor)})
+    return out
+
+
+def _assert_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    bad = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not bad, bad[:5]
+
+
+@pytest.fixture
+def held_writes(monkeypatch):
+    """DCP's file writes wait until the event is set (the training goes on meanwhile)."""
+    go = threading.Event()
+
+    def write_data(self, plan, planner):
+        assert go.wait(60), "the test never released the write"
+        return _write(self, plan, planner)
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", write_data)
+    return go
+
+
+def test_async_save_holds_its_step_while_training_goes_on(tmp_path, held_writes):
+    tr = Trainer(compose(QUICK + COMMON + [f"run_dir={tmp_path}", "train.steps=6", "train.ckpt_async=true"]))
+    try:
+        for _ in range(2):
+            tr.train_step()
+        at2 = _snapshot(tr.masters.state_module, tr.optimizer)
+        path = tr.save_checkpoint(wait=False)
+        assert path == ckpt.checkpoint_dir(tmp_path, 2) and tr.checkpoints.pending is not None
+        partial = path.with_name(path.name + ".partial")
+        for _ in range(2):  # the write has not started: the state it holds was copied at step 2
+            tr.train_step()
+        assert any(not torch.equal(v, at2[k]) for k, v in _snapshot(tr.masters.state_module, tr.optimizer).items())
+        assert ckpt.latest_checkpoint(tmp_path) is None and ckpt.incomplete_checkpoints(tmp_path) == []
+        ckpt.prune(tmp_path, 1)  # never deletes the save in flight
+        assert partial.is_dir()
+        held_writes.set()
+        assert tr.checkpoints.finish() == path
+        assert ckpt.latest_checkpoint(tmp_path) == (2, path) and not partial.exists()
+        st = ckpt.load(path, tr.masters.state_module, tr.optimizer, tr._trainer_state(), tr.env, tr.expert_fqns)
+        assert st["step"] == 2
+        _assert_equal(_snapshot(tr.masters.state_module, tr.optimizer), at2)
+    finally:
+        held_writes.set()
+        tr.close()
+
+
+def _run(rd: Path, *over: str) -> tuple[dict, Trainer]:
+    tr = Trainer(compose(QUICK + COMMON + [f"run_dir={rd}", *over]))
+    try:
+        return tr.train(), tr
+    finally:
+        tr.close()
+
+
+def _losses(rd: Path) -> dict[int, tuple]:
+    return {r["step"]: (r["loss"], r["grad_norm"], r["aux_loss"]) for r in records(rd) if r["step"] > 0}
+
+
+def _names(rd: Path) -> list[str]:
+    return sorted(p.name for p in (rd / "checkpoints").iterdir())
+
+
+def test_resume_from_an_async_checkpoint_equals_resume_from_a_sync_one(tmp_path):
+    sync, asyn = tmp_path / "sync", tmp_path / "async"
+    _run(sync, "train.steps=6", "train.ckpt_every=3")
+    summary, tr = _run(asyn, "train.steps=6", "train.ckpt_every=3", "train.ckpt_async=true")
+    assert tr.checkpoints.pending is None and summary["steps"] == 6
+    assert _names(asyn) == ["step_00000003", "step_00000006"]  # the last one is complete at return
+    assert _losses(asyn) == _losses(sync)  # saving in the background does not change training
+    got = {}
+    for name, src in (("from_sync", sync), ("from_async", asyn)):
+        rd = tmp_path / name
+        (rd / "checkpoints").mkdir(parents=True)
+        shutil.copytree(src / "checkpoints" / "step_00000003", rd / "checkpoints" / "step_00000003")
+        _, tr = _run(rd, "train.steps=6", "resume=true")
+        assert tr.resumed_from == 3
+        got[name] = _losses(rd)
+    assert sorted(got["from_async"]) == [4, 5, 6]
+    assert got["from_async"] == got["from_sync"]  # bitwise
+
+
+def test_sigterm_saves_a_complete_checkpoint_after_the_one_in_flight(tmp_path, monkeypatch):
+    def slow_write(self, plan, planner):
+        time.sleep(0.3)  # still in flight when the signal's save comes
+        return _write(self, plan, planner)
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", slow_write)
+    tr = Trainer(compose(QUICK + COMMON + [f"run_dir={tmp_path}", "train.steps=50", "train.ckpt_every=2",
+                                           "train.ckpt_async=true"]))
+    log = tr.metrics.log
+
+    def log_and_signal(step, rec, **kw):  # SIGTERM during step 4's periodic save's write
+        log(step, rec, **kw)
+        if step == 4:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    tr.metrics.log = log_and_signal
+    try:
+        summary = tr.train()
+    finally:
+        tr.close()
+    assert summary["interrupted"] and summary["steps"] == 5
+    assert tr.checkpoints.pending is None
+    assert _names(tmp_path) == ["step_00000002", "step_00000004", "step_00000005"]
+    assert all(ckpt.is_complete(p) for _, p in ckpt.list_checkpoints(tmp_path))
+
+
+@pytest.mark.parametrize("steps", [3, 6], ids=["raised_by_the_last_save", "raised_by_the_next_save"])
+def test_a_failed_background_write_is_raised_at_the_next_save(tmp_path, monkeypatch, steps):
+    def failing_write(self, plan, planner):
+        if "step_00000002" in str(self.path):
+            raise OSError(28, "No space left on device (injected)")
+        return _write(self, plan, planner)
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", failing_write)
+    tr = Trainer(compose(QUICK + COMMON + [f"run_dir={tmp_path}", f"train.steps={steps}", "train.ckpt_every=2",
+                                           "train.ckpt_async=true"]))
+    try:
+        with pytest.raises(ckpt.SaveError, match=r"step_00000002: the asynchronous save of step 2 failed "
+                                                 r"\(rank 0: OSError: .*injected\)"):
+            tr.train()
+        assert tr.step == min(steps, 4)  # trained on until the next save
+    finally:
+        tr.close()
+    assert ckpt.latest_checkpoint(tmp_path) is None  # nothing after it was started either
+    assert (tmp_path / "checkpoints" / "step_00000002.partial").is_dir()
+
+
+# ------------------------------------------------------------------------------ two gloo ranks
+def async_worker(rank, world, out_dir, fail_rank):
+    """EP over 2 ranks: a dense weight and this rank's half of an expert weight, AdamW. Save async at
+    step 1, take a step more (changing everything), then finish, load and compare with step 1."""
+    from dropless.dispatch.mesh import build_mesh
+    from dropless.train.dist import DistEnv
+
+    env = DistEnv(rank, world, rank, world, torch.device("cpu"), ep_size=world, dp_size=1)
+    env.mesh = build_mesh(world, world, "cpu")
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.dense = torch.nn.Linear(4, 4)
+    model.experts = torch.nn.Parameter(torch.randn(2, 3) + rank)  # rank r's experts 2r, 2r + 1 of 4
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    def step():
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()
+
+    go = threading.Event()
+
+    def write_data(self, plan, planner):
+        assert go.wait(60)
+        if rank == fail_rank:
+            raise OSError(28, "No space left on device (injected)")
+        return _write(self, plan, planner)
+
+    dcp.FileSystemWriter.write_data = write_data
+    saver = ckpt.Checkpointer(out_dir, env, asynchronous=True, timeout_s=60)
+    step()
+    at1 = _snapshot(model, opt)
+    saver.save(1, model, opt, {"step": 1}, {"experts"}, wait=False)
+    step()
+    go.set()
+    try:
+        saver.finish()
+    except ckpt.SaveError as e:
+        return {"error": str(e)}
+    dcp.FileSystemWriter.write_data = _write
+    path = ckpt.checkpoint_dir(out_dir, 1)
+    st = ckpt.load(path, model, opt, {"step": 0}, env, {"experts"})
+    now = _snapshot(model, opt)
+    return {"step": st["step"], "equal": sorted(k for k in at1 if torch.equal(at1[k], now[k])), "keys": sorted(at1)}
+
+
+@pytest.mark.slow
+def test_two_ranks_async_save_holds_its_step_and_a_rank_failure_reaches_both(tmp_path):
+    ok = H.run_world("tests.test_checkpoint_async:async_worker", 2, str(tmp_path / "ok"), -1)
+    for r in ok:
+        assert r["step"] == 1 and r["equal"] == r["keys"] and "optim.experts.exp_avg" in r["keys"], r
+    assert ckpt.latest_checkpoint(tmp_path / "ok")[0] == 1
+    bad = H.run_world("tests.test_checkpoint_async:async_worker", 2, str(tmp_path / "bad"), 1)
+    for r in bad:  # rank 1's write failed; both ranks raise, naming the checkpoint and rank 1's error
+        assert "step_00000001: the asynchronous save of step 1 failed (rank 1: OSError" in r["error"], r
+        assert "injected" in r["error"]
+    assert ckpt.latest_checkpoint(tmp_path / "bad") is None
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_resume_from_an_async_ep_checkpoint(tmp_path):
+    """2 ranks (gloo), a2a (the experts saved as DTensors): the run with background saves resumes from
+    its step-2 checkpoint with the losses it had."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+            "-m", "dropless.train", *QUICK, "num_threads=1", "dispatcher=a2a", "train.steps=4",
+            "train.ckpt_every=2", "train.ckpt_async=true", *COMMON]
+    r = subprocess.run([*base, f"run_dir={a}"], capture_output=True, text=True, env=_env(), timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "checkpoint step_00000002: training paused" in r.stdout
+    assert _names(a) == ["step_00000002", "step_00000004"]
+    (b / "checkpoints").mkdir(parents=True)
+    shutil.copytree(a / "checkpoints" / "step_00000002", b / "checkpoints" / "step_00000002")
+    r = subprocess.run([*base, f"run_dir={b}", "resume=true"], capture_output=True, text=True, env=_env(),
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    got, want = _losses(b), _losses(a)
+    assert sorted(got) == [3, 4] and all(got[s] == want[s] for s in got)  # bitwise
