@@ -87,10 +87,10 @@ from dropless.train.optim import MasterWeights, RouterBiasUpdate, build_optimize
 from dropless.train.startup import (
     alignment_note,
     build_model,
+    check_logging,
     check_state_fits,
     check_train_config,
     compute_dtype,
-    check_logging,
     config_changes,
     resolve_run_dir,
     schedule_note,
@@ -185,10 +185,10 @@ class Trainer:
         if t.get("cuda_graph") and env.device.type != "cuda":  # (loss_impl=liger: check_train_config refuses it)
             raise ConfigError(f"train.cuda_graph=true: CUDA graphs need a CUDA GPU, but the run's device is "
                               f"{env.device}; set train.cuda_graph=false (or device=cuda on a GPU machine)")
+        check_logging(cfg, env)  # e.g. logging.mode=online without a wandb login
         self.print(f"[dropless] loss: {loss_note}")
         self.run_dir = resolve_run_dir(cfg, env)
         self.tokens = load_tokens(cfg.data, self.args.vocab_size)
-        check_logging(cfg, env)  # e.g. logging.mode=online without a wandb login
         self.loader = ShardedLoader(self.tokens.train, self.seq_len, self.batch, env.rank, env.world_size,
                                     int(cfg.seed), pin_memory=env.device.type == "cuda")
         self.val_batches = val_windows(self.tokens.val, self.seq_len, self.batch, int(t.val_batches),
