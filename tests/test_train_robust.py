@@ -144,7 +144,8 @@ def test_resuming_a_finished_run_says_so(tmp_path, capsys):
 def test_cli_divergence_exits_3_and_skip_says_so(tmp_path, capsys):
     """dropless-train with a learning rate that blows the weights up: exit 3 with the step named (no
     traceback); with train.nonfinite=skip the router lets the non-finite logits through, each
-    skipped step is printed and the final line counts them."""
+    skipped step is printed, and the run, which skipped its last 3 steps with no validation to
+    show the final weights are sound, also exits 3 with the count (it used to exit 0)."""
     from dropless.train.__main__ import main
 
     common = ["optim.lr=1e12", "optim.warmup_steps=1", "train.steps=4", "logging.mode=disabled", "train.val_every=0",
@@ -153,9 +154,74 @@ def test_cli_divergence_exits_3_and_skip_says_so(tmp_path, capsys):
     out, err = capsys.readouterr()
     # the router's logits go non-finite first here (the router's own check), the step named either way
     assert "step 2: " in err and "non-finite" in err and "Traceback" not in err
-    assert main(common + [f"run_dir={tmp_path / 'b'}", "train.nonfinite=skip"]) == 0
+    assert main(common + [f"run_dir={tmp_path / 'b'}", "train.nonfinite=skip"]) == 3
     out, err = capsys.readouterr()
-    assert "optimizer step skipped (train.nonfinite=skip" in out and "optimizer steps skipped: non-finite" in out
+    assert "optimizer step skipped (train.nonfinite=skip" in out and "3 optimizer steps skipped: non-finite" in out
+    assert ("dropless-train: error: training diverged (train.nonfinite=skip): 3 of 4 optimizer steps were skipped "
+            "for a non-finite loss or gradient norm; the last step (4) among them, with no validation "
+            "(train.val_every=0) to show that the final weights give a finite loss") in err
+    assert "Traceback" not in err
+
+
+def test_cli_nonfinite_validation_loss_is_not_a_success(tmp_path, capsys):
+    """optim.lr=1e6: step 2's training loss is finite, but the weights it leaves give a NaN validation loss.
+    nonfinite=error: exit 3 naming step 2's validation (it used to name step 3, from the router's check
+    inside validation); skip: a warning at each such validation, and exit 3 at the end (it used to exit
+    0 with ``val_loss ... -> nan``), after the last checkpoint is written."""
+    from dropless.train.__main__ import main
+
+    common = ["optim.lr=1e6", "optim.warmup_steps=0", "train.steps=4", "train.val_every=2", "logging.mode=disabled",
+              "logging.progress=false", "train.ckpt_every=0", "num_threads=1"]
+    assert main(common + [f"run_dir={tmp_path / 'a'}"]) == 3
+    out, err = capsys.readouterr()
+    assert ("dropless-train: error: step 2: non-finite validation loss (nan): the weights after step 2 give NaN/Inf "
+            "on the validation data. Lower optim.lr or check the data") in err
+    assert "step 0 val_loss" in out and "step 2 loss" not in out
+    assert main(common + [f"run_dir={tmp_path / 'b'}", "train.nonfinite=skip"]) == 3
+    out, err = capsys.readouterr()
+    for step in (2, 4):
+        assert (f"WARNING: step {step}: non-finite validation loss (nan): the weights after step {step} give "
+                "NaN/Inf on the validation data; train.nonfinite=skip trains on, but the run will end with exit "
+                "status 3") in out
+    assert "dropless-train: error: training diverged (train.nonfinite=skip): 2 of 4 optimizer steps were skipped" in err
+    assert "the validation loss was non-finite at steps 2, 4. The checkpoint of step 4" in err
+    assert [r.get("val_loss") for r in records(tmp_path / "b") if "val_loss" in r] == [pytest.approx(5.6095, abs=1e-3),
+                                                                                    None, None]
+    assert (tmp_path / "b" / "checkpoints" / "step_00000004").is_dir()
+
+
+def _poison_steps(tr, steps):
+    """NaN in the head's input during the training forwards of the given steps (1-based), not in validation."""
+    def hook(mod, args, out):
+        return out * float("nan") if mod.training and tr.step + 1 in steps else None
+    return tr.model.norm.register_forward_hook(hook)
+
+
+@pytest.mark.parametrize("val_every, poisoned, diverged", [
+    (0, {1, 2, 3}, "every optimizer step of the run (3) was skipped for a non-finite loss or gradient norm: "
+                   "nothing was trained"),
+    (0, {3}, "1 of 3 optimizer steps were skipped for a non-finite loss or gradient norm; the last step (3) "
+             "among them, with no validation (train.val_every=0) to show that the final weights give a finite loss"),
+    (0, {2}, None),    # a skipped step the run recovered from: a success
+    (3, {3}, None),    # the last step skipped, and the validation after it shows the weights are sound
+])
+def test_skip_run_verdict(tmp_path, val_every, poisoned, diverged):
+    """Trainer.train()'s ``diverged`` under train.nonfinite=skip: every step skipped, or the last skipped with
+    nothing after it to vouch for the weights, is named; an isolated skipped step is not."""
+    tr = Trainer(compose(BASE + [f"run_dir={tmp_path}", "train.steps=3", "train.nonfinite=skip",
+                                 f"train.val_every={val_every}"]))
+    try:
+        _poison_steps(tr, poisoned)
+        summary = tr.train()
+    finally:
+        tr.close()
+    assert tr.skipped_steps == len(poisoned)
+    if diverged is None:
+        assert summary["diverged"] is None
+    else:
+        assert summary["diverged"] == (f"training diverged (train.nonfinite=skip): {diverged}. The checkpoint of "
+                                       "step 3 holds the weights of the last step applied; lower optim.lr or check "
+                                       "the data")
 
 
 def test_state_that_cannot_fit_is_refused_before_the_run_dir(tmp_path, monkeypatch):

@@ -17,8 +17,11 @@ that the data paths exist) and prints it resolved, then exits; the checks that n
 (device, the data's contents, run directory) run at start.
 Exit status: 0 done, 1 a peer rank died or stopped taking part (the message names
 train.dist_timeout_s, within which it comes), 2 bad config or data (the message names the
-field), 3 training diverged (a non-finite loss or gradient norm with train.nonfinite=error;
-the message names the step), 130 stopped by Ctrl-C after saving a checkpoint.
+field), 3 training diverged (a non-finite loss, gradient norm or validation loss with
+train.nonfinite=error, the message names the step; with train.nonfinite=skip, at the end, a run
+whose validation loss went non-finite, whose every step was skipped, or whose last step was
+skipped with train.val_every=0; the message counts the skipped steps), 130 stopped by Ctrl-C
+after saving a checkpoint.
 """
 
 from __future__ import annotations
@@ -104,6 +107,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise
     finally:
         trainer.close()
+    if summary["diverged"]:  # train.nonfinite=skip: the checkpoint is written, but the run is no success
+        print(f"dropless-train: error: {summary['diverged']}", file=sys.stderr, flush=True)
+        return 3
     return 130 if summary["interrupted"] else 0
 
 

@@ -101,7 +101,7 @@ __all__ = ["Trainer", "lr_at", "NonFiniteError"]
 
 
 class NonFiniteError(FloatingPointError):
-    """A NaN/Inf training loss or gradient norm with ``train.nonfinite=error`` (names the step)."""
+    """A NaN/Inf training loss, gradient norm or validation loss with ``train.nonfinite=error`` (names the step)."""
 
 
 @dataclass
@@ -250,6 +250,7 @@ class Trainer:
 
         self.step = 0
         self.skipped_steps = 0
+        self.nonfinite_val_steps: list[int] = []  # train.nonfinite=skip: steps whose validation loss was NaN/Inf
         self.interrupted = False
         self.stopping = False  # iter_steps: a stop request was seen; the last record yielded is the last step
         self._launched: _Launched | None = None  # iter_steps: launched, not yet applied
@@ -377,19 +378,71 @@ class Trainer:
     # ------------------------------------------------------------------ eval
     @torch.no_grad()
     def validate(self) -> float:
-        """Mean validation cross-entropy (nats per token) over every rank's fixed batches."""
+        """Mean validation cross-entropy (nats per token) over every rank's fixed batches.
+
+        The routers' non-finite-logit check is off here: NaN/Inf weights give a NaN loss, the same on
+        every rank after the all-reduce, instead of an error raised on the ranks whose batches met it.
+        :meth:`train` judges the value (:meth:`_validation`)."""
         self.model.eval()
         dev = self.env.device
-        total = torch.zeros(2, dtype=torch.float64, device=dev)
-        for x, y in self.val_batches:
-            x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
-            total[0] += self._loss(x, y).ce.double() * y.numel()  # the mean over y's tokens
-            total[1] += y.numel()
-        if self.env.distributed:
-            dist.all_reduce(total)
-        self.model.train()
+        routers = self.balancer.routers
+        checks = [r.check_finite for r in routers]
+        for r in routers:
+            r.check_finite = False
+        try:
+            total = torch.zeros(2, dtype=torch.float64, device=dev)
+            for x, y in self.val_batches:
+                x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+                total[0] += self._loss(x, y).ce.double() * y.numel()  # the mean over y's tokens
+                total[1] += y.numel()
+            if self.env.distributed:
+                dist.all_reduce(total)
+        finally:
+            for r, c in zip(routers, checks):
+                r.check_finite = c
+            self.model.train()
         self._t_mark = None
         return float(total[0] / total[1])
+
+    def _validation(self) -> float:
+        """:meth:`validate` under ``train.nonfinite``: a non-finite loss raises NonFiniteError naming the step
+        (``error``), or is warned about and kept in :attr:`nonfinite_val_steps` for the end of :meth:`train`
+        (``skip``: the run then exits with status 3)."""
+        v = self.validate()
+        if math.isfinite(v):
+            return v
+        weights = (f"the weights after step {self.step}" if self.step else
+                   "the starting weights (initialised, or loaded by init_from)")
+        if str(self.cfg.train.nonfinite) == "error":
+            raise NonFiniteError(f"step {self.step}: non-finite validation loss ({v}): {weights} give NaN/Inf on the "
+                                 "validation data. Lower optim.lr or check the data")
+        self.nonfinite_val_steps.append(self.step)
+        self.print(f"[dropless] WARNING: step {self.step}: non-finite validation loss ({v}): {weights} give NaN/Inf "
+                   "on the validation data; train.nonfinite=skip trains on, but the run will end with exit status 3")
+        return v
+
+    def _divergence(self, trained: int, skipped: int, last_skipped: bool) -> str | None:
+        """``train.nonfinite=skip``: why a run of ``trained`` steps (``skipped`` of them skipped) did not end
+        sound, or None. Unsound: a validation loss was non-finite; every step was skipped; or the last step
+        was skipped with ``train.val_every=0``, so nothing shows the final weights give a finite loss."""
+        if str(self.cfg.train.nonfinite) != "skip" or trained == 0:
+            return None
+        why = []
+        if skipped == trained:
+            why.append(f"every optimizer step of the run ({trained}) was skipped for a non-finite loss or gradient "
+                       "norm: nothing was trained")
+        elif self.nonfinite_val_steps or (last_skipped and not int(self.cfg.train.val_every)):
+            why.append(f"{skipped} of {trained} optimizer steps were skipped for a non-finite loss or gradient norm")
+            if last_skipped and not int(self.cfg.train.val_every):
+                why.append(f"the last step ({self.step}) among them, with no validation (train.val_every=0) to show "
+                           "that the final weights give a finite loss")
+        if self.nonfinite_val_steps:
+            at = ", ".join(map(str, self.nonfinite_val_steps))
+            why.append(f"the validation loss was non-finite at step{'s' if ',' in at else ''} {at}")
+        if not why:
+            return None
+        return (f"training diverged (train.nonfinite=skip): {'; '.join(why)}. The checkpoint of step {self.step} "
+                "holds the weights of the last step applied; lower optim.lr or check the data")
 
     # ------------------------------------------------------------------ step
     def train_step(self) -> dict[str, Any]:
@@ -644,7 +697,17 @@ class Trainer:
         return self._stop_agreed
 
     def train(self) -> dict[str, Any]:
-        """Run the steps from :attr:`step` to ``train.steps``; returns a summary dict."""
+        """Run the steps from :attr:`step` to ``train.steps``; returns a summary dict.
+
+        Summary: ``steps``, ``wall_s``, ``first_val_loss``, ``val_loss``, ``run_dir``, ``interrupted`` and
+        ``diverged``: with ``train.nonfinite=skip``, why the run did not end sound (a non-finite validation
+        loss, every step skipped, or the last step skipped with no validation after it), else None;
+        ``dropless-train`` then exits with status 3.
+
+        Raises:
+            NonFiniteError: ``train.nonfinite=error`` and a non-finite training loss, gradient norm or
+                validation loss (named with its step).
+        """
         from tqdm import tqdm
 
         cfg, t = self.cfg, self.cfg.train
@@ -678,9 +741,10 @@ class Trainer:
         bar = tqdm(total=self.steps, initial=self.step, disable=not (self.main and cfg.logging.progress),
                    desc="train", unit="step", dynamic_ncols=True, mininterval=1.0, file=sys.stderr)
         start, first_val, last_val = time.perf_counter(), None, None
+        step0, skipped0, last_skipped = self.step, self.skipped_steps, False
         try:
             if self.step == 0 and val_every > 0:
-                first_val = last_val = self.validate()
+                first_val = last_val = self._validation()
                 self.metrics.log(0, {"val_loss": first_val})
                 self.print(f"[dropless] step 0 val_loss {first_val:.4f}")
 
@@ -689,8 +753,9 @@ class Trainer:
 
             for rec in self.iter_steps(self.steps, finish_at):
                 last = self.step == self.steps
+                last_skipped = not (math.isfinite(rec["loss"]) and math.isfinite(rec["grad_norm"]))
                 if val_every and (self.step % val_every == 0 or last):
-                    rec["val_loss"] = last_val = self.validate()
+                    rec["val_loss"] = last_val = self._validation()
                     self.print(f"[dropless] step {self.step} loss {rec['loss']:.4f} val_loss {last_val:.4f}")
                 hist = self._router_counts if hist_every and (self.step % hist_every == 0 or last) else None
                 if self.step % log_every == 0 or last or "val_loss" in rec:
@@ -716,8 +781,10 @@ class Trainer:
                 signal.signal(s, h)
             self.metrics.close()
         wall = time.perf_counter() - start
+        diverged = None if self.interrupted else self._divergence(self.step - step0, self.skipped_steps - skipped0,
+                                                                 last_skipped)
         summary = {"steps": self.step, "wall_s": wall, "first_val_loss": first_val, "val_loss": last_val,
-                   "run_dir": str(self.run_dir), "interrupted": self.interrupted}
+                   "run_dir": str(self.run_dir), "interrupted": self.interrupted, "diverged": diverged}
         if self.main and not self.interrupted and self.step == self.resumed_from:
             self.print(f"[dropless] done: nothing to train, the run had finished all {self.steps} steps; metrics "
                        f"{self.run_dir / 'metrics.jsonl'}")
