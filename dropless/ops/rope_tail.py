@@ -111,8 +111,16 @@ def _rotate_tail_torch(x_BSND: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch
     x_xR = x_BSND[..., n:]
     swapped_xR = x_xR.unflatten(-1, (P, 2)).flip(-1).flatten(-2)  # (b, a) per pair
     if functional:
-        rot_xR = (x_xR.to(compute) * cc_1S1R + swapped_xR.to(compute) * (sign * ss_1S1R)).to(x_BSND.dtype)
-        return torch.cat((x_BSND[..., :n], rot_xR), dim=-1) if n else rot_xR.contiguous()
+        x_cR = x_xR.to(compute)
+        if n == 0 and not x_cR.is_contiguous():  # the sum below takes its layout: contiguous output
+            x_cR = x_cR.contiguous()
+        rot_xR = x_cR * cc_1S1R + swapped_xR.to(compute) * (sign * ss_1S1R)
+        if n:
+            return torch.cat((x_BSND[..., :n], rot_xR.to(x_BSND.dtype)), dim=-1)
+        # The sum itself, or its real conversion: never a no-op (``.to`` of its own dtype,
+        # ``.contiguous()`` of a contiguous tensor) that returns its input, which torch 2.11's
+        # Dynamo turns into a zero gradient for the Function's backward (_RopeTail of the rope key).
+        return rot_xR if rot_xR.dtype == x_BSND.dtype else rot_xR.to(x_BSND.dtype)
     out = torch.empty(x_BSND.shape, dtype=x_BSND.dtype, device=x_BSND.device)
     if n:
         out[..., :n].copy_(x_BSND[..., :n])
