@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import subprocess
 import sys
@@ -250,6 +251,33 @@ def test_state_that_cannot_fit_is_refused_before_the_run_dir(tmp_path, monkeypat
                    ep_size=4, dp_size=1)
     startup.check_state_fits(4 * n, torch.float32, env4, have=n * 16)     # shared by 4 ranks
     assert startup.process_memory_bytes(env4) * 4 <= startup.process_memory_bytes(env) + 3   # the node's share
+
+
+def test_async_checkpoint_staging_that_cannot_fit_is_refused_before_the_run_dir(tmp_path, monkeypatch):
+    """``train.ckpt_async=true`` copies the saved state (fp32 masters and AdamW moments) into
+    host memory at every save: where the host cannot hold it, a ConfigError at start-up naming the
+    option, not an OOM kill at the first save ``train.ckpt_every`` steps in."""
+    from dropless.config import ConfigError
+    from dropless.model.params import param_counts
+    from dropless.train import startup
+    from dropless.train.config import model_args
+    from dropless.train.dist import DistEnv
+
+    cfg = compose(QUICK + [f"run_dir={tmp_path / 'r'}", "logging.mode=disabled", "train.ckpt_async=true"])
+    n = param_counts(model_args(cfg)).total
+    # fp32 on a CPU: 16 bytes of training state + 12 staged a parameter
+    monkeypatch.setattr(startup, "process_memory_bytes", lambda env: n * 28 - 1)
+    with pytest.raises(ConfigError, match=r"train.ckpt_async=true copies .* train.ckpt_async=false"):
+        Trainer(cfg)
+    assert not (tmp_path / "r").exists()
+    cpu = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"),
+                  ep_size=1, dp_size=1)
+    startup.check_state_fits(n, torch.float32, cpu, have=n * 28, async_staging=True)    # exactly fits
+    startup.check_state_fits(n, torch.float32, cpu, have=n * 16)                         # synchronous saves
+    gpu = dataclasses.replace(cpu, device=torch.device("cuda", 0))  # the GPU holds the state, the host the copy
+    startup.check_state_fits(n, torch.bfloat16, gpu, have=n * 18, async_staging=True, host_have=n * 12)
+    with pytest.raises(ConfigError, match="host memory per process"):
+        startup.check_state_fits(n, torch.bfloat16, gpu, have=n * 18, async_staging=True, host_have=n * 12 - 1)
 
 
 def test_deepep_without_its_package_fails_before_the_run_dir(tmp_path):

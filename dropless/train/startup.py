@@ -146,6 +146,10 @@ def alignment_note(args: ModelArgs, tokens: int, ep_size: int = 1) -> str | None
 #: Bytes of training state per parameter, by compute dtype: bf16 weights + fp32 masters + two fp32 AdamW
 #: moments + fp32 main gradients; fp32: the weights are the masters.
 STATE_BYTES_PER_PARAM = {torch.bfloat16: 2 + 4 + 8 + 4, torch.float32: 4 + 8 + 4}
+#: Bytes per parameter a checkpoint holds, in either dtype: the fp32 masters and two fp32 AdamW moments
+#: (:mod:`dropless.train.optim`: checkpoints hold the masters, not the compute copy): what
+#: ``train.ckpt_async`` stages in host memory at every save.
+SAVED_BYTES_PER_PARAM = 4 + 8
 
 
 def process_memory_bytes(env: DistEnv) -> int | None:
@@ -153,6 +157,12 @@ def process_memory_bytes(env: DistEnv) -> int | None:
     cgroup v2 limit, if lower) over the processes on this node. None where neither can be read."""
     if env.device.type == "cuda":
         return int(torch.cuda.get_device_properties(env.device).total_memory)
+    return host_memory_bytes(env)
+
+
+def host_memory_bytes(env: DistEnv) -> int | None:
+    """The host's physical memory (or its cgroup v2 limit, if lower) over the processes on this node;
+    None where it cannot be read."""
     try:
         host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, OSError, ValueError):
@@ -165,7 +175,8 @@ def process_memory_bytes(env: DistEnv) -> int | None:
     return host // max(1, env.local_world_size)
 
 
-def check_state_fits(total_params: int, dtype: torch.dtype, env: DistEnv, have: int | None = None) -> None:
+def check_state_fits(total_params: int, dtype: torch.dtype, env: DistEnv, have: int | None = None, *,
+                     async_staging: bool = False, host_have: int | None = None) -> None:
     """ConfigError when the weights, main gradients and AdamW state alone outgrow this process's memory.
 
     The bound is ``total_params / world_size · STATE_BYTES_PER_PARAM[dtype]``: no layout shards the
@@ -173,11 +184,29 @@ def check_state_fits(total_params: int, dtype: torch.dtype, env: DistEnv, have: 
     and one it lets through may still run out of memory. ``have``: bytes available (default
     :func:`process_memory_bytes`; nothing is checked where that is None). Run before the model
     is built, so an oversized model fails with this message instead of the kernel's OOM kill.
+
+    ``async_staging`` (``train.ckpt_async``): every save also copies the saved state
+    (``SAVED_BYTES_PER_PARAM``: masters and moments) into host memory, so on a GPU the host's share per
+    process (``host_have``, default the host's physical memory or cgroup limit over the node's
+    processes) must hold it, and on a CPU the same memory holds both: checked here, not at the
+    first save ``train.ckpt_every`` steps later.
     """
     have = process_memory_bytes(env) if have is None else have
+    share = -(-total_params // max(1, env.world_size))
+    saved = share * SAVED_BYTES_PER_PARAM
+    if async_staging:
+        cpu = env.device.type == "cpu"
+        host = have if cpu else (host_have if host_have is not None else host_memory_bytes(env))
+        host_need = saved + (share * STATE_BYTES_PER_PARAM.get(dtype, 16) if cpu else 0)
+        if host is not None and host_need > host:
+            raise ConfigError(
+                f"train.ckpt_async=true copies each checkpoint's {saved / 2**30:.1f} GiB per process into host "
+                f"memory{' beside the training state' if cpu else ''}: {host_need / 2**30:.1f} GiB per process, "
+                f"more than the {host / 2**30:.1f} GiB of host memory per process ({env.local_world_size} on this "
+                "node); use train.ckpt_async=false (saves pause training instead), more nodes, or a smaller model")
     if have is None:
         return
-    need = -(-total_params // max(1, env.world_size)) * STATE_BYTES_PER_PARAM.get(dtype, 16)
+    need = share * STATE_BYTES_PER_PARAM.get(dtype, 16)
     if need > have:
         where = f"the GPU's {have / 2**30:.1f} GiB" if env.device.type == "cuda" else \
             f"{have / 2**30:.1f} GiB of host memory per process ({env.local_world_size} on this node)"

@@ -176,7 +176,8 @@ class Trainer:
             if note:
                 self.print(f"[dropless] warning: {note}")
         self.param_counts = param_counts(self.args)
-        check_state_fits(self.param_counts.total, self.dtype, env)  # else an OOM kill while building
+        check_state_fits(self.param_counts.total, self.dtype, env,  # else an OOM kill while building
+                         async_staging=bool(t.get("ckpt_async", False)))
         self.loss_impl, loss_note = resolve_loss_impl(t.get("loss_impl", "auto"), env.device,
                                                          bool(t.get("cuda_graph")))
         # what needs the device, before the data is read and the run dir is made
