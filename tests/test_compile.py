@@ -10,6 +10,7 @@ summed by autograd (no Python state shared between backward nodes, which Dynamo 
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -255,18 +256,29 @@ def test_moe_layer_compiles_with_inductor_on_gpu():
         assert ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item() < 2e-2
 
 
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``|a - b| / |b|`` in float64 (Frobenius norms)."""
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-60)).item()
+
+
+def _is_routed(name: str) -> bool:
+    return ".moe.experts." in name or ".moe.router." in name
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("moe", [False, True])
-def test_compiled_model_gradients_equal_eager_on_gpu(moe, device="cuda"):
-    """``train.compile`` as the trainer applies it (:func:`~dropless.train.compile.compile_blocks`),
-    every parameter's gradient against eager's (the Triton kernels). ``moe=False``: an all-dense
-    model in fp32 (attention, norms, MLP), each gradient to 1e-4 relative. ``moe=True``
-    (``train.compile_moe``): the MoE model in bf16 (the grouped GEMMs' dtype on CUDA), each
-    gradient outside the routed experts and routers to 10 %, those together to 10 % (bf16 rounding
-    flips a few routing choices, which can move one small expert's gradient much more). On torch
-    2.11 the rope key's gradient came out 0 when compiled: the attention norm's and ``wkv_a``'s
-    were 57-94 % off."""
+@pytest.mark.parametrize("moe,dtype,gemm", [(False, torch.float32, "torch"), (True, torch.float32, "loop"),
+                                            (True, torch.bfloat16, "torch")])
+def test_compiled_model_gradients_equal_eager_on_gpu(moe, dtype, gemm, device="cuda"):
+    """``train.compile`` as the trainer applies it (:func:`~dropless.train.compile.compile_blocks`,
+    inductor, the Triton kernels), every parameter's gradient against eager's. In fp32 (an all-dense
+    model, and the MoE model with ``gemm=loop``, fp32 on CUDA) each gradient equals eager's to 1e-3
+    relative. In bf16 with ``gemm=torch`` (what ``recipe=h200_single`` runs) rounding flips routing
+    choices of this tiny model in eager and compiled alike (eager's own gradient is up to ~10 % from
+    fp32 in the last MoE layer, the router's 20-30 %), so both are measured against an fp32
+    ``gemm=loop`` reference of the same weights: compiled's error at most twice eager's plus 3 %
+    (the routed experts and routers as one group). On torch 2.11 the rope key's gradient came out 0
+    when compiled: the attention norm's and ``wkv_a``'s were 57-94 % off, eager's ~1 %."""
     from dropless.model import Transformer
     from dropless.train.compile import compile_blocks
     from tests.test_model import tiny_args
@@ -274,37 +286,49 @@ def test_compiled_model_gradients_equal_eager_on_gpu(moe, device="cuda"):
     torch._dynamo.reset()
     torch.manual_seed(0)
     args = tiny_args(hidden_size=64, num_attention_heads=4, kv_lora_rank=32, qk_rope_head_dim=16,
-                     expert_alignment=128, first_k_dense_replace=1 if moe else 4)  # 128: the Triton wgrad
+                     expert_alignment=128, first_k_dense_replace=1 if moe else 4, gemm=gemm)  # 128: Triton wgrad
     model = Transformer(args).to(device)
     model.init_weights(0)
-    model = model.to(torch.bfloat16 if moe else torch.float32).train()
+    ref = None
+    if dtype != torch.float32:
+        ref = Transformer(dataclasses.replace(args, gemm="loop")).to(device)
+        ref.load_state_dict(model.state_dict())
+        ref.train()
+    model = model.to(dtype).train()
     tokens = torch.randint(0, 128, (2, 33), device=device)
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
 
-    def grads():
-        out = model.loss(tokens[:, :-1], tokens[:, 1:])
-        return out.ce.detach(), torch.autograd.grad(out.loss, [p for _, p in params], allow_unused=True)
+    def grads(m):
+        out = m.loss(tokens[:, :-1], tokens[:, 1:])
+        return out.ce.detach().float(), torch.autograd.grad(out.loss, [p for p in m.parameters() if p.requires_grad],
+                                                            allow_unused=True)
 
-    ce_e, g_e = grads()
+    ce_e, g_e = grads(model)
+    ce_r, g_r = grads(ref) if ref is not None else (ce_e, g_e)
     compile_blocks(model, "inductor", moe=moe)
-    ce_c, g_c = grads()
-    tol = 0.1 if moe else 1e-4
-    assert abs(ce_c.item() - ce_e.item()) <= tol * abs(ce_e.item())
-    wrong, routed = [], [0.0, 0.0]  # the routed parameters' squared difference and norm, summed
-    for (name, _), a, b in zip(params, g_e, g_c):
-        if (a is None) != (b is None):
-            wrong.append(f"{name}: a gradient in {'eager' if a is not None else 'compiled'} only")
-        elif a is not None:
-            d2, n2 = (b.double() - a.double()).square().sum().item(), a.double().square().sum().item()
-            if ".moe.experts." in name or ".moe.router." in name:
-                routed[0] += d2
-                routed[1] += n2
-            elif (d2 / max(n2, 1e-60)) ** 0.5 > tol:
-                wrong.append(f"{name}: {(d2 / max(n2, 1e-60)) ** 0.5:.2e}")
-    if routed[1]:
-        rel = (routed[0] / routed[1]) ** 0.5
-        if rel > tol:
-            wrong.append(f"routed experts and routers together: {rel:.2e}")
+    ce_c, g_c = grads(model)
+    ce_tol = 1e-3 if ref is None else 2e-2
+    assert abs(ce_c.item() - ce_r.item()) <= ce_tol * abs(ce_r.item())
+    wrong = []
+    routed = {"e": [0.0, 0.0], "c": [0.0, 0.0]}  # the routed parameters' squared error and squared norm
+    for name, e, c, r in zip(names, g_e, g_c, g_r):
+        if (e is None) != (c is None):
+            wrong.append(f"{name}: a gradient in {'eager' if e is not None else 'compiled'} only")
+        elif e is None:
+            continue
+        elif ref is None:
+            if _rel(c, e) > 1e-3:
+                wrong.append(f"{name}: {_rel(c, e):.2e} from eager")
+        elif _is_routed(name):
+            for k, g in (("e", e), ("c", c)):
+                routed[k][0] += (g.double() - r.double()).square().sum().item()
+                routed[k][1] += r.double().square().sum().item()
+        elif _rel(c, r) > 2 * _rel(e, r) + 0.03:
+            wrong.append(f"{name}: compiled {_rel(c, r):.2e} from fp32, eager {_rel(e, r):.2e}")
+    if routed["e"][1]:
+        err_e, err_c = ((routed[k][0] / routed[k][1]) ** 0.5 for k in ("e", "c"))
+        if err_c > 2 * err_e + 0.03:
+            wrong.append(f"routed experts and routers: compiled {err_c:.2e} from fp32, eager {err_e:.2e}")
     assert not wrong, wrong
 
 
