@@ -219,6 +219,14 @@ def test_wrong_type_is_a_composition_error_naming_the_field(override, field):
                                             ("optim.weight_decay=-5", "optim.weight_decay"),
                                             ("logging.cpu_peak_flops=0", "logging.cpu_peak_flops"),
                                             ("train.dist_timeout_s=-5", "train.dist_timeout_s"),
+                                            # inf/nan pass a range check: lr=inf trained NaN, eps=inf nothing
+                                            ("optim.lr=inf", "optim.lr=inf: must be a finite"),
+                                            ("optim.lr=nan", "optim.lr=nan: must be a finite"),
+                                            ("optim.eps=inf", "optim.eps=inf: must be a finite"),
+                                            ("optim.weight_decay=inf", "optim.weight_decay=inf: must be a finite"),
+                                            ("train.dist_timeout_s=inf", "train.dist_timeout_s=inf"),
+                                            # numpy's generator (the data order) refused it mid-start-up
+                                            ("seed=-1", "seed=-1: must be an integer in [0, 2^63)"),
                                             # the model's own checks and seq_len, from the config alone
                                             ("model.n_routed_experts=7", "model.n_group=4"),
                                             ("model.hidden_size=-8", "model.hidden_size"),

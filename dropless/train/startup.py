@@ -12,6 +12,7 @@ this order.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from pathlib import Path
@@ -89,6 +90,11 @@ def check_train_config(cfg: DictConfig) -> None:
     need(isinstance(cfg.deterministic, bool), "deterministic", cfg.deterministic, "must be true or false")
     need(isinstance(t.get("shard_dense", False), bool), "train.shard_dense", t.get("shard_dense"),
          "must be true or false")
+    for name in ("lr", "eps", "weight_decay", "min_lr_ratio"):  # inf passes a range check and trains NaN or nothing
+        need(math.isfinite(float(o[name])), f"optim.{name}", o[name], "must be a finite number")
+    need(math.isfinite(float(t.get("dist_timeout_s", 600))), "train.dist_timeout_s", t.get("dist_timeout_s"),
+         "must be a finite number of seconds")
+    need(0 <= int(cfg.seed) < 2**63, "seed", cfg.seed, "must be an integer in [0, 2^63) (it seeds torch and numpy)")
     need(float(o.lr) > 0, "optim.lr", o.lr, "must be > 0")
     need(int(o.warmup_steps) >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
     need(0.0 <= float(o.min_lr_ratio) <= 1.0, "optim.min_lr_ratio", o.min_lr_ratio, "must lie in [0, 1]")
