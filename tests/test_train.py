@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from dropless.train.config import compose
 from dropless.train.metrics import REQUIRED_KEYS
@@ -280,6 +281,13 @@ def test_resume_reports_what_differs_from_the_runs_config(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "differs from the run's config.yaml" in out and "optim.lr: 0.003 -> 0.001" in out
     assert "train.steps: 1 -> 2" in out and "resume:" not in out.split("differs")[1].split("\n")[0]
+    assert OmegaConf.load(tmp_path / "config.yaml").optim.lr == 1e-3   # the resumed run's config is saved
+    # nothing left to train: the saved config still describes the checkpoints and stays
+    saved = (tmp_path / "config.yaml").read_text()
+    run(common + ["train.steps=2", "resume=true", "optim.lr=5e-4", "seed=5"])
+    out = capsys.readouterr().out
+    assert "not saved: nothing is left to train" in out and "seed: 0 -> 5" in out
+    assert (tmp_path / "config.yaml").read_text() == saved
 
 
 @pytest.mark.parametrize("clip", [1e-3, 1e6])

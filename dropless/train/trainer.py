@@ -296,15 +296,19 @@ class Trainer:
             self.print(f"[dropless] {self.metrics.note}")
 
     def _save_config(self) -> None:
-        """Write ``config.yaml``; on a resume, first say which values differ from the saved one."""
+        """Write ``config.yaml``; on a resume, first say which values differ from the saved one. A
+        resume with nothing left to train keeps the saved file: it still describes the checkpoints."""
         cfg_file = self.run_dir / "config.yaml"
+        idle = bool(self.cfg.resume) and self.step >= self.steps and cfg_file.exists()
         if self.cfg.resume and cfg_file.exists():
             changed = config_changes(OmegaConf.load(cfg_file), self.cfg)
             if changed:
                 more = f" (and {len(changed) - 8} more)" if len(changed) > 8 else ""
-                self.print("[dropless] resume: this config differs from the run's config.yaml (this one is used "
-                           "and saved): " + ", ".join(changed[:8]) + more)
-        cfg_file.write_text(OmegaConf.to_yaml(self.cfg, resolve=True))
+                how = "not saved: nothing is left to train" if idle else "this one is used and saved"
+                self.print(f"[dropless] resume: this config differs from the run's config.yaml ({how}): "
+                           + ", ".join(changed[:8]) + more)
+        if not idle:
+            cfg_file.write_text(OmegaConf.to_yaml(self.cfg, resolve=True))
 
     # ------------------------------------------------------------------ helpers
     def _trainer_state(self) -> dict[str, int]:
