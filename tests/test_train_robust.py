@@ -329,3 +329,18 @@ def test_a_gpu_recipe_without_cuda_points_to_the_cpu_recipe(tmp_path):
     assert not (tmp_path / "r").exists()
     with pytest.raises(ConfigError, match=r"set device=cpu \(or auto\)$"):   # no recipe: the plain advice
         Trainer(compose(QUICK + ["device=cuda", f"run_dir={tmp_path / 'r'}", "logging.mode=disabled"]))
+
+
+def test_more_threads_than_cores_is_warned_about():
+    """``num_threads`` times the node's processes above the usable cores: a warning naming both and the
+    fix (``num_threads=1000`` on 2 cores ran ≈ 60× slower, silently); none for null or a count that fits."""
+    from dropless.train.dist import DistEnv
+    from dropless.train.startup import threads_note
+
+    env = DistEnv(rank=0, world_size=2, local_rank=0, local_world_size=2, device=torch.device("cpu"),
+                  ep_size=1, dp_size=2)
+    note = threads_note(compose(["num_threads=3"]), env, cores=4)
+    assert note is not None and "num_threads=3 x 2 process(es)" in note and "the 4 core(s)" in note
+    assert "num_threads=null (the cores shared out: 2 each)" in note
+    assert threads_note(compose(["num_threads=2"]), env, cores=4) is None
+    assert threads_note(compose(["num_threads=null"]), env, cores=1) is None

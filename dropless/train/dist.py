@@ -31,7 +31,7 @@ from dropless.dispatch.collectives import CollectiveError
 from dropless.dispatch.mesh import build_mesh, check_ep_size, start_process_group
 from dropless.dispatch.registry import check_dispatcher_ep, default_ep_size
 
-__all__ = ["DistEnv", "resolve_ep_size", "check_mesh", "init_distributed", "default_num_threads",
+__all__ = ["DistEnv", "resolve_ep_size", "check_mesh", "init_distributed", "default_num_threads", "usable_cores",
            "collective_failure", "elastic_restart"]
 
 
@@ -119,11 +119,15 @@ def default_num_threads(local_world_size: int) -> int:
     Args:
         local_world_size: processes on this node.
     """
+    return max(1, usable_cores() // max(1, local_world_size))
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask; ``os.cpu_count()`` off Linux)."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(1, local_world_size))
+        return os.cpu_count() or 1
 
 
 def _device(device_cfg: str, local_rank: int, recipe: str | None = None) -> torch.device:

@@ -33,7 +33,7 @@ from dropless.train import checkpoint as ckpt
 from dropless.train.compile import check_compile_moe
 from dropless.train.config import model_args
 from dropless.train.data import check_data_config
-from dropless.train.dist import DistEnv
+from dropless.train.dist import DistEnv, usable_cores
 from dropless.train.metrics import wandb_problem
 from dropless.train.shard import apply_fsdp, shard_dense_params
 
@@ -221,6 +221,20 @@ def check_state_fits(total_params: int, dtype: torch.dtype, env: DistEnv, have: 
             f"for weights, main gradients and AdamW state alone ({STATE_BYTES_PER_PARAM.get(dtype, 16)} bytes a "
             f"parameter at {str(dtype).replace('torch.', '')}, over {env.world_size} rank(s)), more than {where}; "
             "use a smaller model (e.g. model=tiny, or the default recipe on a CPU), more ranks, or a larger device")
+
+
+def threads_note(cfg: DictConfig, env: DistEnv, cores: int | None = None) -> str | None:
+    """A warning when ``num_threads`` times the processes on this node exceeds the cores they may use
+    (``cores``, default :func:`~dropless.train.dist.usable_cores`): intra-op threads then wait for
+    each other (valid, rarely meant: ``num_threads=1000`` on 2 cores ran the default recipe ≈ 60×
+    slower). None for ``num_threads=null`` (the cores shared out) or a count that fits."""
+    threads = cfg.get("num_threads")
+    cores = usable_cores() if cores is None else cores
+    if threads is None or int(threads) * env.local_world_size <= cores:
+        return None
+    return (f"num_threads={int(threads)} x {env.local_world_size} process(es) on this node is more threads than "
+            f"the {cores} core(s) they may use: intra-op threads will wait for each other and run much slower; "
+            f"set num_threads=null (the cores shared out: {max(1, cores // env.local_world_size)} each) or fewer")
 
 
 def schedule_note(cfg: DictConfig) -> str | None:

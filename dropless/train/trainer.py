@@ -95,6 +95,7 @@ from dropless.train.startup import (
     resolve_run_dir,
     schedule_note,
     set_deterministic,
+    threads_note,
 )
 
 __all__ = ["Trainer", "lr_at", "NonFiniteError"]
@@ -172,7 +173,8 @@ class Trainer:
         check_backend_shapes(self.args.gemm, env.device, self.dtype, self.args.hidden_size,
                              self.args.moe_intermediate_size)  # e.g. 16-byte GEMM rows, before the run dir exists
         self.main = env.is_main
-        for note in (alignment_note(self.args, self.batch * self.seq_len, env.ep_size), schedule_note(cfg)):
+        for note in (alignment_note(self.args, self.batch * self.seq_len, env.ep_size), schedule_note(cfg),
+                     threads_note(cfg, env)):
             if note:
                 self.print(f"[dropless] warning: {note}")
         self.param_counts = param_counts(self.args)
