@@ -92,6 +92,32 @@ def test_async_save_holds_its_step_while_training_goes_on(tmp_path, held_writes)
         tr.close()
 
 
+def test_consecutive_async_saves_each_hold_their_step(tmp_path, held_writes):
+    """Two background saves in a row: the save at step 4 (which first finishes step 2's) must not
+    change what step 2's checkpoint holds, and step 4's holds step 4's state although training
+    goes on while it is written."""
+    tr = Trainer(compose(QUICK + COMMON + [f"run_dir={tmp_path}", "train.steps=8", "train.ckpt_async=true"]))
+    try:
+        snaps = {}
+        for step in (2, 4):
+            while tr.step < step:
+                tr.train_step()
+            snaps[step] = _snapshot(tr.masters.state_module, tr.optimizer)
+            if step == 4:  # step 2's write was held while steps 3 and 4 trained; let it go from here
+                threading.Timer(0.5, held_writes.set).start()
+            tr.save_checkpoint(wait=False)  # step 4's first finishes step 2's
+        tr.train_step()
+        tr.checkpoints.finish()
+        for step in (2, 4):
+            st = ckpt.load(ckpt.checkpoint_dir(tmp_path, step), tr.masters.state_module, tr.optimizer,
+                           tr._trainer_state(), tr.env, tr.expert_fqns)
+            assert st["step"] == step
+            _assert_equal(_snapshot(tr.masters.state_module, tr.optimizer), snaps[step])
+    finally:
+        held_writes.set()
+        tr.close()
+
+
 def _run(rd: Path, *over: str) -> tuple[dict, Trainer]:
     tr = Trainer(compose(QUICK + COMMON + [f"run_dir={rd}", *over]))
     try:
