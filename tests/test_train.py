@@ -244,6 +244,19 @@ def test_resume_after_a_crash_logs_each_step_once(tmp_path):
     assert [r["loss"] for r in records(b)] == [r["loss"] for r in records(a)]
 
 
+def test_resume_without_a_checkpoint_starts_at_step_0_and_says_so(tmp_path, capsys):
+    """resume=true in a new (missing) run_dir, or one holding only an interrupted save, trains from
+    step 0 (launchers always pass resume=true) and prints that it found nothing to resume."""
+    rd = tmp_path / "new_run"
+    (tmp_path / "other" / "checkpoints" / "step_00000001.partial").mkdir(parents=True)  # a killed save
+    for d in (rd, tmp_path / "other"):
+        summary, tr = run([f"run_dir={d}", "resume=true", "train.steps=1", "train.val_every=0",
+                           "logging.mode=disabled"])
+        assert tr.resumed_from is None and summary["steps"] == 1
+        assert [r["step"] for r in records(d)] == [1]
+        assert "resume=true but no checkpoint in run_dir: starting at step 0" in capsys.readouterr().out
+
+
 def test_new_start_in_a_run_dir_without_checkpoint_moves_old_metrics_aside(tmp_path, capsys):
     run([f"run_dir={tmp_path}", "train.steps=2", "train.val_every=0", "train.ckpt_every=0", "logging.mode=disabled"])
     for d in (tmp_path / "checkpoints").iterdir():      # a run that died before its first checkpoint
