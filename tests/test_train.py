@@ -257,6 +257,21 @@ def test_resume_without_a_checkpoint_starts_at_step_0_and_says_so(tmp_path, caps
         assert "resume=true but no checkpoint in run_dir: starting at step 0" in capsys.readouterr().out
 
 
+def _val_batches(rd: Path, n: int) -> int:
+    tr = Trainer(compose(QUICK + [f"run_dir={rd}", "train.val_every=1", f"train.val_batches={n}",
+                                  "logging.mode=disabled"]))  # said at start-up, before any step
+    tr.close()
+    return len(tr.val_batches)
+
+
+def test_val_batches_beyond_the_validation_split_are_capped_and_said(tmp_path, capsys):
+    n = _val_batches(tmp_path / "a", 100000)
+    assert 0 < n < 100000
+    assert (f"train.val_batches=100000: the validation split holds {n} micro-batch(es) per rank"
+            in capsys.readouterr().out)
+    assert _val_batches(tmp_path / "b", n) == n and "validation split holds" not in capsys.readouterr().out
+
+
 def test_new_start_in_a_run_dir_without_checkpoint_moves_old_metrics_aside(tmp_path, capsys):
     run([f"run_dir={tmp_path}", "train.steps=2", "train.val_every=0", "train.ckpt_every=0", "logging.mode=disabled"])
     for d in (tmp_path / "checkpoints").iterdir():      # a run that died before its first checkpoint

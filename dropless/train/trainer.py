@@ -196,6 +196,10 @@ class Trainer:
                                     int(cfg.seed), pin_memory=env.device.type == "cuda")
         self.val_batches = val_windows(self.tokens.val, self.seq_len, self.batch, int(t.val_batches),
                                        env.rank, env.world_size)
+        if len(self.val_batches) < int(t.val_batches) and int(t.val_every) > 0:
+            self.print(f"[dropless] train.val_batches={int(t.val_batches)}: the validation split holds "
+                       f"{len(self.val_batches)} micro-batch(es) per rank; validating on those (raise "
+                       "data.val_fraction or give data.val_path for more)")
         if self.main:
             try:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
