@@ -281,3 +281,14 @@ def test_shape_the_grouped_gemm_cannot_take_exits_2_before_the_run_dir(tmp_path,
 
     check_backend_shapes("loop", "cpu", torch.float32, 255, 30)  # the reference loop takes any shape
     check_backend_shapes("torch", "cpu", torch.float32, 256, 32)
+
+
+@pytest.mark.parametrize("group,real", [("optim", "adamw"), ("dispatcher", "a2a"), ("model", "tiny")])
+def test_unknown_group_option_lists_the_options_without_schema(group, real):
+    """A misspelt group option lists that group's options; ``schema`` (the typed base they all
+    extend, not a choice) is not among them."""
+    with pytest.raises(ConfigError) as info:
+        compose([f"{group}=nonexistent"])
+    msg = str(info.value)
+    listed = msg.split(f"Available options in '{group}':", 1)[1].split("Config search path", 1)[0].split()
+    assert real in listed and "schema" not in listed and len(listed) >= 1

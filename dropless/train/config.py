@@ -175,14 +175,23 @@ def _composition_message(err: Exception, overrides: Sequence[str]) -> str:
     """Hydra's explanation (and the OmegaConf error it wraps) with dropless's one hint for unknown keys.
 
     Hydra suggests ``+key=value`` for a key that does not exist; dropless refuses ``+`` (every key it
-    reads exists already), so that line is replaced by the closest existing key.
+    reads exists already), so that line is replaced by the closest existing key. Hydra's list of a
+    group's options leaves out ``schema``, the typed base the options extend (not one to pick).
     """
     lines = [str(err).strip()]
     cause = err.__cause__
     while cause is not None:  # Hydra wraps the OmegaConf error that names the type problem
         lines.append(str(cause).strip())
         cause = cause.__cause__
-    msg = "\n".join(line for line in "\n".join(lines).splitlines() if not line.startswith("To append to your config"))
+    kept, in_options = [], False
+    for line in "\n".join(lines).splitlines():
+        if line.startswith("To append to your config"):
+            continue
+        if in_options and line.strip() == "schema":  # the typed base every option of a group extends
+            continue
+        in_options = line.startswith("Available options in") or (in_options and line.startswith("\t"))
+        kept.append(line)
+    msg = "\n".join(kept)
     hint = ""
     unknown = re.search(r"Could not override '([^']+)'", msg)
     if unknown or "not in struct" in msg.lower():
