@@ -92,10 +92,10 @@ def test_async_save_holds_its_step_while_training_goes_on(tmp_path, held_writes)
         tr.close()
 
 
-def test_consecutive_async_saves_each_hold_their_step(tmp_path, held_writes):
+def test_consecutive_async_saves_each_hold_their_step(tmp_path, held_writes, capsys):
     """Two background saves in a row: the save at step 4 (which first finishes step 2's) must not
     change what step 2's checkpoint holds, and step 4's holds step 4's state although training
-    goes on while it is written."""
+    goes on while it is written. The second save says it waited for the first one's write."""
     tr = Trainer(compose(QUICK + COMMON + [f"run_dir={tmp_path}", "train.steps=8", "train.ckpt_async=true"]))
     try:
         snaps = {}
@@ -104,8 +104,13 @@ def test_consecutive_async_saves_each_hold_their_step(tmp_path, held_writes):
                 tr.train_step()
             snaps[step] = _snapshot(tr.masters.state_module, tr.optimizer)
             if step == 4:  # step 2's write was held while steps 3 and 4 trained; let it go from here
-                threading.Timer(0.5, held_writes.set).start()
+                threading.Timer(1.5, held_writes.set).start()
             tr.save_checkpoint(wait=False)  # step 4's first finishes step 2's
+            waited = tr.checkpoints.waited
+            assert (waited is None) if step == 2 else (waited[0].name == "step_00000002" and waited[1] >= 1.4)
+        out = capsys.readouterr().out
+        assert "checkpoint step_00000004: waited" in out and "for step_00000002's background write to finish" in out
+        assert "checkpoint step_00000002: waited" not in out
         tr.train_step()
         tr.checkpoints.finish()
         for step in (2, 4):

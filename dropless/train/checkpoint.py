@@ -335,6 +335,8 @@ class Checkpointer:
         timeout_s: the gloo group's collective timeout (``train.dist_timeout_s``).
     Attributes:
         pending: the :class:`PendingSave` in flight, or None.
+        waited: after :meth:`save`: (the save that was in flight, seconds :meth:`save` spent
+            completing it), or None if none was in flight.
     """
 
     def __init__(self, run_dir: Path, env: Any, *, keep: int = 0, asynchronous: bool = False,
@@ -344,6 +346,7 @@ class Checkpointer:
                                      timeout=datetime.timedelta(seconds=float(timeout_s)))
                       if self.asynchronous and env.distributed else None)
         self.pending: PendingSave | None = None
+        self.waited: tuple[Path, float] | None = None
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainer: dict,
              expert_fqns: set[str], *, wait: bool = True) -> Path:
@@ -354,7 +357,11 @@ class Checkpointer:
         the write continues in the background; otherwise the checkpoint is complete (and
         pruned after) on return.
         """
+        t0 = time.perf_counter()
+        self.waited = (self.pending.path, 0.0) if self.pending is not None else None
         self.finish()
+        if self.waited is not None:
+            self.waited = (self.waited[0], time.perf_counter() - t0)
         path = checkpoint_dir(self.run_dir, step)
         if wait or not self.asynchronous:
             save(path, model, optimizer, trainer, self.env, expert_fqns)

@@ -361,6 +361,11 @@ class Trainer:
         path = self.checkpoints.save(self.step, self.masters.state_module, self.optimizer, self._trainer_state(),
                                      self.expert_fqns, wait=wait)
         paused = time.perf_counter() - t0
+        waited = self.checkpoints.waited
+        if not wait and waited is not None and waited[1] >= 1.0:  # a periodic save caught up with the write
+            self.print(f"[dropless] checkpoint {path.name}: waited {waited[1]:.1f} s for {waited[0].name}'s "
+                       f"background write to finish (saves {int(self.cfg.train.ckpt_every)} steps apart come "
+                       "faster than one is written): raise train.ckpt_every, or set train.ckpt_async=false")
         if self.checkpoints.pending is not None:
             self.print(f"[dropless] checkpoint {path.name}: training paused {paused:.1f} s (staged in host memory "
                        "and written in the background; complete at the next save)")
