@@ -344,3 +344,23 @@ def test_more_threads_than_cores_is_warned_about():
     assert "num_threads=null (the cores shared out: 2 each)" in note
     assert threads_note(compose(["num_threads=2"]), env, cores=4) is None
     assert threads_note(compose(["num_threads=null"]), env, cores=1) is None
+
+
+def test_ctrl_c_during_start_up_exits_130_with_one_line(tmp_path, monkeypatch, capsys):
+    """Ctrl-C while the trainer is being built (data, model) ends with exit status 130 and one line
+    saying nothing was trained or saved, not a KeyboardInterrupt traceback; the run dir holds no checkpoint."""
+    from dropless.train import checkpoint as ckpt
+    from dropless.train.__main__ import main
+
+    built = []
+
+    def interrupted(self, cfg):
+        built.append(cfg.run_dir)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Trainer, "__init__", interrupted)
+    assert main([*QUICK, f"run_dir={tmp_path}", "logging.mode=disabled"]) == 130
+    err = capsys.readouterr().err
+    assert built == [str(tmp_path)]
+    assert "interrupted during start-up, before the first step: nothing was trained or saved" in err
+    assert ckpt.latest_checkpoint(tmp_path) is None

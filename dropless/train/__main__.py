@@ -88,6 +88,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"dropless-train: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while composing, loading data or building the model
+        print("dropless-train: interrupted during start-up, before the first step: nothing was trained or saved",
+              file=sys.stderr, flush=True)
+        return 130
     try:
         summary = trainer.train()
     except NonFiniteError as e:
