@@ -357,11 +357,9 @@ class Checkpointer:
         the write continues in the background; otherwise the checkpoint is complete (and
         pruned after) on return.
         """
-        t0 = time.perf_counter()
-        self.waited = (self.pending.path, 0.0) if self.pending is not None else None
+        before, t0 = self.pending, time.perf_counter()
         self.finish()
-        if self.waited is not None:
-            self.waited = (self.waited[0], time.perf_counter() - t0)
+        self.waited = (before.path, time.perf_counter() - t0) if before is not None else None
         path = checkpoint_dir(self.run_dir, step)
         if wait or not self.asynchronous:
             save(path, model, optimizer, trainer, self.env, expert_fqns)
