@@ -414,3 +414,23 @@ def test_closed_trainer_refuses_to_train(tmp_path):
     tr.close()
     with pytest.raises(RuntimeError, match="closed"):
         tr.train_step()
+
+
+def test_start_up_warnings_are_repeated_below_the_resolved_config(tmp_path, capsys):
+    """The resolved config (~100 lines) is printed after start-up: a warning printed before it
+    scrolls off, so dropless-train prints it again after the config."""
+    from dropless.train.__main__ import main
+
+    assert main(QUICK + [f"run_dir={tmp_path}", "train.steps=3", "train.val_every=3", "train.val_batches=100000",
+                         "train.ckpt_every=0", "logging.mode=disabled", "logging.progress=false"]) == 0
+    out = capsys.readouterr().out
+    cfg_at = out.index("[dropless] resolved config:")
+    note = "train.val_batches=100000: the validation split holds"
+    assert out.index(note) < cfg_at                               # as it came, during start-up
+    assert out.index(f"[dropless] warning (repeated from start-up): {note}") > cfg_at
+    assert out.count(note) == 2
+    # the last line gives the run's speed: the median of the steps' own figures
+    speeds = sorted(r["tokens_per_s"] for r in records(tmp_path) if "tokens_per_s" in r)
+    done = [line for line in out.splitlines() if line.startswith("[dropless] done: 3 steps in ")]
+    assert len(done) == 1 and len(speeds) == 3
+    assert f"; median {speeds[1]:,.0f} tokens/s" in done[0] and " GiB; val_loss " in done[0], done[0]

@@ -85,6 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         trainer = Trainer(cfg)  # every other check (device, mesh, backend, data, run dir) before a step
         if rank == 0:  # after the checks: a bad value's error is the last thing on the terminal
             print("[dropless] resolved config:\n" + OmegaConf.to_yaml(cfg, resolve=True), flush=True)
+            for note in trainer.warnings:  # printed above the config as they came; again where they are seen
+                print(f"[dropless] warning (repeated from start-up): {note}", flush=True)
     except ConfigError as e:
         print(f"dropless-train: error: {e}", file=sys.stderr, flush=True)
         return 2

@@ -58,6 +58,7 @@ import datetime
 import math
 import os
 import signal
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -173,10 +174,13 @@ class Trainer:
         check_backend_shapes(self.args.gemm, env.device, self.dtype, self.args.hidden_size,
                              self.args.moe_intermediate_size)  # e.g. 16-byte GEMM rows, before the run dir exists
         self.main = env.is_main
+        #: the start-up warnings, as printed (``dropless-train`` repeats them below the resolved config,
+        #: which would otherwise scroll them off the terminal)
+        self.warnings: list[str] = []
         for note in (alignment_note(self.args, self.batch * self.seq_len, env.ep_size), schedule_note(cfg),
                      threads_note(cfg, env)):
             if note:
-                self.print(f"[dropless] warning: {note}")
+                self._warn(note)
         self.param_counts = param_counts(self.args)
         check_state_fits(self.param_counts.total, self.dtype, env,  # else an OOM kill while building
                          async_staging=bool(t.get("ckpt_async", False)))
@@ -197,7 +201,7 @@ class Trainer:
         self.val_batches = val_windows(self.tokens.val, self.seq_len, self.batch, int(t.val_batches),
                                        env.rank, env.world_size)
         if len(self.val_batches) < int(t.val_batches) and int(t.val_every) > 0:
-            self.print(f"[dropless] train.val_batches={int(t.val_batches)}: the validation split holds "
+            self._warn(f"train.val_batches={int(t.val_batches)}: the validation split holds "
                        f"{len(self.val_batches)} micro-batch(es) per rank; validating on those (raise "
                        "data.val_fraction or give data.val_path for more)")
         if self.main:
@@ -351,6 +355,11 @@ class Trainer:
         if self.main:
             from tqdm import tqdm
             tqdm.write(" ".join(str(x) for x in a), file=sys.stdout)
+
+    def _warn(self, note: str) -> None:
+        """Print a start-up warning (rank 0) and keep it in :attr:`warnings`."""
+        self.warnings.append(note)
+        self.print(f"[dropless] warning: {note}")
 
     def save_checkpoint(self, wait: bool = True) -> Path:
         """Save this step's checkpoint (collective); returns its path. The save in flight, if any,
@@ -814,9 +823,21 @@ class Trainer:
             skipped = f" ({self.skipped_steps} optimizer steps skipped: non-finite)" if self.skipped_steps else ""
             done = (f"steps {self.resumed_from} -> {self.step} ({self.step - self.resumed_from} trained)"
                     if self.resumed_from else f"{self.step} steps")
-            self.print(f"[dropless] done: {done} in {wall:.1f}s{skipped}; val_loss {v}; metrics "
-                       f"{self.run_dir / 'metrics.jsonl'}")
+            self.print(f"[dropless] done: {done} in {wall:.1f}s{skipped}{self._speed_note(step0)}; val_loss {v}; "
+                       f"metrics {self.run_dir / 'metrics.jsonl'}")
         return summary
+
+    def _speed_note(self, step0: int) -> str:
+        """``"; median N tokens/s (MFU m %), peak memory p GiB"`` over the steps after ``step0`` (rank 0's
+        records; the median, so the first steps' compiling and CUDA-graph capture do not count; the
+        memory is :func:`~dropless.train.metrics.peak_memory_gib`'s: CUDA allocated, else the RSS)."""
+        recs = [r for r in self.history if r["step"] > step0]
+        if not recs:
+            return ""
+        note = f"; median {statistics.median(r['tokens_per_s'] for r in recs):,.0f} tokens/s"
+        if recs[-1]["mfu"] is not None:
+            note += f" (MFU {100 * statistics.median(r['mfu'] for r in recs):.1f} %)"
+        return note + f", peak memory {max(r['peak_mem_gib'] for r in recs):.1f} GiB"
 
     def close(self) -> None:
         """Release the run: close the metrics file and the wandb run (a trainer closed before or
