@@ -66,8 +66,24 @@ def held_writes(monkeypatch):
     return go
 
 
-def test_async_save_holds_its_step_while_training_goes_on(tmp_path, held_writes):
+@pytest.fixture(params=["default", "refill", "cuda"])
+def stager(request, monkeypatch):
+    """The asynchronous saves' stager: DCP's default (a new copy per save, the CPU's), the one kept
+    and refilled between saves (CUDA's, :func:`ckpt.host_stager`; pinning is a no-op here, a CPU
+    build cannot pin), or on a GPU the trainer's own (pinned, on a CUDA run)."""
+    if request.param == "default":
+        return None
+    if request.param == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("needs CUDA: the trainer's own pinned stager")
+        return ckpt.host_stager(torch.device("cuda"))
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self)
+    return ckpt._RefillStager()
+
+
+def test_async_save_holds_its_step_while_training_goes_on(tmp_path, held_writes, stager):
     tr = Trainer(compose(QUICK + COMMON + [f"run_dir={tmp_path}", "train.steps=6", "train.ckpt_async=true"]))
+    tr.checkpoints.stager = stager
     try:
         for _ in range(2):
             tr.train_step()
@@ -92,11 +108,13 @@ def test_async_save_holds_its_step_while_training_goes_on(tmp_path, held_writes)
         tr.close()
 
 
-def test_consecutive_async_saves_each_hold_their_step(tmp_path, held_writes, capsys):
+def test_consecutive_async_saves_each_hold_their_step(tmp_path, held_writes, capsys, stager):
     """Two background saves in a row: the save at step 4 (which first finishes step 2's) must not
     change what step 2's checkpoint holds, and step 4's holds step 4's state although training
-    goes on while it is written. The second save says it waited for the first one's write."""
+    goes on while it is written. The second save says it waited for the first one's write. With
+    the refilled stager both saves go through the same host copy."""
     tr = Trainer(compose(QUICK + COMMON + [f"run_dir={tmp_path}", "train.steps=8", "train.ckpt_async=true"]))
+    tr.checkpoints.stager = stager
     try:
         snaps = {}
         for step in (2, 4):
@@ -113,6 +131,9 @@ def test_consecutive_async_saves_each_hold_their_step(tmp_path, held_writes, cap
         assert "checkpoint step_00000002: waited" not in out
         tr.train_step()
         tr.checkpoints.finish()
+        if stager is not None:  # one host copy, refilled: its tensors hold step 4's values now
+            staged = stager.state_dict_cache["model"]
+            assert all(torch.equal(staged[k[len("model."):]], v) for k, v in snaps[4].items() if k.startswith("model."))
         for step in (2, 4):
             st = ckpt.load(ckpt.checkpoint_dir(tmp_path, step), tr.masters.state_module, tr.optimizer,
                            tr._trainer_state(), tr.env, tr.expert_fqns)
@@ -121,6 +142,36 @@ def test_consecutive_async_saves_each_hold_their_step(tmp_path, held_writes, cap
     finally:
         held_writes.set()
         tr.close()
+
+
+def test_refill_stager_keeps_its_copy_and_remakes_it_when_the_state_changes_shape(monkeypatch):
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self)
+    st = ckpt._RefillStager()
+    a = {"w": torch.ones(3), "step": 1}
+    first = st.stage(a)
+    a["w"].add_(1)
+    second = st.stage({"w": a["w"], "step": 2})
+    assert second["w"] is first["w"] and second["w"].data_ptr() != a["w"].data_ptr()
+    assert torch.equal(second["w"], torch.full((3,), 2.0)) and second["step"] == 2
+    third = st.stage({"w": a["w"], "m": torch.zeros(2), "step": 3})  # an AdamW state that appeared
+    assert third["w"] is not first["w"] and torch.equal(third["w"], a["w"]) and torch.equal(third["m"], torch.zeros(2))
+    assert ckpt.host_stager(torch.device("cpu")) is None
+
+
+def test_refill_stager_without_pinned_memory_says_so_and_copies_each_save(monkeypatch, caplog):
+    def refuse(self, *a, **k):
+        raise RuntimeError("CUDA error: out of memory (injected: page-locked memory refused)")
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", refuse)
+    st = ckpt._RefillStager()
+    w = torch.ones(3)
+    with caplog.at_level("WARNING", logger=ckpt.__name__):
+        first = st.stage({"w": w})
+    assert "could not make a pinned host copy" in caplog.text and "page-locked memory refused" in caplog.text
+    w.add_(1)
+    second = st.stage({"w": w})
+    assert second["w"] is not first["w"] and torch.equal(first["w"], torch.ones(3)) and torch.equal(second["w"], w)
+    assert caplog.text.count("could not make a pinned host copy") == 1
 
 
 def _run(rd: Path, *over: str) -> tuple[dict, Trainer]:

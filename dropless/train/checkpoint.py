@@ -29,7 +29,10 @@ on the main thread, waits for every rank's write and only then writes ``COMPLETE
 renames, exactly as a synchronous save does. A save in flight is never listed, loaded or
 deleted by :func:`prune` in this process. With several ranks the background writes talk over
 a gloo group of their own (async_save needs a CPU backend; the training collectives keep
-theirs). Cost: a host copy of this rank's whole saved state while the write runs.
+theirs). Cost: a host copy of this rank's whole saved state. On CUDA it is pinned, made at the
+first save and refilled by each later one (:func:`host_stager`: torch's ``BlockingAsyncStager``
+with its cache), so it stays allocated for the run and a save after the first is a device-to-host
+copy at the link's speed; elsewhere DCP's default stager makes a new pageable copy at every save.
 
 Errors: :class:`FileNotFoundError` for a checkpoint directory without its completion marker;
 :class:`SaveError` for a save whose write failed on any rank (an asynchronous one at
@@ -54,11 +57,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import AsyncStager, BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from dropless.config import ConfigError
 
-__all__ = ["MARKER", "Checkpointer", "PendingSave", "SaveError", "checkpoint_dir", "finish_save",
+__all__ = ["MARKER", "Checkpointer", "PendingSave", "SaveError", "checkpoint_dir", "finish_save", "host_stager",
            "incomplete_checkpoints", "is_complete", "latest_checkpoint", "list_checkpoints", "load", "prune", "save",
            "start_save"]
 
@@ -250,8 +254,44 @@ class PendingSave:
     staged_s: float = 0.0
 
 
+class _RefillStager(BlockingAsyncStager):
+    """``BlockingAsyncStager(cache_staged_state_dict=True)``: a pinned host copy of the state made at the
+    first save and refilled by each later one. Its cache must have the state's structure: where that
+    changed (an optimizer state that appeared after the first save), the copy is made anew. Where the
+    pinned copy cannot be made (page-locked host memory refused), it says so once and stages as DCP
+    does by default from then on: a new pageable copy at every save."""
+
+    def __init__(self) -> None:
+        super().__init__(cache_staged_state_dict=True)
+
+    def stage(self, state_dict):
+        if not self.cache_staged_state_dict:
+            return super().stage(state_dict)
+        try:
+            return super().stage(state_dict)
+        except Exception as e:  # noqa: BLE001 - torch's CompanionMismatch is private; pinning raises RuntimeError
+            if self.state_dict_cache is not None:  # the kept copy no longer has the state's structure
+                _log.info("checkpoint staging: the saved state's structure changed; making a new pinned host copy")
+                self.state_dict_cache = None
+                return super().stage(state_dict)
+            _log.warning("checkpoint staging: could not make a pinned host copy of the saved state (%s: %s); "
+                         "copying it into pageable host memory at every save instead (slower)", type(e).__name__, e)
+            self.cache_staged_state_dict = False
+            return super().stage(state_dict)
+
+
+def host_stager(device: torch.device) -> AsyncStager | None:
+    """The stager of :func:`start_save` on ``device``: on CUDA a pinned host copy kept between saves
+    (the first save allocates and pins it: a few seconds for tens of GB, each tensor rounded up to a
+    power of two bytes by torch's pinned allocator; each later one only copies into it, so a save must
+    not start before the previous one's write is done, which :class:`Checkpointer` ensures);
+    elsewhere None, DCP's default (a new pageable copy per save).
+    """
+    return _RefillStager() if device.type == "cuda" else None
+
+
 def start_save(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainer: dict, env: Any,
-               expert_fqns: set[str], group: Any = None) -> PendingSave:
+               expert_fqns: set[str], group: Any = None, stager: AsyncStager | None = None) -> PendingSave:
     """Start an asynchronous save of ``path`` (collective) with ``torch.distributed.checkpoint.async_save``.
 
     Returns once this rank's state is copied to host memory: the parameters and optimizer may
@@ -262,6 +302,9 @@ def start_save(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
     Args:
         group: with several ranks, a process group with a CPU backend (gloo) used only by the
             background writes; None in one process.
+        stager: DCP's ``async_stager`` (:func:`host_stager`); None: DCP's default. A stager that
+            keeps its copy between saves (the pinned one) must not start a save before the
+            previous save's write is finished (:func:`finish_save`).
     Raises:
         ValueError: several ranks and no ``group``.
     """
@@ -277,7 +320,7 @@ def start_save(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
                                 "assuming the intent is to save in a single process")
     _writing.add(partial.resolve())
     try:
-        res = dcp.async_save(state, checkpoint_id=str(partial), process_group=group)
+        res = dcp.async_save(state, checkpoint_id=str(partial), process_group=group, async_stager=stager)
     except BaseException:
         _writing.discard(partial.resolve())
         raise
@@ -333,6 +376,8 @@ class Checkpointer:
         keep: newest complete checkpoints kept (``train.ckpt_keep``); 0: all.
         asynchronous: ``train.ckpt_async``: :meth:`save` with ``wait=False`` writes in the background.
         timeout_s: the gloo group's collective timeout (``train.dist_timeout_s``).
+        stager: the asynchronous saves' stager; default :func:`host_stager` of the run's device
+            (pinned and kept on CUDA).
     Attributes:
         pending: the :class:`PendingSave` in flight, or None.
         waited: after :meth:`save`: (the save that was in flight, seconds :meth:`save` spent
@@ -340,8 +385,9 @@ class Checkpointer:
     """
 
     def __init__(self, run_dir: Path, env: Any, *, keep: int = 0, asynchronous: bool = False,
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, stager: AsyncStager | None | str = "auto"):
         self.run_dir, self.env, self.keep, self.asynchronous = Path(run_dir), env, int(keep), bool(asynchronous)
+        self.stager = (host_stager(env.device) if stager == "auto" else stager) if self.asynchronous else None
         self.group = (dist.new_group(list(range(env.world_size)), backend="gloo",
                                      timeout=datetime.timedelta(seconds=float(timeout_s)))
                       if self.asynchronous and env.distributed else None)
@@ -365,7 +411,7 @@ class Checkpointer:
             save(path, model, optimizer, trainer, self.env, expert_fqns)
             self._prune()
             return path
-        self.pending = start_save(path, model, optimizer, trainer, self.env, expert_fqns, self.group)
+        self.pending = start_save(path, model, optimizer, trainer, self.env, expert_fqns, self.group, self.stager)
         return path
 
     def finish(self) -> Path | None:
