@@ -144,6 +144,25 @@ def test_consecutive_async_saves_each_hold_their_step(tmp_path, held_writes, cap
         tr.close()
 
 
+def test_last_save_says_how_long_it_waited_for_the_background_write(tmp_path, held_writes, capsys):
+    """The save at the end (synchronous) first completes the background one: a wait that long is
+    said (it is part of that save's pause), without the periodic saves' advice."""
+    tr = Trainer(compose(QUICK + COMMON + [f"run_dir={tmp_path}", "train.steps=4", "train.ckpt_async=true"]))
+    try:
+        tr.train_step()
+        tr.save_checkpoint(wait=False)
+        tr.train_step()
+        threading.Timer(1.5, held_writes.set).start()
+        tr.save_checkpoint(wait=True)
+        out = capsys.readouterr().out
+        assert "checkpoint step_00000002: waited " in out
+        assert "for step_00000001's background write to finish first" in out and "raise train.ckpt_every" not in out
+        assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [1, 2]
+    finally:
+        held_writes.set()
+        tr.close()
+
+
 def test_refill_stager_keeps_its_copy_and_remakes_it_when_the_state_changes_shape(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self)
     st = ckpt._RefillStager()

@@ -371,10 +371,13 @@ class Trainer:
                                      self.expert_fqns, wait=wait)
         paused = time.perf_counter() - t0
         waited = self.checkpoints.waited
-        if not wait and waited is not None and waited[1] >= 1.0:  # a periodic save caught up with the write
+        if waited is not None and waited[1] >= 1.0 and not wait:  # a periodic save caught up with the write
             self.print(f"[dropless] checkpoint {path.name}: waited {waited[1]:.1f} s for {waited[0].name}'s "
                        f"background write to finish (saves {int(self.cfg.train.ckpt_every)} steps apart come "
                        "faster than one is written): raise train.ckpt_every, or set train.ckpt_async=false")
+        elif waited is not None and waited[1] >= 1.0:  # the last save (or a signal's): part of its pause
+            self.print(f"[dropless] checkpoint {path.name}: waited {waited[1]:.1f} s for {waited[0].name}'s "
+                       "background write to finish first")
         if self.checkpoints.pending is not None:
             self.print(f"[dropless] checkpoint {path.name}: training paused {paused:.1f} s (staged in host memory "
                        "and written in the background; complete at the next save)")
