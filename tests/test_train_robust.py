@@ -364,3 +364,41 @@ def test_ctrl_c_during_start_up_exits_130_with_one_line(tmp_path, monkeypatch, c
     assert built == [str(tmp_path)]
     assert "interrupted during start-up, before the first step: nothing was trained or saved" in err
     assert ckpt.latest_checkpoint(tmp_path) is None
+
+
+def test_out_of_gpu_memory_in_a_step_is_one_line_naming_what_to_lower(tmp_path, monkeypatch, capsys):
+    """torch's allocator error (a page of text, then a traceback) becomes one line: the step, the
+    allocator's first sentence and the settings that lower the peak, with their current values."""
+    from dropless.train.__main__ import main
+
+    def oom(self, x, y):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 7.88 GiB. GPU 0 has a total capacity "
+                                     "of 79.19 GiB of which 1.2 GiB is free.\nIf reserved but unallocated ...")
+
+    monkeypatch.setattr(Trainer, "_loss", oom)  # the forward of the first micro-batch
+    rc = main(QUICK + [f"run_dir={tmp_path}", "train.steps=3", "train.val_every=0", "logging.mode=disabled",
+                       "train.micro_batch_size=4"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    line = [x for x in err.splitlines() if x.startswith("dropless-train: error: out of GPU memory")]
+    assert len(line) == 1 and "Traceback" not in err, err
+    assert "at step 1 (CUDA out of memory" in line[0] and "Tried to allocate 7.88 GiB" in line[0]
+    assert "train.micro_batch_size (now 4;" in line[0] and "train.activation_checkpointing=true" in line[0]
+    assert "If reserved" not in line[0] and "resume=true continues" in line[0]
+
+
+def test_out_of_gpu_memory_at_start_up_is_one_line(tmp_path, monkeypatch, capsys):
+    from dropless.train import trainer as trainer_module
+    from dropless.train.__main__ import main
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.00 GiB. GPU 0 has a total capacity "
+                                     "of 79.19 GiB of which 0.5 GiB is free. Including non-PyTorch memory ...")
+
+    monkeypatch.setattr(trainer_module, "build_model", oom)
+    assert main(QUICK + [f"run_dir={tmp_path}", "logging.mode=disabled"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert ("dropless-train: error: out of GPU memory during start-up (CUDA out of memory. Tried to allocate "
+            "3.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 0.5 GiB is free): ") in err
+    assert "dispatcher=fsdp" in err and "nothing was trained or saved" in err and "Including" not in err

@@ -17,7 +17,8 @@ that the data paths exist) and prints it resolved, then exits; the checks that n
 (device, the data's contents, run directory) run at start.
 Exit status: 0 done, 1 a peer rank died or stopped taking part (the message names
 train.dist_timeout_s, within which it comes), 2 bad config or data (the message names the
-field), 3 training diverged (a non-finite loss, gradient norm or validation loss with
+field; also a step or a model that does not fit in GPU memory: the message says what to lower),
+3 training diverged (a non-finite loss, gradient norm or validation loss with
 train.nonfinite=error, the message names the step; with train.nonfinite=skip, at the end, a run
 whose validation loss went non-finite, whose every step was skipped, or whose last step was
 skipped with train.val_every=0; the message counts the skipped steps), 130 stopped by Ctrl-C
@@ -36,6 +37,27 @@ def _usage() -> str:
     from dropless.train.config import list_recipes
 
     return (__doc__ or "") + "\nRecipes: " + ", ".join(list_recipes()) + "\n"
+
+
+def _out_of_memory(cfg, when: str, err: BaseException) -> str:
+    """The error line for ``torch.OutOfMemoryError`` (the GPU's allocator) ``when`` ("at step N" or
+    "during start-up"): the allocator's first three sentences (what it asked for, the GPU's total and
+    free memory) and the settings that lower the peak."""
+    first = ". ".join(str(err).strip().split("\n")[0].split(". ")[:3]).rstrip(".")
+    t = cfg.train
+    if when == "during start-up":
+        fix = ("the weights, gradients and optimizer state do not fit beside what start-up allocates: shard "
+               "them over more GPUs (dispatcher=fsdp, or expert parallelism with torchrun) or train a smaller "
+               "model")
+    else:
+        fix = (f"lower train.micro_batch_size (now {int(t.micro_batch_size)}; raise train.grad_accum, now "
+               f"{int(t.grad_accum)}, to keep the tokens per step) or train.seq_len (now {int(t.seq_len)}), or "
+               "set train.activation_checkpointing=true or the MoE memory options model.recompute_fc1, "
+               "model.recompute_gather, model.fold_routing_weights, model.num_token_chunks (dropless-plan lists "
+               "what each keeps for backward)")
+    after = ("nothing was trained or saved" if when == "during start-up" else
+             "this step was not saved; resume=true continues from the newest complete checkpoint")
+    return f"out of GPU memory {when} ({first}): {fix}; {after}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -62,6 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import os
 
+    import torch
     from omegaconf import OmegaConf
 
     from dropless.config import ConfigError
@@ -90,6 +113,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"dropless-train: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except torch.OutOfMemoryError as e:
+        print(f"dropless-train: error: {_out_of_memory(cfg, 'during start-up', e)}", file=sys.stderr, flush=True)
+        return 2
     except KeyboardInterrupt:  # Ctrl-C while composing, loading data or building the model
         print("dropless-train: interrupted during start-up, before the first step: nothing was trained or saved",
               file=sys.stderr, flush=True)
@@ -99,6 +125,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NonFiniteError as e:
         print(f"dropless-train: error: {e}", file=sys.stderr, flush=True)
         return 3
+    except torch.OutOfMemoryError as e:
+        print(f"dropless-train: error: {_out_of_memory(cfg, f'at step {trainer.step + 1}', e)}", file=sys.stderr,
+              flush=True)
+        return 2
     except RuntimeError as e:
         if NONFINITE_LOGITS in str(e):  # the router's check (on CPU; on CUDA a device-side assert)
             print(f"dropless-train: error: step {trainer.step + 1}: {str(e).strip()}; or set "
