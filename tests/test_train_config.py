@@ -224,6 +224,9 @@ def test_wrong_type_is_a_composition_error_naming_the_field(override, field):
                                             ("optim.lr=nan", "optim.lr=nan: must be a finite"),
                                             ("optim.eps=inf", "optim.eps=inf: must be a finite"),
                                             ("optim.weight_decay=inf", "optim.weight_decay=inf: must be a finite"),
+                                            # finite in fp64 but inf in the optimizer's fp32 arithmetic
+                                            ("optim.lr=1e39", "optim.lr=1e+39: must be a finite number within "
+                                             "float32's range"),
                                             ("train.dist_timeout_s=inf", "train.dist_timeout_s=inf"),
                                             # numpy's generator (the data order) refused it mid-start-up
                                             ("seed=-1", "seed=-1: must be an integer in [0, 2^63)"),

@@ -90,8 +90,12 @@ def check_train_config(cfg: DictConfig) -> None:
     need(isinstance(cfg.deterministic, bool), "deterministic", cfg.deterministic, "must be true or false")
     need(isinstance(t.get("shard_dense", False), bool), "train.shard_dense", t.get("shard_dense"),
          "must be true or false")
-    for name in ("lr", "eps", "weight_decay", "min_lr_ratio"):  # inf passes a range check and trains NaN or nothing
-        need(math.isfinite(float(o[name])), f"optim.{name}", o[name], "must be a finite number")
+    # inf passes a range check and trains NaN or nothing; beyond float32's range (the optimizer's
+    # arithmetic: the fused AdamW takes them as fp32) they are inf there
+    f32_max = torch.finfo(torch.float32).max
+    for name in ("lr", "eps", "weight_decay", "min_lr_ratio"):
+        need(math.isfinite(float(o[name])) and abs(float(o[name])) <= f32_max, f"optim.{name}", o[name],
+             f"must be a finite number within float32's range (|x| <= {f32_max:.4g})")
     need(math.isfinite(float(t.get("dist_timeout_s", 600))), "train.dist_timeout_s", t.get("dist_timeout_s"),
          "must be a finite number of seconds")
     need(0 <= int(cfg.seed) < 2**63, "seed", cfg.seed, "must be an integer in [0, 2^63) (it seeds torch and numpy)")
