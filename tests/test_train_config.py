@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 
 from dropless.config import ConfigError, ModelArgs
-from dropless.train.config import compose, list_recipes, model_args
+from dropless.train.config import compose, config_dir, list_recipes, model_args
 from dropless.train.dist import check_mesh, default_num_threads, init_distributed, resolve_ep_size
 from dropless.train.optim import lr_at
 from dropless.train.startup import alignment_note, check_train_config
@@ -78,7 +78,8 @@ def test_recipes():
     ("+foo=1", "add new keys"),
     ("model.hidden_size=abc", "could not be converted to Integer"),
     ("dispatcher=nope", "dispatcher/nope"),
-    ("recipe=nope", "Available recipes"),
+    ("recipe=nope", r"Available options in 'recipes':\n\tcpu_default\n(\t\w+\n)*\(the options are the .yaml files "
+                    r"in .*recipes/\)$"),
 ])
 def test_unknown_keys_and_bad_values_are_errors(override, match):
     with pytest.raises(ConfigError, match=match):
@@ -293,5 +294,7 @@ def test_unknown_group_option_lists_the_options_without_schema(group, real):
     with pytest.raises(ConfigError) as info:
         compose([f"{group}=nonexistent"])
     msg = str(info.value)
-    listed = msg.split(f"Available options in '{group}':", 1)[1].split("Config search path", 1)[0].split()
+    listed = msg.split(f"Available options in '{group}':", 1)[1].split("(the options are", 1)[0].split()
     assert real in listed and "schema" not in listed and len(listed) >= 1
+    assert "Config search path" not in msg and "provider=" not in msg  # Hydra's internals, not the user's
+    assert f"(the options are the .yaml files in {config_dir() / group}/)" in msg

@@ -176,21 +176,30 @@ def _composition_message(err: Exception, overrides: Sequence[str]) -> str:
 
     Hydra suggests ``+key=value`` for a key that does not exist; dropless refuses ``+`` (every key it
     reads exists already), so that line is replaced by the closest existing key. Hydra's list of a
-    group's options leaves out ``schema``, the typed base the options extend (not one to pick).
+    group's options leaves out ``schema``, the typed base the options extend (not one to pick), and
+    its search path (Hydra's own package, the schema store) gives way to where the options are.
     """
     lines = [str(err).strip()]
     cause = err.__cause__
     while cause is not None:  # Hydra wraps the OmegaConf error that names the type problem
         lines.append(str(cause).strip())
         cause = cause.__cause__
-    kept, in_options = [], False
+    kept, in_options, in_path = [], False, False
     for line in "\n".join(lines).splitlines():
         if line.startswith("To append to your config"):
             continue
         if in_options and line.strip() == "schema":  # the typed base every option of a group extends
             continue
+        # Hydra's search path (its own package, the schema store): where configs/ is, said once below
+        in_path = line.startswith("Config search path:") or (in_path and line.startswith("\t"))
+        if in_path:
+            continue
         in_options = line.startswith("Available options in") or (in_options and line.startswith("\t"))
         kept.append(line)
+    group = re.search(r"Available options in '([^']+)'", "\n".join(kept))
+    if group:
+        where = recipe_dir() if group.group(1) == "recipes" else config_dir() / group.group(1)
+        kept.append(f"(the options are the .yaml files in {where}/)")
     msg = "\n".join(kept)
     hint = ""
     unknown = re.search(r"Could not override '([^']+)'", msg)
@@ -203,7 +212,7 @@ def _composition_message(err: Exception, overrides: Sequence[str]) -> str:
             value = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == key), "...")
             if close:
                 hint = f"\n'{key}' is not a config key: did you mean {close[0]}={value}?" + hint
-    if "recipes" in msg:
+    if "recipes" in msg and "Available options in 'recipes'" not in msg:
         hint += f"\nAvailable recipes (recipe=NAME): {', '.join(list_recipes())}"
     return f"config composition failed for overrides {list(overrides)}:\n{msg}{hint}"
 
