@@ -136,6 +136,22 @@ def test_resume_repeats_the_uninterrupted_run_bitwise(tmp_path):
         assert rb[6][f"expert_load/layer{i}/max_over_mean"] == ra[6][f"expert_load/layer{i}/max_over_mean"]
 
 
+def test_ckpt_threads_write_one_file_each_and_resume_the_same(tmp_path):
+    """train.ckpt_threads=N: each rank's checkpoint is N files written side by side (DCP's
+    thread_count); resuming from it gives the steps of resuming from a one-file checkpoint."""
+    common = ["train.steps=4", "train.val_every=0", "train.ckpt_every=2", "train.ckpt_keep=0", "logging.mode=disabled"]
+    out = {}
+    for n in (1, 3):
+        rd = tmp_path / f"t{n}"
+        run([f"run_dir={rd}", f"train.ckpt_threads={n}"] + common)
+        assert len(list((rd / "checkpoints" / "step_00000002").glob("*.distcp"))) == n
+        shutil.rmtree(rd / "checkpoints" / "step_00000004")
+        (rd / "metrics.jsonl").unlink()
+        run([f"run_dir={rd}", "resume=true", f"train.ckpt_threads={n}"] + common)
+        out[n] = [(r["loss"], r["grad_norm"]) for r in records(rd)]
+    assert len(out[1]) == 2 and out[1] == out[3]
+
+
 def test_run_dir_with_checkpoints_needs_resume(tmp_path):
     from dropless.config import ConfigError
     run([f"run_dir={tmp_path}", "train.steps=1", "train.val_every=0", "logging.mode=disabled"])

@@ -49,6 +49,7 @@ class TrainConfig:
     ckpt_every: int = MISSING                 # steps between checkpoints; 0: only at the end / on Ctrl-C
     ckpt_keep: int = MISSING                  # newest checkpoints kept; 0: all
     ckpt_async: bool = MISSING                # periodic checkpoints written in the background (a host copy)
+    ckpt_threads: int = MISSING               # threads writing each rank's checkpoint files
     activation_checkpointing: bool = MISSING  # recompute each decoder layer in backward
     shard_dense: bool = MISSING               # FSDP2-shard the non-expert parameters over all ranks
     dtype: str = MISSING                      # auto | bf16 | fp32

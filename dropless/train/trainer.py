@@ -61,6 +61,7 @@ import signal
 import statistics
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -277,6 +278,7 @@ class Trainer:
         #: the saves; with train.ckpt_async (and several ranks) it makes the writes' gloo group here
         self.checkpoints = ckpt.Checkpointer(self.run_dir, env, keep=int(t.get("ckpt_keep", 0) or 0),
                                              asynchronous=bool(t.get("ckpt_async", False)),
+                                             threads=int(t.get("ckpt_threads", 1)),
                                              timeout_s=float(t.get("dist_timeout_s", 600)))
         if cfg.resume:
             found = ckpt.latest_checkpoint(self.run_dir)
@@ -639,7 +641,9 @@ class Trainer:
                 self.balancer.discard()
         for p in self.fsdp_params:
             p.grad = None
-        self.scheduler.step()
+        with warnings.catch_warnings():  # a skipped step (train.nonfinite=skip) still counts in the schedule
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+            self.scheduler.step()
         self.step = step
         return pending
 
