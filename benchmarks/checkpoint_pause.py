@@ -13,12 +13,12 @@ Modes:
 ``async``           ``train.ckpt_async=true`` with the run's own stager
                     (:func:`dropless.train.checkpoint.host_stager`: on CUDA a pinned host copy
                     kept between saves).
-``async_pageable``  ``train.ckpt_async=true`` with DCP's default stager (a new pageable host copy
-                    per save: what ``async`` did on CUDA before session 27), so the two stagers are
-                    compared in one process.
+``async_pageable``  ``train.ckpt_async=true`` staged as on a CPU (no stager of ours: DCP stages
+                    through the file writer, a new pageable host copy per save, as ``async`` did on
+                    CUDA before session 27), so the two are compared in one process.
 
-Fields: ``mode``, ``recipe``, ``device``, ``stager`` (its class name, or null for DCP's
-default), ``saved_gib`` (this rank's checkpointed state: the fp32 masters and AdamW moments),
+Fields: ``mode``, ``recipe``, ``device``, ``stager`` (its class name, or null: the
+writer stages), ``saved_gib`` (this rank's checkpointed state: the fp32 masters and AdamW moments),
 ``saves`` (one entry per save: ``step``, ``paused_s`` (what the save cost training:
 :meth:`~dropless.train.trainer.Trainer.save_checkpoint`'s wall time), ``waited_s`` (the part spent
 completing the save before it), ``staged_s`` (async: the copy into host memory)),

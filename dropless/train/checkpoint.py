@@ -33,7 +33,8 @@ a gloo group of their own (async_save needs a CPU backend; the training collecti
 theirs). Cost: a host copy of this rank's whole saved state. On CUDA it is pinned, made at the
 first save and refilled by each later one (:func:`host_stager`: torch's ``BlockingAsyncStager``
 with its cache), so it stays allocated for the run and a save after the first is a device-to-host
-copy at the link's speed; elsewhere DCP's default stager makes a new pageable copy at every save.
+copy at the link's speed; elsewhere the writer stages (DCP's choice when no stager is given): a new
+pageable copy at every save.
 
 Errors: :class:`FileNotFoundError` for a checkpoint directory without its completion marker;
 :class:`SaveError` for a save whose write failed on any rank (an asynchronous one at
@@ -294,7 +295,7 @@ def host_stager(device: torch.device) -> AsyncStager | None:
     (the first save allocates and pins it: a few seconds for tens of GB, each tensor rounded up to a
     power of two bytes by torch's pinned allocator; each later one only copies into it, so a save must
     not start before the previous one's write is done, which :class:`Checkpointer` ensures);
-    elsewhere None, DCP's default (a new pageable copy per save).
+    elsewhere None: DCP stages through the file writer (a new pageable copy per save).
     """
     return _RefillStager() if device.type == "cuda" else None
 
@@ -312,7 +313,8 @@ def start_save(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
     Args:
         group: with several ranks, a process group with a CPU backend (gloo) used only by the
             background writes; None in one process.
-        stager: DCP's ``async_stager`` (:func:`host_stager`); None: DCP's default. A stager that
+        stager: DCP's ``async_stager`` (:func:`host_stager`); None: the file writer stages (a new
+            pageable copy). A stager that
             keeps its copy between saves (the pinned one) must not start a save before the
             previous save's write is finished (:func:`finish_save`).
         threads: writing threads of this rank (``train.ckpt_threads``).
