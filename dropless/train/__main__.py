@@ -60,6 +60,20 @@ def _out_of_memory(cfg, when: str, err: BaseException) -> str:
     return f"out of GPU memory {when} ({first}): {fix}; {after}"
 
 
+def _restarts_note() -> str:
+    """Under ``torchrun --max-restarts N``, for an error that every restart meets again: which start
+    this was and that the restarts will end the same way."""
+    import os
+
+    most = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if most <= 0:
+        return ""
+    done = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    left = max(0, most - done)
+    return (f" [torchrun start {done + 1} of at most {most + 1}: a restart meets this error again"
+            + (f"; stop the job (Ctrl-C) instead of waiting for the {left} restart(s) left]" if left else "]"))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point. ``argv``: Hydra overrides (default ``sys.argv[1:]``). Returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -111,10 +125,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             for note in trainer.warnings:  # printed above the config as they came; again where they are seen
                 print(f"[dropless] warning (repeated from start-up): {note}", flush=True)
     except ConfigError as e:
-        print(f"dropless-train: error: {e}", file=sys.stderr, flush=True)
+        print(f"dropless-train: error: {e}{_restarts_note()}", file=sys.stderr, flush=True)
         return 2
     except torch.OutOfMemoryError as e:
-        print(f"dropless-train: error: {_out_of_memory(cfg, 'during start-up', e)}", file=sys.stderr, flush=True)
+        print(f"dropless-train: error: {_out_of_memory(cfg, 'during start-up', e)}{_restarts_note()}",
+              file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:  # Ctrl-C while composing, loading data or building the model
         print("dropless-train: interrupted during start-up, before the first step: nothing was trained or saved",
