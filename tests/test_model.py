@@ -656,3 +656,25 @@ def test_feed_forward_second_order_gradients_and_torch_func_equal_the_plain_modu
     x = x0.clone().requires_grad_()
     (g_ref,) = torch.autograd.grad((m.w2(torch.nn.functional.silu(m.w1(x)) * m.w3(x)) * v).sum(), x)
     torch.testing.assert_close(g, g_ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("mtp_depths", [0, 1, 2])
+def test_flops_per_token_equal_torchs_flop_counter_over_a_training_step(mtp_depths):
+    """The trainer's FLOP count (its MFU's numerator) against torch's own count of the matmuls of a
+    real forward + backward: the tiny model in fp32 with the per-expert loop backend (every GEMM an
+    ``aten.mm``), attention unmasked on CPU (SDPA's math path computes every score: causal=False),
+    with 0, 1 and 2 multi-token-prediction depths (before, the MTP modules went uncounted)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from dropless.model.params import moe_flops_per_token
+    from dropless.train.config import compose, model_args
+
+    args = model_args(compose(["gemm=loop", f"model.num_nextn_predict_layers={mtp_depths}"]))
+    torch.manual_seed(0)
+    model = Transformer(args)
+    model.init_weights(0)
+    B, S = 2, 64
+    tokens = torch.randint(0, args.vocab_size, (B, S + 1))
+    with FlopCounterMode(display=False) as counter:
+        model.loss(tokens[:, :-1], tokens[:, 1:]).loss.backward()
+    assert counter.get_total_flops() == pytest.approx(moe_flops_per_token(args, S, causal=False) * B * S, rel=1e-9)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from dropless.config import ModelArgs
+from dropless.model.mtp import mtp_block_is_moe, mtp_layer_ids
 from dropless.moe import MoE
 
 __all__ = ["ParamCounts", "count_parameters", "model_flops_per_token", "moe_flops_per_token", "param_counts"]
@@ -128,7 +129,13 @@ def moe_flops_per_token(args: ModelArgs, seq_len: int, routed_rows_per_token: fl
     and ``routed_rows_per_token`` routed experts per MoE layer (the embedding
     lookup and the norms are not matmuls). The attention term is PaLM's
     (Chowdhery et al. 2022, appendix B: ``6N + 12·L·H·Q·T``) written for MLA's
-    unequal query/key and value head dims and halved for causal masking.
+    unequal query/key and value head dims and halved for causal masking. Each
+    multi-token-prediction depth ``k`` (``num_nextn_predict_layers``) adds its
+    ``eh_proj`` (``2H·H``), its decoder block and the shared output head on the
+    ``S - k`` positions it predicts (so ``(S - k)/S`` of that per token), with
+    attention over ``S - k``. With ``causal=False`` it equals the matmul FLOPs
+    :class:`torch.utils.flop_counter.FlopCounterMode` counts for a forward and
+    backward of the model in fp32 with ``gemm=loop`` (``tests/test_plan.py``).
 
     Args:
         args: the model.
@@ -149,11 +156,17 @@ def moe_flops_per_token(args: ModelArgs, seq_len: int, routed_rows_per_token: fl
     n_moe = args.num_moe_layers
     attn_mm, _ = _attention_params(args)
     expert = 3 * H * args.moe_intermediate_size
-    matmul = (L * attn_mm + (L - n_moe) * 3 * H * args.intermediate_size
-              + n_moe * (args.n_routed_experts * H + args.n_shared_experts * expert + rows * expert)
-              + V * H)
-    attn = 6 * L * args.num_attention_heads * (args.qk_head_dim + args.v_head_dim) * seq_len
-    return 6.0 * matmul + attn * (0.5 if causal else 1.0)
+    moe_mm = args.n_routed_experts * H + args.n_shared_experts * expert + rows * expert
+    matmul = L * attn_mm + (L - n_moe) * 3 * H * args.intermediate_size + n_moe * moe_mm + V * H
+    per_ctx = 6 * args.num_attention_heads * (args.qk_head_dim + args.v_head_dim) * (0.5 if causal else 1.0)
+    flops = 6.0 * matmul + L * per_ctx * seq_len
+    for layer_id in mtp_layer_ids(args):  # MTP depth k runs on the S - k positions that have a target
+        n = seq_len - (layer_id - L + 1)
+        if n <= 0:
+            continue
+        block_mm = attn_mm + (moe_mm if mtp_block_is_moe(args, layer_id) else 3 * H * args.intermediate_size)
+        flops += n / seq_len * (6.0 * (2 * H * H + block_mm + V * H) + per_ctx * n)  # eh_proj, block, head
+    return flops
 
 
 def model_flops_per_token(args: ModelArgs, seq_len: int, causal: bool = True) -> float:
