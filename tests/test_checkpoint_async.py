@@ -276,9 +276,11 @@ def test_a_failed_background_write_is_raised_at_the_next_save(tmp_path, monkeypa
 
 
 # ------------------------------------------------------------------------------ two gloo ranks
-def async_worker(rank, world, out_dir, fail_rank):
+def async_worker(rank, world, out_dir, fail_rank, refill=False):
     """EP over 2 ranks: a dense weight and this rank's half of an expert weight, AdamW. Save async at
-    step 1, take a step more (changing everything), then finish, load and compare with step 1."""
+    step 1, take a step more (changing everything), then finish, load and compare with step 1.
+    ``refill``: through the stager CUDA runs use (its kept copy refilled: pinning a no-op here), with
+    a second save at step 2 through the same copy (the experts as DTensors), compared as well."""
     from dropless.dispatch.mesh import build_mesh
     from dropless.train.dist import DistEnv
 
@@ -304,21 +306,30 @@ def async_worker(rank, world, out_dir, fail_rank):
         return _write(self, plan, planner)
 
     dcp.FileSystemWriter.write_data = write_data
-    saver = ckpt.Checkpointer(out_dir, env, asynchronous=True, timeout_s=60)
+    if refill:
+        torch.Tensor.pin_memory = lambda self, *a, **k: self
+    saver = ckpt.Checkpointer(out_dir, env, asynchronous=True, timeout_s=60,
+                              stager=ckpt._RefillStager() if refill else None)
     step()
     at1 = _snapshot(model, opt)
     saver.save(1, model, opt, {"step": 1}, {"experts"}, wait=False)
     step()
     go.set()
+    at2 = _snapshot(model, opt)
+    if refill:  # completes step 1's write, then refills the same host copy with step 2's state
+        saver.save(2, model, opt, {"step": 2}, {"experts"}, wait=False)
+        step()
     try:
         saver.finish()
     except ckpt.SaveError as e:
         return {"error": str(e)}
     dcp.FileSystemWriter.write_data = _write
-    path = ckpt.checkpoint_dir(out_dir, 1)
-    st = ckpt.load(path, model, opt, {"step": 0}, env, {"experts"})
-    now = _snapshot(model, opt)
-    return {"step": st["step"], "equal": sorted(k for k in at1 if torch.equal(at1[k], now[k])), "keys": sorted(at1)}
+    out = {}
+    for k, want in [(1, at1)] + ([(2, at2)] if refill else []):
+        st = ckpt.load(ckpt.checkpoint_dir(out_dir, k), model, opt, {"step": 0}, env, {"experts"})
+        now = _snapshot(model, opt)
+        out[k] = {"step": st["step"], "equal": sorted(n for n in want if torch.equal(want[n], now[n]))}
+    return {**out[1], "keys": sorted(at1), "step2": out.get(2)}
 
 
 @pytest.mark.slow
@@ -332,6 +343,16 @@ def test_two_ranks_async_save_holds_its_step_and_a_rank_failure_reaches_both(tmp
         assert "step_00000001: the asynchronous save of step 1 failed (rank 1: OSError" in r["error"], r
         assert "injected" in r["error"]
     assert ckpt.latest_checkpoint(tmp_path / "bad") is None
+
+
+@pytest.mark.slow
+def test_two_ranks_async_saves_through_the_kept_host_copy(tmp_path):
+    """The stager CUDA runs get (one host copy, refilled at each save) with expert-parallel DTensors:
+    steps 1 and 2, saved through the same copy, each load back as they were."""
+    for r in H.run_world("tests.test_checkpoint_async:async_worker", 2, str(tmp_path), -1, True):
+        assert r["step"] == 1 and r["equal"] == r["keys"], r
+        assert r["step2"]["step"] == 2 and r["step2"]["equal"] == r["keys"], r
+    assert ckpt.latest_checkpoint(tmp_path)[0] == 2
 
 
 @pytest.mark.slow
