@@ -134,6 +134,8 @@ def test_consecutive_async_saves_each_hold_their_step(tmp_path, held_writes, cap
         if stager is not None:  # one host copy, refilled: its tensors hold step 4's values now
             staged = stager.state_dict_cache["model"]
             assert all(torch.equal(staged[k[len("model."):]], v) for k, v in snaps[4].items() if k.startswith("model."))
+            tr.close()
+            assert tr.checkpoints.stager is None  # the closed trainer lets its host copy go
         for step in (2, 4):
             st = ckpt.load(ckpt.checkpoint_dir(tmp_path, step), tr.masters.state_module, tr.optimizer,
                            tr._trainer_state(), tr.env, tr.expert_fqns)

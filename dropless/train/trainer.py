@@ -857,7 +857,8 @@ class Trainer:
         Python's garbage collector cannot see the cycle: without removing them, the parameters and
         the fp32 gradient buckets of a closed trainer stayed allocated for the life of the process
         (a second trainer in one process, e.g. ``benchmarks/train_step.py``'s next variant, then
-        ran with the first one's ~17 GiB still resident at ``recipe=h200_single``).
+        ran with the first one's ~17 GiB still resident at ``recipe=h200_single``). The pinned host
+        copy that ``train.ckpt_async`` keeps on CUDA is dropped here too.
         """
         checkpoints = getattr(self, "checkpoints", None)
         try:
@@ -875,6 +876,9 @@ class Trainer:
             grads.remove()
         if getattr(self, "graphs", None) is not None:
             self.graphs.reset()  # the graphs' memory pool goes with them
+        checkpoints = getattr(self, "checkpoints", None)
+        if checkpoints is not None:
+            checkpoints.stager = None  # train.ckpt_async on CUDA: its pinned host copy of the state
         self._closed = True
         if self.env.distributed and dist.is_initialized():
             dist.barrier()
