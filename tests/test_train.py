@@ -450,3 +450,25 @@ def test_start_up_warnings_are_repeated_below_the_resolved_config(tmp_path, caps
     done = [line for line in out.splitlines() if line.startswith("[dropless] done: 3 steps in ")]
     assert len(done) == 1 and len(speeds) == 3
     assert f"; median {speeds[1]:,.0f} tokens/s" in done[0] and " GiB; val_loss " in done[0], done[0]
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_resume_from_a_damaged_checkpoint_names_it_and_the_older_ones(tmp_path, damage):
+    from dropless.config import ConfigError
+
+    common = [f"run_dir={tmp_path}", "train.steps=4", "train.val_every=0", "train.ckpt_every=2", "train.ckpt_keep=0",
+              "logging.mode=disabled"]
+    run(common)
+    newest = tmp_path / "checkpoints" / "step_00000004"
+    f = max(newest.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    if damage == "missing":
+        f.unlink()
+    else:
+        f.write_bytes(f.read_bytes()[:100])
+    with pytest.raises(ConfigError, match=r"step_00000004: the checkpoint cannot be read \(.*\): one of its files is "
+                                          r"missing or damaged; the older complete checkpoint\(s\) step_00000002 "
+                                          r"remain: move step_00000004 out of"):
+        Trainer(compose(QUICK + common + ["resume=true", "train.steps=6"]))
+    shutil.move(str(newest), str(tmp_path / "aside"))
+    summary, tr = run(common + ["resume=true", "train.steps=6"])
+    assert tr.resumed_from == 2 and summary["steps"] == 6

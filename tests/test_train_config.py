@@ -220,7 +220,8 @@ def test_wrong_type_is_a_composition_error_naming_the_field(override, field):
                                             ("optim.weight_decay=-5", "optim.weight_decay"),
                                             ("logging.cpu_peak_flops=0", "logging.cpu_peak_flops"),
                                             ("train.dist_timeout_s=-5", "train.dist_timeout_s"),
-                                            ("train.ckpt_threads=0", "train.ckpt_threads=0: must be >= 1"),
+                                            ("train.ckpt_threads=0", "train.ckpt_threads=0: must lie in [1, 64]"),
+                                            ("train.ckpt_threads=1000", "train.ckpt_threads=1000: must lie in [1, 64]"),
                                             # inf/nan pass a range check: lr=inf trained NaN, eps=inf nothing
                                             ("optim.lr=inf", "optim.lr=inf: must be a finite"),
                                             ("optim.lr=nan", "optim.lr=nan: must be a finite"),

@@ -59,6 +59,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager, BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -457,7 +458,8 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, t
     Raises:
         FileNotFoundError: ``path`` holds no complete checkpoint.
         ConfigError: the checkpoint lacks a weight, moment or trainer field of this model and
-            optimizer (saved by another config).
+            optimizer (saved by another config), or one of its files is missing or damaged (the
+            message names the older complete checkpoints).
     """
     path = Path(path)
     if not is_complete(path):
@@ -473,6 +475,13 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, t
     try:
         dcp.load(state, checkpoint_id=str(path),
                  planner=dcp.DefaultLoadPlanner(allow_partial_load=True))  # rng of ranks not saved
+    except (Exception, CheckpointException) as e:  # a file missing or cut short after COMPLETE was written
+        older = [p.name for _, p in list_checkpoints(path.parent.parent) if p != path]
+        where = (f"the older complete checkpoint(s) {', '.join(older[-3:])} remain: move {path.name} out of "
+                 f"{path.parent} and resume=true continues from the newest of them" if older else
+                 "there is no older complete checkpoint in this run directory")
+        raise ConfigError(f"{path}: the checkpoint cannot be read ({_describe(e).splitlines()[0]}): one of its "
+                          f"files is missing or damaged; {where}") from e
     finally:
         ctx.__exit__(None, None, None)
     with torch.no_grad():  # DCP loads in place; make sure the expert shards reached the originals

@@ -59,8 +59,8 @@ def check_train_config(cfg: DictConfig) -> None:
     for name in ("val_every", "ckpt_every"):
         need(int(t[name]) >= 0, f"train.{name}", t[name], "must be >= 0 (0: never / only at the end)")
     need(int(t.ckpt_keep) >= 0, "train.ckpt_keep", t.ckpt_keep, "must be >= 0 (the newest N checkpoints kept; 0: all)")
-    need(int(t.get("ckpt_threads", 1)) >= 1, "train.ckpt_threads", t.get("ckpt_threads"),
-         "must be >= 1 (threads writing each rank's checkpoint files)")
+    need(1 <= int(t.get("ckpt_threads", 1)) <= 64, "train.ckpt_threads", t.get("ckpt_threads"),
+         "must lie in [1, 64] (threads writing each rank's checkpoint files, one file each)")
     need(str(t.dtype) in ("auto", "bf16", "fp32"), "train.dtype", t.dtype, "must be auto, bf16 or fp32")
     need(str(t.nonfinite) in ("error", "skip"), "train.nonfinite", t.nonfinite,
          "must be error (stop, naming the step) or skip (skip the optimizer step)")

@@ -818,8 +818,8 @@ class Trainer:
         summary = {"steps": self.step, "wall_s": wall, "first_val_loss": first_val, "val_loss": last_val,
                    "run_dir": str(self.run_dir), "interrupted": self.interrupted, "diverged": diverged}
         if self.main and not self.interrupted and self.step == self.resumed_from:
-            self.print(f"[dropless] done: nothing to train, the run had finished all {self.steps} steps; metrics "
-                       f"{self.run_dir / 'metrics.jsonl'}")
+            self.print(f"[dropless] done: nothing to train, the run's newest checkpoint is at step {self.step} and "
+                       f"train.steps={self.steps}; metrics {self.run_dir / 'metrics.jsonl'}")
         elif self.main and not self.interrupted:
             if last_val is None:
                 v = "not measured (train.val_every=0)"
