@@ -300,3 +300,19 @@ def test_unknown_group_option_lists_the_options_without_schema(group, real):
     assert real in listed and "schema" not in listed and len(listed) >= 1
     assert "Config search path" not in msg and "provider=" not in msg  # Hydra's internals, not the user's
     assert f"(the options are the .yaml files in {config_dir() / group}/)" in msg
+
+
+def test_a_dict_override_sets_a_field_that_is_null_and_merges_into_one_that_is_not():
+    """``model.rope_scaling={...}`` on the tiny model (rope_scaling null) used to crash inside
+    OmegaConf (a dict cannot be merged into a null node); it is assigned now. Where the field holds a
+    dict already (deepseek_v3_671b's YaRN), the override merges into it as Hydra does."""
+    yarn = {"type": "yarn", "factor": 4, "original_max_position_embeddings": 128}
+    cfg = compose(["model.rope_scaling={type:yarn,factor:4,original_max_position_embeddings:128}", "train.steps=3"])
+    assert OmegaConf.to_container(cfg.model.rope_scaling) == yarn and cfg.train.steps == 3
+    assert model_args(cfg).yarn() is not None
+    v3 = compose(["model=deepseek_v3_671b"]).model.rope_scaling
+    merged = compose(["model=deepseek_v3_671b", "model.rope_scaling={factor:8}"]).model.rope_scaling
+    assert merged.factor == 8 and {k: v for k, v in merged.items() if k != "factor"} == \
+        {k: v for k, v in v3.items() if k != "factor"}
+    with pytest.raises(ConfigError, match=r"cannot be set alone: set the whole field, e.g. 'model.rope_scaling="):
+        compose(["model.rope_scaling.factor=4"])

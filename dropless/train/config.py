@@ -141,17 +141,50 @@ def compose(overrides: Sequence[str] = (), config_name: str = "config") -> DictC
     failure = None
     try:
         with initialize_config_dir(config_dir=str(cdir), version_base=None, job_name="dropless"):
-            cfg = hydra_compose(config_name=config_name, overrides=ov)
+            cfg, assign = _compose_with_null_dicts(hydra_compose, config_name, ov)
     except (HydraException, OmegaConfBaseException) as e:
         failure = e
+    except (AttributeError, AssertionError) as e:  # OmegaConf inside Hydra, on a key below a null field
+        raise ConfigError(
+            f"config composition failed for overrides {list(overrides)}: {type(e).__name__}: {str(e).splitlines()[0]}. "
+            "A key below a field that is null in this config (e.g. model.rope_scaling.factor=4 where "
+            "model.rope_scaling is null) cannot be set alone: set the whole field, e.g. "
+            "'model.rope_scaling={type:yarn,factor:4,original_max_position_embeddings:4096}'") from e
     finally:
         if was:
             gh.clear()
             gh.initialize(saved)
     if failure is not None:
         raise ConfigError(_composition_message(failure, overrides)) from failure
+    for key, value in assign:
+        OmegaConf.update(cfg, key, value, merge=False)
     OmegaConf.set_struct(cfg, True)
     return cfg
+
+
+def _compose_with_null_dicts(hydra_compose: Any, config_name: str, ov: list[str]) -> tuple[DictConfig, list]:
+    """Hydra's compose, except for ``key={...}`` overrides of a field that is null in the composed
+    config (``model.rope_scaling`` in most model options): Hydra merges a dict override into the
+    field, and OmegaConf cannot merge into a null node (``AttributeError: 'NoneType' object has no
+    attribute 'get'``), so those are returned as ``(key, dict)`` to assign after composition."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    dict_ov = [o for o in ov if not o.startswith(("+", "~")) and o.partition("=")[2].lstrip().startswith("{")]
+    if not dict_ov:
+        return hydra_compose(config_name=config_name, overrides=ov), []
+    rest = [o for o in ov if o not in dict_ov]
+    base = hydra_compose(config_name=config_name, overrides=rest)
+    assign, keep = [], []
+    for o, parsed in zip(dict_ov, OverridesParser.create().parse_overrides(dict_ov)):
+        key = parsed.key_or_group
+        if OmegaConf.select(base, key, default="missing") is None:  # null here: assign, not merge
+            assign.append((key, parsed.value()))
+        else:
+            keep.append(o)
+    if not assign:
+        return hydra_compose(config_name=config_name, overrides=ov), []
+    cfg = hydra_compose(config_name=config_name, overrides=rest + keep) if keep else base
+    return cfg, assign
 
 
 _GROUPS = ("model", "dispatcher", "gemm", "optim", "data", "logging")
