@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import shutil
 import statistics
 import sys
@@ -46,6 +45,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from benchmarks.train_step import emit
 
 MODES = ("sync", "async", "async_pageable")
 
@@ -117,11 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     for mode in a.modes:
         with contextlib.redirect_stdout(sys.stderr):  # the trainer's own lines: stdout carries only JSON
             rec = run_mode(a.recipe, mode, a.overrides, a.warmup, a.gap, a.saves, a.run_dir)
-        line = json.dumps(rec)
-        print(line, flush=True)
-        if a.out:
-            with open(a.out, "a") as f:
-                f.write(line + "\n")
+        emit(rec, a.out)
     return 0
 
 

@@ -467,12 +467,17 @@ def main(argv: list[str] | None = None) -> int:
                               copies)
         if a.label:
             rec = {"label": a.label, **rec}
-        line = json.dumps(rec)
-        print(line, flush=True)
-        if a.out:
-            with open(a.out, "a") as f:
-                f.write(line + "\n")
+        emit(rec, a.out)
     return 0
+
+
+def emit(rec: dict[str, Any], out: str | None = None) -> None:
+    """Print ``rec`` as one JSON line on stdout and, with ``out``, append it to that file."""
+    line = json.dumps(rec)
+    print(line, flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(line + "\n")
 
 
 if __name__ == "__main__":
