@@ -215,3 +215,41 @@ def test_val_windows_fixed_disjoint_per_rank():
 def test_too_little_data_for_a_batch():
     with pytest.raises(ConfigError, match="micro_batch_size=8"):
         ShardedLoader(np.arange(100), 16, 8, rank=0, world_size=2)
+
+
+# ------------------------------------------------------------------ no validation
+def test_val_fraction_zero_trains_on_every_token_only_in_a_run_that_never_validates(tmp_path):
+    (tmp_path / "a.txt").write_bytes(b"abcdefghij" * 10)
+    cfg = _cfg(path=str(tmp_path), glob="*.txt", val_fraction=0.0)
+    with pytest.raises(ConfigError, match=r"data.val_fraction=0.0: must lie in \(0, 1\) \(0, training on every "
+                                          r"token, only with train.val_every=0\)"):
+        load_tokens(cfg)
+    d = load_tokens(cfg, validates=False)
+    assert d.train.tobytes() == b"abcdefghij" * 10 and len(d.val) == 0
+    bins = np.arange(50, dtype=np.uint16)
+    bins.tofile(tmp_path / "t.bin")
+    d = load_tokens(_bin_cfg(tmp_path / "t.bin", val_fraction=0.0), validates=False)
+    assert np.array_equal(d.train, bins) and len(d.val) == 0
+    d = load_tokens(_bin_cfg(tmp_path / "t.bin", val_fraction=0.1), validates=False)
+    assert np.array_equal(d.train, bins[:45]) and np.array_equal(d.val, bins[45:])  # (0, 1) as before
+
+
+def test_a_run_that_never_validates_trains_beside_a_split_too_small_to_validate(tmp_path):
+    from dropless.train.config import compose
+    from dropless.train.trainer import Trainer
+
+    (tmp_path / "a.txt").write_bytes(bytes(range(256)) * 40)  # 10,240 bytes: 1 % is 102, under one window
+    common = ["data.path=" + str(tmp_path), "data.glob=*.txt", "train.micro_batch_size=2", "train.seq_len=64",
+              "train.steps=2", "optim.warmup_steps=1", "train.ckpt_every=0", "logging.mode=disabled",
+              "logging.progress=false", "num_threads=2"]
+    with pytest.raises(ConfigError, match="validation split"):
+        Trainer(compose(common + [f"run_dir={tmp_path / 'r0'}", "train.val_every=1"]))
+    for frac in ("0.01", "0"):
+        tr = Trainer(compose(common + [f"run_dir={tmp_path / ('r' + frac)}", "train.val_every=0",
+                                       f"data.val_fraction={frac}"]))
+        try:
+            assert tr.train()["steps"] == 2
+            with pytest.raises(ConfigError, match="no validation micro-batches"):
+                tr.validate()
+        finally:
+            tr.close()

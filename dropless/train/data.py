@@ -14,7 +14,8 @@ Two sources (``cfg.data.kind``):
   (vectorised ``max`` per chunk; the file is never loaded whole).
 
 Split: the last ``val_fraction`` of the token stream is held out for validation (or a
-separate ``data.val_path`` for ``bin``). Both streams are cut into windows of
+separate ``data.val_path`` for ``bin``; ``val_fraction=0``, every token trained on, only in a run
+with ``train.val_every=0``). Both streams are cut into windows of
 ``seq_len + 1`` tokens at multiples of ``seq_len`` (window ``i`` = tokens
 ``[i·S, i·S + S + 1)``: inputs ``[:-1]``, targets ``[1:]``).
 
@@ -130,7 +131,7 @@ def _bin_file_problem(path: Path, what: str, dtype: str | None) -> str | None:
     return None
 
 
-def _data_problems(data_cfg: Any, model_vocab_size: int | None) -> list[str]:
+def _data_problems(data_cfg: Any, model_vocab_size: int | None, validates: bool = True) -> list[str]:
     """Every problem of ``cfg.data`` that the config and a stat of its paths show (see :func:`check_data_config`)."""
     kind = str(data_cfg.kind)
     if kind not in ("text", "bin"):
@@ -172,19 +173,21 @@ def _data_problems(data_cfg: Any, model_vocab_size: int | None) -> list[str]:
                 out.append(problem)
     if not has_val_path:
         frac = float(data_cfg.get("val_fraction", 0.01))
-        if not 0.0 < frac < 1.0:
-            out.append(f"data.val_fraction={frac}: must lie in (0, 1)")
+        if not (0.0 < frac < 1.0 or (frac == 0.0 and not validates)):
+            out.append(f"data.val_fraction={frac}: must lie in (0, 1)"
+                       + (" (0, training on every token, only with train.val_every=0)" if frac == 0.0 else ""))
     if vocab is not None and model_vocab_size is not None and vocab > int(model_vocab_size):
         out.append(f"data.vocab_size={vocab} > model.vocab_size={model_vocab_size}: the model's embedding cannot "
                    f"hold every token id. Set model.vocab_size to at least {vocab}.")
     return out
 
 
-def check_data_config(data_cfg: Any, model_vocab_size: int | None = None) -> None:
+def check_data_config(data_cfg: Any, model_vocab_size: int | None = None, validates: bool = True) -> None:
     """Raise one ConfigError naming every problem of ``cfg.data`` that shows without reading the data.
 
     The fields (``data.kind``; ``vocab_size``: 256 for text, required for bin and within its
-    ``dtype``'s range; ``dtype``; ``val_fraction`` in (0, 1) unless a ``val_path`` is given; a data
+    ``dtype``'s range; ``dtype``; ``val_fraction`` in (0, 1) unless a ``val_path`` is given (0 too, no
+    validation split, when ``validates`` is False: a run with ``train.val_every=0``); a data
     vocabulary not above ``model_vocab_size``) and a stat of the paths (a text ``path`` that does
     not exist; a ``.bin`` ``path`` / ``val_path`` that is missing, a directory, empty, or not a
     whole number of ``dtype`` ids). One problem gives its message alone; several give
@@ -192,7 +195,7 @@ def check_data_config(data_cfg: Any, model_vocab_size: int | None = None) -> Non
     every field to fix. :func:`load_tokens` calls it first; ``check_train_config`` calls it
     before any work.
     """
-    problems = _data_problems(data_cfg, model_vocab_size)
+    problems = _data_problems(data_cfg, model_vocab_size, validates)
     if len(problems) == 1:
         raise ConfigError(problems[0])
     if problems:
@@ -206,18 +209,20 @@ def _load_bin(path: Path, dtype: str, vocab_size: int, what: str) -> np.ndarray:
     return ids
 
 
-def load_tokens(data_cfg: Any, model_vocab_size: int | None = None) -> TokenData:
+def load_tokens(data_cfg: Any, model_vocab_size: int | None = None, validates: bool = True) -> TokenData:
     """Load and check the token streams described by ``cfg.data``.
 
     Args:
         data_cfg: the ``data`` config node (``kind``, ``path``, ``vocab_size``,
             ``val_fraction``; ``glob`` for text; ``dtype``, ``val_path`` for bin).
         model_vocab_size: the model's ``vocab_size``; the data's must not exceed it.
+        validates: False for a run that never validates (``train.val_every=0``): then
+            ``val_fraction=0`` is allowed and gives an empty ``val`` (every token trains).
     Returns: :class:`TokenData`.
     Raises:
         ConfigError: see the module docstring; first :func:`check_data_config`'s, all in one.
     """
-    check_data_config(data_cfg, model_vocab_size)
+    check_data_config(data_cfg, model_vocab_size, validates)
     kind = str(data_cfg.kind)
     frac = float(data_cfg.get("val_fraction", 0.01))
     if kind == "text":
@@ -233,8 +238,8 @@ def load_tokens(data_cfg: Any, model_vocab_size: int | None = None) -> TokenData
             raise ConfigError(f"data.path={str(root)!r}: the {len(files)} files matching "
                               f"{glob!r} are all empty")
         ids = np.frombuffer(blob, dtype=np.uint8)
-        n_val = max(1, int(len(ids) * frac))
-        train, val = ids[:-n_val], ids[-n_val:]
+        n_val = max(1, int(len(ids) * frac)) if frac > 0 else 0
+        train, val = ids[:len(ids) - n_val], ids[len(ids) - n_val:]
         source = f"{len(files)} files matching {glob!r} under {root} ({len(ids):,} bytes)"
     else:
         dtype = str(data_cfg.get("dtype", "uint16"))
@@ -245,8 +250,8 @@ def load_tokens(data_cfg: Any, model_vocab_size: int | None = None) -> TokenData
             train = ids
             val = _load_bin(Path(str(data_cfg.val_path)).expanduser(), dtype, vocab, "data.val_path")
         else:
-            n_val = max(1, int(len(ids) * frac))
-            train, val = ids[:-n_val], ids[-n_val:]
+            n_val = max(1, int(len(ids) * frac)) if frac > 0 else 0
+            train, val = ids[:len(ids) - n_val], ids[len(ids) - n_val:]
         source = f"{path} ({len(ids):,} {dtype} tokens, vocab {vocab})"
     return TokenData(train=train, val=val, vocab_size=vocab, source=source)
 

@@ -1,20 +1,18 @@
-"""What a run does before its first step: the config checks, the run directory, determinism, the model.
+"""What a run does before its first step: the config checks, determinism, the model.
 
 :func:`check_train_config` raises every error that the config alone can show, before any work
 (``dropless-train`` calls it before printing the resolved config); :func:`check_logging` refuses a
 ``logging.mode`` that wandb cannot start (no login for ``online``); :func:`alignment_note` warns
-about a padding-heavy ``model.expert_alignment``; :func:`resolve_run_dir` picks (or checks) the
-run directory on every rank; :func:`set_deterministic` applies ``deterministic=true``;
+about a padding-heavy ``model.expert_alignment``; :func:`set_deterministic` applies ``deterministic=true``;
 :func:`compute_dtype` reads ``train.dtype``; :func:`build_model` makes the initialised model
 with its dispatcher and FSDP2 sharding. :class:`dropless.train.trainer.Trainer` calls them in
-this order.
+this order (the run directory, picked and locked, is :mod:`dropless.train.run_dir`).
 """
 
 from __future__ import annotations
 
 import math
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +27,6 @@ from dropless.dispatch import build_dispatcher
 from dropless.dispatch.mesh import local_expert_count
 from dropless.layout import aligned_capacity
 from dropless.model import Transformer
-from dropless.train import checkpoint as ckpt
 from dropless.train.compile import check_compile_moe
 from dropless.train.config import model_args
 from dropless.train.data import check_data_config
@@ -122,7 +119,8 @@ def check_train_config(cfg: DictConfig) -> None:
     need(cfg.num_threads is None or int(cfg.num_threads) >= 1, "num_threads", cfg.num_threads,
          "must be >= 1 (CPU threads per process), or null for the cores divided by the local processes")
     args = model_args(cfg)
-    check_data_config(cfg.data, args.vocab_size)  # every missing/invalid data field in one error
+    check_data_config(cfg.data, args.vocab_size,  # every missing/invalid data field in one error
+                      validates=int(cfg.train.val_every) > 0)
     need(not args.tie_word_embeddings, "model.tie_word_embeddings", True,
          "dropless builds DeepSeek-V3's untied output head; set model.tie_word_embeddings=false")
     if cfg.get("init_from") and not cfg.resume:  # (a resumed run may never read it)
@@ -272,41 +270,6 @@ def check_logging(cfg: DictConfig, env: DistEnv) -> None:
         problem = box[0]
     if problem:
         raise ConfigError(problem)
-
-
-def resolve_run_dir(cfg: DictConfig, env: DistEnv) -> Path:
-    """The run directory, the same on every rank (rank 0 picks a fresh dated name by default).
-
-    Raises:
-        ConfigError: ``resume=true`` without ``run_dir``; ``resume=false`` and ``run_dir``
-            already holds checkpoints (a new run would mix with the old one).
-    """
-    if cfg.run_dir:
-        run_dir = Path(str(cfg.run_dir)).expanduser()
-    else:
-        if cfg.resume:
-            raise ConfigError("resume=true needs run_dir=PATH: the run directory to continue")
-        name = None
-        if env.is_main:
-            base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-            run_dir, i = base, 1
-            while run_dir.exists():
-                i += 1
-                run_dir = Path(f"{base}-{i}")
-            name = str(run_dir)
-        if env.distributed:
-            box = [name]
-            dist.broadcast_object_list(box, src=0)
-            name = box[0]
-        run_dir = Path(name)
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ConfigError(f"run_dir={str(run_dir)!r} is a file, not a directory; give a directory path")
-    if not cfg.resume:
-        found = ckpt.latest_checkpoint(run_dir)
-        if found is not None:
-            raise ConfigError(f"run_dir={str(run_dir)!r} already holds a checkpoint (step {found[0]}): pass "
-                              "resume=true to continue it, or give a new run_dir")
-    return run_dir.resolve()
 
 
 def config_changes(old: DictConfig, new: DictConfig) -> list[str]:

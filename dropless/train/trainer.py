@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import datetime
 import math
-import os
 import signal
 import statistics
 import sys
@@ -86,6 +85,7 @@ from dropless.train.grads import GradBuckets, clipped_step, folds_clip, grad_nor
 from dropless.train.graph import MicroBatchGraphs
 from dropless.train.metrics import MetricsLogger, counts_metrics, peak_flops, peak_memory_gib
 from dropless.train.optim import MasterWeights, RouterBiasUpdate, build_optimizer, build_scheduler, is_dtensor, lr_at
+from dropless.train.run_dir import claim_run_dir, resolve_run_dir
 from dropless.train.startup import (
     alignment_note,
     build_model,
@@ -94,7 +94,6 @@ from dropless.train.startup import (
     check_train_config,
     compute_dtype,
     config_changes,
-    resolve_run_dir,
     schedule_note,
     set_deterministic,
     threads_note,
@@ -196,24 +195,25 @@ class Trainer:
         check_logging(cfg, env)  # e.g. logging.mode=online without a wandb login
         self.print(f"[dropless] loss: {loss_note}")
         self.run_dir = resolve_run_dir(cfg, env)
-        self.tokens = load_tokens(cfg.data, self.args.vocab_size)
+        validates = int(t.val_every) > 0
+        self.tokens = load_tokens(cfg.data, self.args.vocab_size, validates)
         self.loader = ShardedLoader(self.tokens.train, self.seq_len, self.batch, env.rank, env.world_size,
                                     int(cfg.seed), pin_memory=env.device.type == "cuda")
-        self.val_batches = val_windows(self.tokens.val, self.seq_len, self.batch, int(t.val_batches),
-                                       env.rank, env.world_size)
+        try:
+            self.val_batches = val_windows(self.tokens.val, self.seq_len, self.batch, int(t.val_batches),
+                                           env.rank, env.world_size)
+        except ConfigError:
+            if validates:
+                raise
+            self.val_batches = []  # too small a split (or data.val_fraction=0) for a run that never validates
         if len(self.val_batches) < int(t.val_batches) and int(t.val_every) > 0:
             self._warn(f"train.val_batches={int(t.val_batches)}: the validation split holds "
                        f"{len(self.val_batches)} micro-batch(es) per rank; validating on those (raise "
                        "data.val_fraction or give data.val_path for more)")
-        if self.main:
-            try:
-                self.run_dir.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise ConfigError(f"run_dir={str(self.run_dir)!r} cannot be created ({e.strerror}); give a writable "
-                                  "directory") from e
-            if not os.access(self.run_dir, os.W_OK):
-                raise ConfigError(f"run_dir={str(self.run_dir)!r} is not writable; give a writable directory")
-        env.barrier()
+        #: rank 0's lock on the run directory (one run at a time in it), released by close()
+        self._run_dir_lock = claim_run_dir(self.run_dir, env)
+        if self._run_dir_lock is not None and self._run_dir_lock.note:
+            self._warn(self._run_dir_lock.note)
 
         self.model = build_model(self.args, cfg, env, self.dtype)
         if cfg.get("init_from") and not (cfg.resume and ckpt.latest_checkpoint(self.run_dir)):  # weights only
@@ -412,7 +412,15 @@ class Trainer:
 
         The routers' non-finite-logit check is off here: NaN/Inf weights give a NaN loss, the same on
         every rank after the all-reduce, instead of an error raised on the ranks whose batches met it.
-        :meth:`train` judges the value (:meth:`_validation`)."""
+        :meth:`train` judges the value (:meth:`_validation`).
+
+        Raises:
+            ConfigError: the run has no validation micro-batches (``train.val_every=0`` with
+                ``data.val_fraction=0`` or a split smaller than one micro-batch per rank)."""
+        if not self.val_batches:
+            raise ConfigError("no validation micro-batches: this run has train.val_every=0 and a validation split "
+                              "too small for one micro-batch per rank (or data.val_fraction=0); raise "
+                              "data.val_fraction or give data.val_path")
         self.model.eval()
         dev = self.env.device
         routers = self.balancer.routers
@@ -879,6 +887,9 @@ class Trainer:
         checkpoints = getattr(self, "checkpoints", None)
         if checkpoints is not None:
             checkpoints.stager = None  # train.ckpt_async on CUDA: its pinned host copy of the state
+        lock = getattr(self, "_run_dir_lock", None)
+        if lock is not None:
+            lock.release()  # another run may now use the directory
         self._closed = True
         if self.env.distributed and dist.is_initialized():
             dist.barrier()

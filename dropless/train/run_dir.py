@@ -1,0 +1,182 @@
+"""The run directory: which one a run uses (:func:`resolve_run_dir`) and one run at a time in it
+(:func:`claim_run_dir`).
+
+Two runs writing one run directory at once (the same ``run_dir=`` typed in two terminals, a job a
+scheduler started twice, a ``resume=true`` beside the run it resumes) overwrite each other's
+``metrics.jsonl``, ``config.yaml`` and checkpoints, and ``train.ckpt_keep`` deletes the other
+run's saves. So rank 0 holds an exclusive lock on ``RUN_DIR/run.lock`` (``fcntl.flock``, advisory,
+non-blocking) from the moment it makes the directory until :meth:`Trainer.close
+<dropless.train.trainer.Trainer.close>`; a second run is refused at start-up with a
+:class:`~dropless.config.ConfigError` naming the holder (its host, pid and start time, read from
+the file). The lock belongs to the open file, so the operating system drops it when the holding
+process ends, however it ends (kill -9, OOM kill, a node lost): a ``run.lock`` left on disk holds
+nothing and is reused. Without ``fcntl`` (not POSIX) or on a filesystem that refuses ``flock``
+(some network mounts: ``ENOLCK``/``EOPNOTSUPP``), the run goes on unlocked and says so once.
+
+Within one process the lock is re-entrant: trainers made one after another on the same directory
+(tests, ``benchmarks/``: a resume beside a trainer not yet closed) share it, counted, and the last
+release unlocks it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from dropless.config import ConfigError
+from dropless.train import checkpoint as ckpt
+from dropless.train.dist import DistEnv
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no lock (said at start-up)
+    fcntl = None  # type: ignore[assignment]
+
+LOCK_FILE = "run.lock"
+
+_held: dict[Path, list] = {}  # run dir -> [open lock file, users in this process]
+_held_guard = threading.Lock()
+
+
+def resolve_run_dir(cfg: DictConfig, env: DistEnv) -> Path:
+    """The run directory, the same on every rank (rank 0 picks a fresh dated name by default).
+
+    Raises:
+        ConfigError: ``resume=true`` without ``run_dir``; ``resume=false`` and ``run_dir``
+            already holds checkpoints (a new run would mix with the old one).
+    """
+    if cfg.run_dir:
+        run_dir = Path(str(cfg.run_dir)).expanduser()
+    else:
+        if cfg.resume:
+            raise ConfigError("resume=true needs run_dir=PATH: the run directory to continue")
+        name = None
+        if env.is_main:
+            base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+            run_dir, i = base, 1
+            while run_dir.exists():
+                i += 1
+                run_dir = Path(f"{base}-{i}")
+            name = str(run_dir)
+        if env.distributed:
+            box = [name]
+            dist.broadcast_object_list(box, src=0)
+            name = box[0]
+        run_dir = Path(name)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"run_dir={str(run_dir)!r} is a file, not a directory; give a directory path")
+    if not cfg.resume:
+        found = ckpt.latest_checkpoint(run_dir)
+        if found is not None:
+            raise ConfigError(f"run_dir={str(run_dir)!r} already holds a checkpoint (step {found[0]}): pass "
+                              "resume=true to continue it, or give a new run_dir")
+    return run_dir.resolve()
+
+
+class RunDirLock:
+    """Rank 0's hold on a run directory (see the module docstring); :meth:`release` ends it (again: no-op).
+
+    ``note`` is a line to print when no lock could be taken (no ``fcntl``, a filesystem without
+    ``flock``), else None.
+    """
+
+    def __init__(self, run_dir: Path, note: str | None = None):
+        self.run_dir, self.note, self._held = run_dir, note, note is None
+
+    def release(self) -> None:
+        if not self._held:
+            return
+        self._held = False
+        with _held_guard:
+            entry = _held.get(self.run_dir)
+            if entry is None:
+                return
+            entry[1] -= 1
+            if entry[1] == 0:
+                del _held[self.run_dir]
+                entry[0].close()  # closing the file drops its flock
+
+
+def _holder(path: Path) -> str:
+    """Who holds ``path`` (its first line: host, pid, start time), or a plain phrase if unreadable."""
+    try:
+        line = path.read_text().splitlines()[0].strip()
+    except (OSError, IndexError, UnicodeDecodeError):
+        line = ""
+    return line or "a process that has not written its name yet"
+
+
+def lock_run_dir(run_dir: Path) -> RunDirLock:
+    """Lock an existing ``run_dir`` for this process (re-entrant within it).
+
+    Raises:
+        ConfigError: another process holds it.
+    """
+    run_dir = run_dir.resolve()
+    path = run_dir / LOCK_FILE
+    with _held_guard:
+        entry = _held.get(run_dir)
+        if entry is not None:
+            entry[1] += 1
+            return RunDirLock(run_dir)
+        if fcntl is None:
+            return RunDirLock(run_dir, "no run-directory lock (fcntl is not available on this system): two runs "
+                                       "given the same run_dir would overwrite each other")
+        f = open(path, "a+", encoding="utf-8")  # noqa: SIM115 -- held open for the run's life
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            f.close()
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise ConfigError(
+                    f"run_dir={str(run_dir)!r} is in use by another run ({_holder(path)}): two runs in one "
+                    "directory overwrite each other's checkpoints and metrics; wait for that run to end or stop "
+                    f"it, or give another run_dir (the lock is {path}: it ends with its process)") from None
+            return RunDirLock(run_dir, f"no run-directory lock ({path}: {e.strerror or e}, e.g. a network "
+                                       "filesystem without flock): two runs given the same run_dir would "
+                                       "overwrite each other")
+        f.seek(0)
+        f.truncate()
+        f.write(f"host {socket.gethostname()}, pid {os.getpid()}, started "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n")
+        f.flush()
+        _held[run_dir] = [f, 1]
+        return RunDirLock(run_dir)
+
+
+def claim_run_dir(run_dir: Path, env: DistEnv) -> RunDirLock | None:
+    """Make ``run_dir`` (rank 0), check it is writable and lock it for this run; every rank gets the
+    same answer (rank 0 broadcasts it), so a refusal stops all ranks alike instead of leaving the
+    others waiting at the next collective. Returns rank 0's lock, None on the other ranks.
+
+    Raises:
+        ConfigError: the directory cannot be made, is not writable, or another run holds it.
+    """
+    problem, lock = None, None
+    if env.is_main:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            if not os.access(run_dir, os.W_OK):
+                problem = f"run_dir={str(run_dir)!r} is not writable; give a writable directory"
+            else:
+                lock = lock_run_dir(run_dir)
+        except ConfigError as e:
+            problem = str(e)
+        except OSError as e:
+            problem = f"run_dir={str(run_dir)!r} cannot be created ({e.strerror or e}); give a writable directory"
+    if env.distributed:
+        box = [problem]
+        dist.broadcast_object_list(box, src=0)
+        problem = box[0]
+    if problem:
+        if lock is not None:
+            lock.release()
+        raise ConfigError(problem)
+    return lock

@@ -1,0 +1,159 @@
+"""One run at a time in a run directory (``dropless/train/run_dir.py``): a second run is refused at
+start-up, naming the first; the lock ends with its process however it ends; a process's own trainers
+share it; every rank of a refused torchrun job stops alike."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dropless.config import ConfigError
+from dropless.train import run_dir as rd
+from dropless.train.config import compose
+from dropless.train.dist import DistEnv
+from dropless.train.trainer import Trainer
+from tests.dist_harness import run_world
+
+QUICK = ["train.micro_batch_size=4", "train.seq_len=32", "optim.warmup_steps=1", "train.val_every=0",
+         "train.ckpt_every=0", "logging.progress=false", "logging.mode=disabled", "num_threads=2"]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def holder(tmp_path):
+    """Another process holding ``tmp_path / "run"``'s lock until it is killed: (run dir, Popen)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    code = ("import sys; from pathlib import Path; from dropless.train.run_dir import lock_run_dir; "
+            f"lock_run_dir(Path({str(run)!r})); print('held', flush=True); sys.stdin.read()")
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True)
+    try:
+        assert p.stdout.readline().strip() == "held"
+        yield run, p
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_a_run_dir_held_by_another_process_is_refused_naming_it(holder):
+    run, p = holder
+    with pytest.raises(ConfigError) as e:
+        rd.lock_run_dir(run)
+    msg = str(e.value)
+    assert "is in use by another run" in msg and f"pid {p.pid}" in msg and "give another run_dir" in msg
+
+
+def test_a_trainer_on_a_held_run_dir_stops_before_building_the_model(holder, monkeypatch):
+    run, p = holder
+    import dropless.train.trainer as trainer_mod
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was built although the run directory is in use")
+
+    monkeypatch.setattr(trainer_mod, "build_model", no_model)
+    for resume in ("false", "true"):  # a new run, and a resume beside the run it would resume
+        with pytest.raises(ConfigError, match=f"in use by another run .*pid {p.pid}"):
+            Trainer(compose(QUICK + [f"run_dir={run}", f"resume={resume}", "train.steps=2"]))
+    assert not (run / "config.yaml").exists() and not (run / "metrics.jsonl").exists()  # nothing overwritten
+
+
+def test_dropless_train_on_a_held_run_dir_exits_2_with_one_line(holder):
+    run, p = holder
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-m", "dropless.train", *QUICK, f"run_dir={run}", "train.steps=2"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    err = [line for line in r.stderr.splitlines() if "in use by another run" in line]
+    assert len(err) == 1 and f"pid {p.pid}" in err[0]
+    assert "Traceback" not in r.stderr
+
+
+def test_the_lock_ends_with_its_process_however_it_ends(holder):
+    run, p = holder
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert (run / rd.LOCK_FILE).exists()  # the file stays; it holds nothing
+    lock = rd.lock_run_dir(run)
+    try:
+        assert f"pid {os.getpid()}" in (run / rd.LOCK_FILE).read_text()  # now names this process
+    finally:
+        lock.release()
+
+
+def test_a_process_shares_its_own_lock_and_the_last_release_frees_it(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    a = rd.lock_run_dir(run)
+    b = rd.lock_run_dir(run)  # e.g. a resume beside a trainer not yet closed
+    a.release()
+    a.release()  # twice: no effect
+    probe = [sys.executable, "-c", "from pathlib import Path; from dropless.train.run_dir import lock_run_dir; "
+             f"lock_run_dir(Path({str(run)!r}))"]
+    r = subprocess.run(probe, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "in use by another run" in r.stderr  # b still holds it
+    b.release()
+    r = subprocess.run(probe, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+def test_a_closed_trainer_frees_its_run_dir_and_a_resume_in_another_process_runs(tmp_path):
+    run = tmp_path / "run"
+    tr = Trainer(compose(QUICK + [f"run_dir={run}", "train.steps=2"]))
+    try:
+        tr.train()
+    finally:
+        tr.close()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-m", "dropless.train", *QUICK, f"run_dir={run}", "resume=true",
+                        "train.steps=3"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_a_filesystem_without_flock_runs_unlocked_and_says_so(tmp_path, monkeypatch):
+    class NoFlock:
+        LOCK_EX, LOCK_NB = 2, 4
+
+        @staticmethod
+        def flock(fd, op):
+            raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(rd, "fcntl", NoFlock)
+    lock = rd.claim_run_dir(tmp_path / "run", DistEnv(0, 1, 0, 1, torch.device("cpu"), 1, 1))
+    assert lock.note and "no run-directory lock" in lock.note and "Function not implemented" in lock.note
+    lock.release()
+
+
+def claim_worker(rank, world, run):
+    """``claim_run_dir`` on every rank: each rank's ConfigError text, or None."""
+    env = DistEnv(rank, world, rank, world, torch.device("cpu"), 1, world)
+    try:
+        rd.claim_run_dir(Path(run), env)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_every_rank_of_a_job_on_a_held_run_dir_gets_the_same_error(holder):
+    run, p = holder
+    msgs = run_world("tests.test_run_dir:claim_worker", 2, str(run))
+    assert msgs[0] == msgs[1] and msgs[0] is not None and f"pid {p.pid}" in msgs[0]
+
+
+def test_every_rank_of_a_job_gets_the_error_of_a_run_dir_that_cannot_be_made(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    msgs = run_world("tests.test_run_dir:claim_worker", 2, str(tmp_path / "file" / "run"))
+    assert msgs[0] == msgs[1] and msgs[0] is not None and "cannot be created" in msgs[0]
