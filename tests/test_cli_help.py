@@ -11,3 +11,42 @@ def test_help_is_plain_text(capsys):
     assert "dropless-train [KEY=VALUE ...]" in out and "checks the config on its own" in out
     assert "Recipes:" in out and "h200_single" in out
     assert "``" not in out and "::" not in out and ":class:" not in out
+
+
+def test_ctrl_c_while_importing_is_one_line_and_exit_130(monkeypatch, capsys):
+    import sys
+    import types
+
+    class Interrupting(types.ModuleType):
+        def __getattr__(self, name):
+            raise KeyboardInterrupt  # as a Ctrl-C lands inside a slow import (torch's takes seconds)
+
+    monkeypatch.setitem(sys.modules, "omegaconf", Interrupting("omegaconf"))
+    assert main(["train.steps=1"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == ("dropless-train: interrupted during start-up, before the first step: nothing was "
+                           "trained or saved")
+
+
+def test_a_second_interrupt_aborts_with_one_line_naming_the_newest_checkpoint(tmp_path, monkeypatch, capsys):
+    from dropless.train.trainer import Trainer
+
+    run = tmp_path / "run"
+    quick = ["train.micro_batch_size=4", "train.seq_len=32", "optim.warmup_steps=1", "train.val_every=0",
+             "logging.progress=false", "logging.mode=disabled", "num_threads=2", f"run_dir={run}"]
+    assert main(quick + ["train.steps=2", "train.ckpt_every=2"]) == 0  # a checkpoint at step 2
+    capsys.readouterr()
+    train = Trainer.train
+
+    def aborted(self):
+        self.train_step()
+        raise KeyboardInterrupt  # what Trainer._on_signal raises at a second Ctrl-C
+
+    monkeypatch.setattr(Trainer, "train", aborted)
+    assert main(quick + ["train.steps=4", "resume=true"]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        "dropless-train: aborted by a second interrupt after step 3, without the checkpoint the first one asked "
+        f"for; resume=true run_dir={run.resolve()} continues from step 2")
+    monkeypatch.setattr(Trainer, "train", train)

@@ -103,6 +103,8 @@ def test_cli_reports_config_errors(capsys):
     assert "steps: 3" in capsys.readouterr().out
     assert main(["--cfg", "job", "train.steps=4"]) == 0  # Hydra's spelling
     assert "steps: 4" in capsys.readouterr().out
+    assert main(["--cfg=job", "train.steps=5"]) == 0  # argparse's spelling of the same
+    assert "steps: 5" in capsys.readouterr().out
     assert main(["--cfg", "hydra"]) == 2 and "no hydra: section" in capsys.readouterr().err
     # --cfg runs the config-alone checks before it prints
     assert main(["--cfg", "optim.eps=-1"]) == 2

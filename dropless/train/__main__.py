@@ -77,6 +77,17 @@ def _restarts_note() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point. ``argv``: Hydra overrides (default ``sys.argv[1:]``). Returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C before the trainer's handler is installed (importing torch, ...)
+        print("dropless-train: interrupted during start-up, before the first step: nothing was trained or saved",
+              file=sys.stderr, flush=True)
+        return 130
+
+
+def _main(argv: list[str]) -> int:
+    # --cfg=job is argparse's spelling of --cfg job
+    argv = [x for a in argv for x in (a.split("=", 1) if a.startswith("--cfg=") else [a])]
     if any(a in ("-h", "--help") for a in argv):
         print(_usage())
         return 0
@@ -137,6 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     try:
         summary = trainer.train()
+    except KeyboardInterrupt:  # a second Ctrl-C (SIGINT/SIGTERM) during the stop the first one asked for
+        summary = None
     except NonFiniteError as e:
         print(f"dropless-train: error: {e}", file=sys.stderr, flush=True)
         return 3
@@ -158,6 +171,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise
     finally:
         trainer.close()
+    if summary is None:
+        from dropless.train.checkpoint import latest_checkpoint
+
+        saved = latest_checkpoint(trainer.run_dir)
+        print(f"dropless-train: aborted by a second interrupt after step {trainer.step}, without the checkpoint the "
+              "first one asked for; " + (f"resume=true run_dir={trainer.run_dir} continues from step {saved[0]}"
+                                          if saved else "no complete checkpoint was written"),
+              file=sys.stderr, flush=True)
+        return 130
     if summary["diverged"]:  # train.nonfinite=skip: the checkpoint is written, but the run is no success
         print(f"dropless-train: error: {summary['diverged']}", file=sys.stderr, flush=True)
         return 3
