@@ -57,7 +57,7 @@ def _model_overrides(args: ModelArgs) -> list[str]:
     return [f"model.{k}={getattr(args, k)}" for k in keys]
 
 
-def test_train_init_from_hf_then_export_the_run(tmp_path):
+def test_train_init_from_hf_then_export_the_run(tmp_path, capsys):
     src = tmp_path / "src"
     hf, _ = make_hf_dir(src, vocab_size=256)
     args, _ = args_from_hf_config(read_hf_config(src))
@@ -68,6 +68,7 @@ def test_train_init_from_hf_then_export_the_run(tmp_path):
 
     tr = Trainer(compose(base + [f"run_dir={tmp_path / 'a'}", "train.steps=1", f"init_from={src}"]))
     try:
+        assert f"[dropless] init_from: model weights loaded from {src}" in capsys.readouterr().out
         tr.model.eval()
         with torch.no_grad():                          # the run starts from the Hugging Face weights
             torch.testing.assert_close(tr.model(tokens), hf(tokens).logits, rtol=0, atol=2e-5)
@@ -90,6 +91,7 @@ def test_train_init_from_hf_then_export_the_run(tmp_path):
     # resume=true with a checkpoint in run_dir continues the run: init_from is not applied again
     again = Trainer(compose(base + [f"run_dir={tmp_path / 'a'}", "resume=true", "train.steps=1", f"init_from={src}"]))
     try:
+        assert "init_from: model weights loaded" not in capsys.readouterr().out  # the checkpoint wins
         again.model.eval()
         with torch.no_grad():
             torch.testing.assert_close(again.model(tokens), trained, rtol=0, atol=0)

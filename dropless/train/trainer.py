@@ -217,7 +217,9 @@ class Trainer:
 
         self.model = build_model(self.args, cfg, env, self.dtype)
         if cfg.get("init_from") and not (cfg.resume and ckpt.latest_checkpoint(self.run_dir)):  # weights only
-            init_from(self.model, cfg.init_from, mesh=env.mesh if env.ep_size > 1 else None)
+            where = init_from(self.model, cfg.init_from, mesh=env.mesh if env.ep_size > 1 else None)
+            self.print(f"[dropless] init_from: model weights loaded from {where} (the optimizer, step and data "
+                       "position start fresh)")
         self.model.train()
         expert = self.model.expert_parameters()
         self.expert_ids = {id(p) for p in expert}
