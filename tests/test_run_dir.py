@@ -132,7 +132,7 @@ def test_a_filesystem_without_flock_runs_unlocked_and_says_so(tmp_path, monkeypa
             raise OSError(38, "Function not implemented")
 
     monkeypatch.setattr(rd, "fcntl", NoFlock)
-    lock = rd.claim_run_dir(tmp_path / "run", DistEnv(0, 1, 0, 1, torch.device("cpu"), 1, 1))
+    _, lock = rd.claim_run_dir(tmp_path / "run", DistEnv(0, 1, 0, 1, torch.device("cpu"), 1, 1))
     assert lock.note and "no run-directory lock" in lock.note and "Function not implemented" in lock.note
     lock.release()
 
@@ -157,3 +157,17 @@ def test_every_rank_of_a_job_gets_the_error_of_a_run_dir_that_cannot_be_made(tmp
     (tmp_path / "file").write_text("not a directory")
     msgs = run_world("tests.test_run_dir:claim_worker", 2, str(tmp_path / "file" / "run"))
     assert msgs[0] == msgs[1] and msgs[0] is not None and "cannot be created" in msgs[0]
+
+
+def test_runs_started_in_the_same_second_without_run_dir_get_their_own_directories(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(rd.time, "strftime", lambda fmt, *a: "20261206-030000")  # one second for all
+    env = DistEnv(0, 1, 0, 1, torch.device("cpu"), 1, 1)
+    cfg = compose(QUICK + ["train.steps=1"])
+    (tmp_path / "runs" / "20261206-030000").mkdir(parents=True)  # a run of that second, another process's
+    got = []
+    for _ in range(2):
+        path, lock = rd.claim_run_dir(rd.resolve_run_dir(cfg, env), env, fresh=True)
+        got.append(path)
+        lock.release()
+    assert got == [tmp_path / "runs" / f"20261206-030000-{i}" for i in (2, 3)]

@@ -46,7 +46,9 @@ _held_guard = threading.Lock()
 
 
 def resolve_run_dir(cfg: DictConfig, env: DistEnv) -> Path:
-    """The run directory, the same on every rank (rank 0 picks a fresh dated name by default).
+    """The run directory, the same on every rank: ``run_dir``, or by default a dated name
+    ``runs/YYYYmmdd-HHMMSS`` picked by rank 0 (:func:`claim_run_dir` with ``fresh=True`` then adds
+    ``-2``, ``-3``, ... if another run made that directory first).
 
     Raises:
         ConfigError: ``resume=true`` without ``run_dir``; ``resume=false`` and ``run_dir``
@@ -57,19 +59,14 @@ def resolve_run_dir(cfg: DictConfig, env: DistEnv) -> Path:
     else:
         if cfg.resume:
             raise ConfigError("resume=true needs run_dir=PATH: the run directory to continue")
-        name = None
-        if env.is_main:
-            base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-            run_dir, i = base, 1
-            while run_dir.exists():
-                i += 1
-                run_dir = Path(f"{base}-{i}")
-            name = str(run_dir)
+        name = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S")) if env.is_main else None
         if env.distributed:
             box = [name]
             dist.broadcast_object_list(box, src=0)
             name = box[0]
         run_dir = Path(name)
+    if not cfg.run_dir:
+        return run_dir.resolve()  # a default name: claim_run_dir(fresh=True) makes a new directory
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run_dir={str(run_dir)!r} is a file, not a directory; give a directory path")
     if not cfg.resume:
@@ -151,10 +148,26 @@ def lock_run_dir(run_dir: Path) -> RunDirLock:
         return RunDirLock(run_dir)
 
 
-def claim_run_dir(run_dir: Path, env: DistEnv) -> RunDirLock | None:
+def _make_fresh(base: Path) -> Path:
+    """``base``, or ``base-2``, ``base-3``, ... : the first that this call creates (atomic ``mkdir``, so
+    runs started in the same second, e.g. by a sweep, never share a default directory)."""
+    base.parent.mkdir(parents=True, exist_ok=True)
+    run_dir, i = base, 1
+    while True:
+        try:
+            run_dir.mkdir()
+            return run_dir.resolve()
+        except FileExistsError:
+            i += 1
+            run_dir = base.with_name(f"{base.name}-{i}")
+
+
+def claim_run_dir(run_dir: Path, env: DistEnv, fresh: bool = False) -> tuple[Path, RunDirLock | None]:
     """Make ``run_dir`` (rank 0), check it is writable and lock it for this run; every rank gets the
     same answer (rank 0 broadcasts it), so a refusal stops all ranks alike instead of leaving the
-    others waiting at the next collective. Returns rank 0's lock, None on the other ranks.
+    others waiting at the next collective. ``fresh``: ``run_dir`` is a default dated name, which
+    gets a ``-N`` suffix if it exists (:func:`_make_fresh`). Returns the directory (the same on
+    every rank) and rank 0's lock (None on the other ranks).
 
     Raises:
         ConfigError: the directory cannot be made, is not writable, or another run holds it.
@@ -162,7 +175,10 @@ def claim_run_dir(run_dir: Path, env: DistEnv) -> RunDirLock | None:
     problem, lock = None, None
     if env.is_main:
         try:
-            run_dir.mkdir(parents=True, exist_ok=True)
+            if fresh:
+                run_dir = _make_fresh(run_dir)
+            else:
+                run_dir.mkdir(parents=True, exist_ok=True)
             if not os.access(run_dir, os.W_OK):
                 problem = f"run_dir={str(run_dir)!r} is not writable; give a writable directory"
             else:
@@ -172,11 +188,11 @@ def claim_run_dir(run_dir: Path, env: DistEnv) -> RunDirLock | None:
         except OSError as e:
             problem = f"run_dir={str(run_dir)!r} cannot be created ({e.strerror or e}); give a writable directory"
     if env.distributed:
-        box = [problem]
+        box = [problem, str(run_dir)]
         dist.broadcast_object_list(box, src=0)
-        problem = box[0]
+        problem, run_dir = box[0], Path(box[1])
     if problem:
         if lock is not None:
             lock.release()
         raise ConfigError(problem)
-    return lock
+    return run_dir, lock

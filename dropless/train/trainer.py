@@ -211,7 +211,7 @@ class Trainer:
                        f"{len(self.val_batches)} micro-batch(es) per rank; validating on those (raise "
                        "data.val_fraction or give data.val_path for more)")
         #: rank 0's lock on the run directory (one run at a time in it), released by close()
-        self._run_dir_lock = claim_run_dir(self.run_dir, env)
+        self.run_dir, self._run_dir_lock = claim_run_dir(self.run_dir, env, fresh=not cfg.run_dir)
         if self._run_dir_lock is not None and self._run_dir_lock.note:
             self._warn(self._run_dir_lock.note)
 
