@@ -16,19 +16,48 @@ Public API::
     Transformer                            dropless.model    (DeepSeek-V3-shaped decoder)
 """
 
-from dropless.config import ConfigError, ModelArgs
-from dropless.dispatch import build_dispatcher
-from dropless.experts import GroupedExperts
-from dropless.layout import ExpertLayout
-from dropless.model import Transformer
-from dropless.moe import MoE
-from dropless.ops import grouped_mm, list_backends
-from dropless.permute import combine_rows, permute_rows
-from dropless.routing import Router, update_router_biases
+import importlib
+from typing import TYPE_CHECKING
+
+# The names load on first use (PEP 562), so that importing a submodule, e.g. the console
+# script's ``dropless.train.__main__``, does not import torch first: a Ctrl-C during that
+# import (seconds) then lands inside ``dropless-train``'s own handler.
+_EXPORTS = {
+    "ConfigError": "dropless.config", "ModelArgs": "dropless.config", "build_dispatcher": "dropless.dispatch",
+    "GroupedExperts": "dropless.experts", "ExpertLayout": "dropless.layout", "Transformer": "dropless.model",
+    "MoE": "dropless.moe", "grouped_mm": "dropless.ops", "list_backends": "dropless.ops",
+    "combine_rows": "dropless.permute", "permute_rows": "dropless.permute", "Router": "dropless.routing",
+    "update_router_biases": "dropless.routing",
+}
 
 __all__ = [
     "ConfigError", "ExpertLayout", "GroupedExperts", "ModelArgs", "MoE", "Router", "Transformer", "build_dispatcher",
     "combine_rows", "grouped_mm", "list_backends", "permute_rows", "update_router_biases",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'dropless' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:
+    from dropless.config import ConfigError, ModelArgs
+    from dropless.dispatch import build_dispatcher
+    from dropless.experts import GroupedExperts
+    from dropless.layout import ExpertLayout
+    from dropless.model import Transformer
+    from dropless.moe import MoE
+    from dropless.ops import grouped_mm, list_backends
+    from dropless.permute import combine_rows, permute_rows
+    from dropless.routing import Router, update_router_biases
+
 __version__ = "0.1.0"
 

@@ -50,3 +50,17 @@ def test_a_second_interrupt_aborts_with_one_line_naming_the_newest_checkpoint(tm
         "dropless-train: aborted by a second interrupt after step 3, without the checkpoint the first one asked "
         f"for; resume=true run_dir={run.resolve()} continues from step 2")
     monkeypatch.setattr(Trainer, "train", train)
+
+
+def test_the_console_script_reaches_its_ctrl_c_handler_before_importing_torch():
+    """``dropless-train``'s entry imports ``dropless.train.__main__``; the packages above it load their
+    names lazily, so torch's seconds-long import happens inside ``main``'s KeyboardInterrupt handler."""
+    import subprocess
+    import sys
+
+    code = "import sys, dropless.train.__main__; print(sorted(m for m in ('torch', 'omegaconf') if m in sys.modules))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stderr
+    import dropless
+
+    assert dropless.MoE.__name__ == "MoE" and "Transformer" in dir(dropless)  # the public names still resolve

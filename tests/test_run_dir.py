@@ -171,3 +171,42 @@ def test_runs_started_in_the_same_second_without_run_dir_get_their_own_directori
         got.append(path)
         lock.release()
     assert got == [tmp_path / "runs" / f"20261206-030000-{i}" for i in (2, 3)]
+
+
+def test_a_failed_start_unlocks_and_removes_the_directory_it_made(tmp_path, monkeypatch):
+    import dropless.train.trainer as trainer_mod
+
+    def failing_build(*a, **k):
+        raise ConfigError("late start-up error")
+
+    monkeypatch.setattr(trainer_mod, "build_model", failing_build)
+    new = tmp_path / "new"
+    with pytest.raises(ConfigError, match="late start-up error"):
+        Trainer(compose(QUICK + [f"run_dir={new}", "train.steps=2"]))
+    assert not new.exists()  # made by this start, nothing in it but the lock: gone
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    with pytest.raises(ConfigError, match="late start-up error"):
+        Trainer(compose(QUICK + [f"run_dir={kept}", "train.steps=2"]))
+    assert kept.is_dir()  # the user's own directory stays
+    assert rd.held_elsewhere(kept) is None and kept.resolve() not in rd._held  # and is free
+
+
+def test_a_busy_run_dir_with_checkpoints_is_called_in_use_not_resumable(tmp_path):
+    run = tmp_path / "run"
+    tr = Trainer(compose(QUICK + [f"run_dir={run}", "train.steps=2", "train.ckpt_every=2"]))
+    try:
+        tr.train()
+    finally:
+        tr.close()
+    code = ("import sys; from pathlib import Path; from dropless.train.run_dir import lock_run_dir; "
+            f"lock_run_dir(Path({str(run)!r})); print('held', flush=True); sys.stdin.read()")
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True)
+    try:
+        assert p.stdout.readline().strip() == "held"
+        with pytest.raises(ConfigError, match=f"in use by another run .*pid {p.pid}"):  # not "pass resume=true"
+            Trainer(compose(QUICK + [f"run_dir={run}", "train.steps=4"]))
+    finally:
+        p.kill()
+        p.wait()

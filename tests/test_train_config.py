@@ -105,6 +105,8 @@ def test_cli_reports_config_errors(capsys):
     assert "steps: 4" in capsys.readouterr().out
     assert main(["--cfg=job", "train.steps=5"]) == 0  # argparse's spelling of the same
     assert "steps: 5" in capsys.readouterr().out
+    assert main(["--cfg=jobs", "train.steps=5"]) == 2  # a typo is named, not a Hydra grammar error
+    assert "--cfg jobs: unknown; --cfg takes job, all or nothing" in capsys.readouterr().err
     assert main(["--cfg", "hydra"]) == 2 and "no hydra: section" in capsys.readouterr().err
     # --cfg runs the config-alone checks before it prints
     assert main(["--cfg", "optim.eps=-1"]) == 2
@@ -318,3 +320,18 @@ def test_a_dict_override_sets_a_field_that_is_null_and_merges_into_one_that_is_n
         {k: v for k, v in v3.items() if k != "factor"}
     with pytest.raises(ConfigError, match=r"cannot be set alone: set the whole field, e.g. 'model.rope_scaling="):
         compose(["model.rope_scaling.factor=4"])
+
+
+@pytest.mark.parametrize("override, text", [
+    ("gemm.backend=foo", "gemm.backend (model.gemm)='foo': not a grouped GEMM backend; choose one of ['deep_gemm', "
+                         "'fp8', 'loop', 'torch']"),
+    ("model.gemm=foo", "gemm.backend (model.gemm)='foo': not a grouped GEMM backend"),
+    ("optim.name=sgd", "optim.name='sgd': dropless trains with AdamW only"),
+])
+def test_a_value_nothing_would_build_is_a_config_error_also_under_cfg(override, text, capsys):
+    """An unknown GEMM backend was a ValueError traceback at the model build (exit 1; --cfg printed it),
+    and optim.name=sgd trained AdamW silently."""
+    from dropless.train.__main__ import main
+
+    assert main(["--cfg", override]) == 2
+    assert text in capsys.readouterr().err

@@ -211,3 +211,27 @@ def test_an_error_in_the_next_forward_still_yields_the_applied_step(tmp_path):
         assert [r["tokens"] // tr.tokens_per_step for r in recs] == [1, 2] and tr.step == 2
     finally:
         tr.close()
+
+
+def test_an_interrupt_during_the_last_step_completes_the_run(tmp_path, capsys):
+    """A Ctrl-C that lands in the last step stopped the run as "interrupted" (exit 130, "continue with
+    resume=true") although train.steps was reached; the run now completes as usual."""
+    tr = Trainer(compose(BASE + [f"run_dir={tmp_path}", "train.steps=3", "train.val_every=0"]))
+    try:
+        plain = tr._update
+
+        def update(launched):
+            out = plain(launched)
+            if tr.step == 3:
+                tr._stop_signal = signal.SIGINT  # Ctrl-C during the last step's update, before its read
+            return out
+
+        tr._update = update
+        summary = tr.train()
+    finally:
+        tr.close()
+    assert summary["steps"] == 3 and not summary["interrupted"]
+    out = capsys.readouterr().out
+    assert "interrupted during the last step: the run completes" in out and "[dropless] done: 3 steps" in out
+    from dropless.train.checkpoint import latest_checkpoint
+    assert latest_checkpoint(tmp_path)[0] == 3

@@ -22,7 +22,8 @@ field; also a step or a model that does not fit in GPU memory: the message says 
 train.nonfinite=error, the message names the step; with train.nonfinite=skip, at the end, a run
 whose validation loss went non-finite, whose every step was skipped, or whose last step was
 skipped with train.val_every=0; the message counts the skipped steps), 130 stopped by Ctrl-C
-after saving a checkpoint.
+(SIGINT/SIGTERM) after saving a checkpoint, or during start-up (nothing trained or saved), or
+aborted by a second Ctrl-C without that checkpoint (the message names the step to resume from).
 """
 
 from __future__ import annotations
@@ -100,6 +101,10 @@ def _main(argv: list[str]) -> int:
                       "has no hydra: section; --cfg (or --cfg job) prints the run's config", file=sys.stderr)
                 return 2
             del argv[i + 1]
+        elif i + 1 < len(argv) and "=" not in argv[i + 1] and not argv[i + 1].startswith(("-", "~")):
+            print(f"dropless-train: --cfg {argv[i + 1]}: unknown; --cfg takes job, all or nothing (the run's "
+                  "config) and is followed by overrides key=value", file=sys.stderr)
+            return 2
     bad = [a for a in argv if a.startswith("-") and a != "--cfg"]
     if bad:
         print(f"dropless-train: unknown option(s) {bad}; arguments are Hydra overrides key=value "

@@ -69,6 +69,9 @@ def resolve_run_dir(cfg: DictConfig, env: DistEnv) -> Path:
         return run_dir.resolve()  # a default name: claim_run_dir(fresh=True) makes a new directory
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run_dir={str(run_dir)!r} is a file, not a directory; give a directory path")
+    holder = held_elsewhere(run_dir)
+    if holder:  # before the checkpoint check: "pass resume=true" would be the wrong advice
+        raise ConfigError(_in_use(run_dir, holder))
     if not cfg.resume:
         found = ckpt.latest_checkpoint(run_dir)
         if found is not None:
@@ -81,11 +84,24 @@ class RunDirLock:
     """Rank 0's hold on a run directory (see the module docstring); :meth:`release` ends it (again: no-op).
 
     ``note`` is a line to print when no lock could be taken (no ``fcntl``, a filesystem without
-    ``flock``), else None.
+    ``flock``), else None. ``made``: this run's start created the directory.
     """
 
-    def __init__(self, run_dir: Path, note: str | None = None):
-        self.run_dir, self.note, self._held = run_dir, note, note is None
+    def __init__(self, run_dir: Path, note: str | None = None, made: bool = False):
+        self.run_dir, self.note, self.made, self._held = run_dir, note, made, note is None
+
+    def remove_if_unused(self) -> None:
+        """After :meth:`release`, for a start that failed: remove the directory if this start made it,
+        it holds nothing but ``run.lock`` and no trainer of this process uses it (a failed start
+        leaves no empty ``runs/<date>`` behind)."""
+        if not self.made or self._held or self.run_dir in _held:
+            return
+        try:
+            if {p.name for p in self.run_dir.iterdir()} <= {LOCK_FILE}:
+                (self.run_dir / LOCK_FILE).unlink(missing_ok=True)
+                self.run_dir.rmdir()
+        except OSError:
+            pass  # someone else's file appeared, or it is gone already: leave it
 
     def release(self) -> None:
         if not self._held:
@@ -101,6 +117,30 @@ class RunDirLock:
                 entry[0].close()  # closing the file drops its flock
 
 
+def _in_use(run_dir: Path, holder: str) -> str:
+    return (f"run_dir={str(run_dir)!r} is in use by another run ({holder}): two runs in one directory overwrite "
+            "each other's checkpoints and metrics; wait for that run to end or stop it, or give another run_dir "
+            f"(the lock is {run_dir / LOCK_FILE}: it ends with its process)")
+
+
+def held_elsewhere(run_dir: Path) -> str | None:
+    """Who holds ``run_dir``'s lock, if another process does (a probe: a shared ``flock`` taken and
+    dropped at once); None when it is free, held by this process, or cannot be probed."""
+    path = run_dir / LOCK_FILE
+    if fcntl is None or run_dir.resolve() in _held or not path.is_file():
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError as e:
+                return _holder(path) if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) else None
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+    except OSError:
+        return None
+    return None
+
+
 def _holder(path: Path) -> str:
     """Who holds ``path`` (its first line: host, pid, start time), or a plain phrase if unreadable."""
     try:
@@ -110,8 +150,9 @@ def _holder(path: Path) -> str:
     return line or "a process that has not written its name yet"
 
 
-def lock_run_dir(run_dir: Path) -> RunDirLock:
-    """Lock an existing ``run_dir`` for this process (re-entrant within it).
+def lock_run_dir(run_dir: Path, made: bool = False) -> RunDirLock:
+    """Lock an existing ``run_dir`` for this process (re-entrant within it); ``made``: this start
+    created it (:meth:`RunDirLock.remove_if_unused`).
 
     Raises:
         ConfigError: another process holds it.
@@ -122,30 +163,27 @@ def lock_run_dir(run_dir: Path) -> RunDirLock:
         entry = _held.get(run_dir)
         if entry is not None:
             entry[1] += 1
-            return RunDirLock(run_dir)
+            return RunDirLock(run_dir, made=made)
         if fcntl is None:
             return RunDirLock(run_dir, "no run-directory lock (fcntl is not available on this system): two runs "
-                                       "given the same run_dir would overwrite each other")
+                                       "given the same run_dir would overwrite each other", made=made)
         f = open(path, "a+", encoding="utf-8")  # noqa: SIM115 -- held open for the run's life
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             f.close()
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise ConfigError(
-                    f"run_dir={str(run_dir)!r} is in use by another run ({_holder(path)}): two runs in one "
-                    "directory overwrite each other's checkpoints and metrics; wait for that run to end or stop "
-                    f"it, or give another run_dir (the lock is {path}: it ends with its process)") from None
+                raise ConfigError(_in_use(run_dir, _holder(path))) from None
             return RunDirLock(run_dir, f"no run-directory lock ({path}: {e.strerror or e}, e.g. a network "
                                        "filesystem without flock): two runs given the same run_dir would "
-                                       "overwrite each other")
+                                       "overwrite each other", made=made)
         f.seek(0)
         f.truncate()
         f.write(f"host {socket.gethostname()}, pid {os.getpid()}, started "
                 f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n")
         f.flush()
         _held[run_dir] = [f, 1]
-        return RunDirLock(run_dir)
+        return RunDirLock(run_dir, made=made)
 
 
 def _make_fresh(base: Path) -> Path:
@@ -175,6 +213,7 @@ def claim_run_dir(run_dir: Path, env: DistEnv, fresh: bool = False) -> tuple[Pat
     problem, lock = None, None
     if env.is_main:
         try:
+            made = fresh or not run_dir.exists()
             if fresh:
                 run_dir = _make_fresh(run_dir)
             else:
@@ -182,7 +221,7 @@ def claim_run_dir(run_dir: Path, env: DistEnv, fresh: bool = False) -> tuple[Pat
             if not os.access(run_dir, os.W_OK):
                 problem = f"run_dir={str(run_dir)!r} is not writable; give a writable directory"
             else:
-                lock = lock_run_dir(run_dir)
+                lock = lock_run_dir(run_dir, made=made)
         except ConfigError as e:
             problem = str(e)
         except OSError as e:

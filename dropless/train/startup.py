@@ -27,6 +27,7 @@ from dropless.dispatch import build_dispatcher
 from dropless.dispatch.mesh import local_expert_count
 from dropless.layout import aligned_capacity
 from dropless.model import Transformer
+from dropless.ops.backends import list_backends
 from dropless.train.compile import check_compile_moe
 from dropless.train.config import model_args
 from dropless.train.data import check_data_config
@@ -118,7 +119,11 @@ def check_train_config(cfg: DictConfig) -> None:
          "must be offline, online or disabled")
     need(cfg.num_threads is None or int(cfg.num_threads) >= 1, "num_threads", cfg.num_threads,
          "must be >= 1 (CPU threads per process), or null for the cores divided by the local processes")
+    need(str(o.get("name", "adamw")) == "adamw", "optim.name", o.get("name"),
+         "dropless trains with AdamW only (torch.optim.AdamW; configs/optim/adamw.yaml); set optim.name=adamw")
     args = model_args(cfg)
+    need(args.gemm in list_backends(), "gemm.backend (model.gemm)", args.gemm,
+         f"not a grouped GEMM backend; choose one of {list_backends()} (gemm=NAME picks configs/gemm/NAME.yaml)")
     check_data_config(cfg.data, args.vocab_size,  # every missing/invalid data field in one error
                       validates=int(cfg.train.val_every) > 0)
     need(not args.tie_word_embeddings, "model.tie_word_embeddings", True,

@@ -159,6 +159,24 @@ class Trainer:
     """
 
     def __init__(self, cfg: DictConfig):
+        try:
+            self._start(cfg)
+        except BaseException:
+            self._failed_start()
+            raise
+
+    def _failed_start(self) -> None:
+        """A start that failed (a config error found late, an OOM, Ctrl-C): drop the gradient hooks,
+        unlock the run directory and remove it if this start made it and it holds nothing else."""
+        grads = getattr(self, "grads", None)
+        if grads is not None:
+            grads.remove()
+        lock = getattr(self, "_run_dir_lock", None)
+        if lock is not None:
+            lock.release()
+            lock.remove_if_unused()
+
+    def _start(self, cfg: DictConfig) -> None:
         self.cfg = cfg
         check_train_config(cfg)
         if cfg.deterministic:
@@ -806,7 +824,10 @@ class Trainer:
                     self.history.append({"step": self.step, **rec})
                 bar.update(1)
                 bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}", refresh=False)
-                if self.stopping:
+                if self.stopping and last:  # the interrupt came during the last step: the run is complete
+                    self.print(f"[dropless] interrupted during the last step: the run completes "
+                               f"(train.steps={self.steps}) and saves as usual")
+                elif self.stopping:
                     self.interrupted = True
                     path = self.save_checkpoint()
                     self.print(f"[dropless] stopped at step {self.step}; checkpoint {path}; continue with "
