@@ -210,3 +210,25 @@ def test_a_busy_run_dir_with_checkpoints_is_called_in_use_not_resumable(tmp_path
     finally:
         p.kill()
         p.wait()
+
+
+def resolve_after_rank0_locked_worker(rank, world, run):
+    """Rank 0 has already locked the directory (as its claim_run_dir does while a slower rank is still
+    resolving); every rank resolves it."""
+    from omegaconf import OmegaConf
+
+    env = DistEnv(rank, world, rank, world, torch.device("cpu"), 1, world)
+    if rank == 0:
+        rd.lock_run_dir(Path(run))
+    torch.distributed.barrier()
+    try:
+        return str(rd.resolve_run_dir(OmegaConf.create({"run_dir": run, "resume": False}), env))
+    except ConfigError as e:
+        return f"error: {e}"
+
+
+def test_a_slower_rank_does_not_mistake_its_own_rank_0_for_another_run(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    got = run_world("tests.test_run_dir:resolve_after_rank0_locked_worker", 2, str(run))
+    assert got == [str(run.resolve())] * 2

@@ -48,36 +48,46 @@ _held_guard = threading.Lock()
 def resolve_run_dir(cfg: DictConfig, env: DistEnv) -> Path:
     """The run directory, the same on every rank: ``run_dir``, or by default a dated name
     ``runs/YYYYmmdd-HHMMSS`` picked by rank 0 (:func:`claim_run_dir` with ``fresh=True`` then adds
-    ``-2``, ``-3``, ... if another run made that directory first).
+    ``-2``, ``-3``, ... if another run made that directory first). Rank 0 checks a given ``run_dir``
+    and broadcasts its verdict, so every rank raises the same error (a rank that looked for itself
+    could see the lock its own rank 0 had just taken).
 
     Raises:
-        ConfigError: ``resume=true`` without ``run_dir``; ``resume=false`` and ``run_dir``
-            already holds checkpoints (a new run would mix with the old one).
+        ConfigError: ``resume=true`` without ``run_dir``; ``run_dir`` is a file; another run holds
+            it (:func:`held_elsewhere`); ``resume=false`` and ``run_dir`` already holds checkpoints
+            (a new run would mix with the old one).
     """
-    if cfg.run_dir:
-        run_dir = Path(str(cfg.run_dir)).expanduser()
-    else:
-        if cfg.resume:
-            raise ConfigError("resume=true needs run_dir=PATH: the run directory to continue")
-        name = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S")) if env.is_main else None
-        if env.distributed:
-            box = [name]
-            dist.broadcast_object_list(box, src=0)
-            name = box[0]
-        run_dir = Path(name)
-    if not cfg.run_dir:
-        return run_dir.resolve()  # a default name: claim_run_dir(fresh=True) makes a new directory
+    if cfg.resume and not cfg.run_dir:
+        raise ConfigError("resume=true needs run_dir=PATH: the run directory to continue")
+    problem, name = None, None
+    if env.is_main:
+        if cfg.run_dir:
+            name = str(Path(str(cfg.run_dir)).expanduser())
+            problem = _given_dir_problem(Path(name), bool(cfg.resume))
+        else:
+            name = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+    if env.distributed:
+        box = [problem, name]
+        dist.broadcast_object_list(box, src=0)
+        problem, name = box
+    if problem:
+        raise ConfigError(problem)
+    return Path(name).resolve()
+
+
+def _given_dir_problem(run_dir: Path, resume: bool) -> str | None:
+    """Why a given ``run_dir`` cannot start this run (see :func:`resolve_run_dir`), or None."""
     if run_dir.exists() and not run_dir.is_dir():
-        raise ConfigError(f"run_dir={str(run_dir)!r} is a file, not a directory; give a directory path")
+        return f"run_dir={str(run_dir)!r} is a file, not a directory; give a directory path"
     holder = held_elsewhere(run_dir)
     if holder:  # before the checkpoint check: "pass resume=true" would be the wrong advice
-        raise ConfigError(_in_use(run_dir, holder))
-    if not cfg.resume:
+        return _in_use(run_dir, holder)
+    if not resume:
         found = ckpt.latest_checkpoint(run_dir)
         if found is not None:
-            raise ConfigError(f"run_dir={str(run_dir)!r} already holds a checkpoint (step {found[0]}): pass "
-                              "resume=true to continue it, or give a new run_dir")
-    return run_dir.resolve()
+            return (f"run_dir={str(run_dir)!r} already holds a checkpoint (step {found[0]}): pass resume=true to "
+                    "continue it, or give a new run_dir")
+    return None
 
 
 class RunDirLock:
