@@ -472,3 +472,27 @@ def test_resume_from_a_damaged_checkpoint_names_it_and_the_older_ones(tmp_path, 
     shutil.move(str(newest), str(tmp_path / "aside"))
     summary, tr = run(common + ["resume=true", "train.steps=6"])
     assert tr.resumed_from == 2 and summary["steps"] == 6
+
+
+def test_a_resume_on_another_rank_count_says_what_changes(tmp_path):
+    """The checkpoint's marker records the world size; a resume with another one warns that the data
+    order and the tokens per step change (older markers, without the line, say nothing)."""
+    from dropless.train import checkpoint as ckpt
+
+    run([f"run_dir={tmp_path}", "train.steps=2", "train.val_every=0", "logging.mode=disabled"])
+    step = ckpt.latest_checkpoint(tmp_path)[1]
+    assert (step / ckpt.MARKER).read_text() == "step 2\nworld_size 1\n" and ckpt.saved_world_size(step) == 1
+
+    def warnings_of_resume() -> list[str]:
+        tr = Trainer(compose(QUICK + [f"run_dir={tmp_path}", "resume=true", "train.steps=2",
+                                      "logging.mode=disabled"]))
+        tr.close()
+        return [w for w in tr.warnings if w.startswith("resume:")]
+
+    assert warnings_of_resume() == []
+    (step / ckpt.MARKER).write_text("step 2\nworld_size 4\n")  # as a 4-rank job would have written it
+    (w,) = warnings_of_resume()
+    assert w.startswith("resume: step_00000002 was saved by 4 rank(s), this run has 1: the weights and optimizer "
+                        "state carry over") and "tokens per step scale with the ranks" in w
+    (step / ckpt.MARKER).write_text("step 2\n")  # a checkpoint from before the line existed
+    assert warnings_of_resume() == [] and ckpt.saved_world_size(step) is None

@@ -66,12 +66,15 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from dropless.config import ConfigError
 
 __all__ = ["MARKER", "Checkpointer", "PendingSave", "SaveError", "checkpoint_dir", "finish_save", "host_stager",
+           "saved_world_size",
            "incomplete_checkpoints", "is_complete", "latest_checkpoint", "list_checkpoints", "load", "prune", "save",
            "start_save"]
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _PARTIAL = ".partial"
-MARKER = "COMPLETE"  #: written last, by rank 0, once every rank's part of the checkpoint is on disk
+#: written last, by rank 0, once every rank's part of the checkpoint is on disk; it holds
+#: ``step N`` and ``world_size W`` lines (:func:`saved_world_size`)
+MARKER = "COMPLETE"
 _log = logging.getLogger(__name__)
 #: ``.partial`` directories of the asynchronous saves in flight in this process: never listed as
 #: leftovers, never pruned
@@ -121,6 +124,19 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     for p in incomplete_checkpoints(run_dir):
         _log.warning("ignoring %s: its save did not finish (no %s marker); it is never loaded", p, MARKER)
     return sorted(out)
+
+
+def saved_world_size(path: Path) -> int | None:
+    """How many ranks saved the checkpoint at ``path`` (its marker's ``world_size`` line, written since
+    session 28), or None where the marker does not say."""
+    try:
+        for line in (Path(path) / MARKER).read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "world_size" and value.strip().isdigit():
+                return int(value)
+    except OSError:
+        return None
+    return None
 
 
 def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
@@ -206,7 +222,7 @@ def _publish(partial: Path, path: Path, step: int, env: Any) -> None:
     files are written); all ranks wait."""
     if env.is_main:
         with open(partial / MARKER, "w") as f:
-            f.write(f"step {step}\n")
+            f.write(f"step {step}\nworld_size {env.world_size}\n")
             f.flush()
             os.fsync(f.fileno())
         if path.exists():

@@ -320,6 +320,14 @@ class Trainer:
                     g["lr"] = base * lam(self.scheduler.last_epoch)
                 self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
                 self.resumed_from = self.step
+                saved_world = ckpt.saved_world_size(found[1])
+                if saved_world is not None and saved_world != env.world_size:
+                    self._warn(f"resume: {found[1].name} was saved by {saved_world} rank(s), this run has "
+                               f"{env.world_size}: the weights and optimizer state carry over, but each rank's "
+                               "shard of the training windows changes with the rank count, so the rest of this "
+                               "data epoch is not the uninterrupted run's (some windows seen again, some left "
+                               "to the next epoch), and the tokens per step scale with the ranks (the learning-"
+                               "rate schedule counts optimizer steps)")
         if self.main:  # only once the run is sure to start (a refused resume leaves the run's own config.yaml)
             self._save_config()
         self.metrics = MetricsLogger(self.run_dir, cfg.logging, OmegaConf.to_container(cfg, resolve=True),
