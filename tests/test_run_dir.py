@@ -4,6 +4,7 @@ share it; every rank of a refused torchrun job stops alike."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -32,21 +33,28 @@ def _threads():
     torch.set_num_threads(n)
 
 
-@pytest.fixture
-def holder(tmp_path):
-    """Another process holding ``tmp_path / "run"``'s lock until it is killed: (run dir, Popen)."""
-    run = tmp_path / "run"
-    run.mkdir()
+@contextlib.contextmanager
+def held_by_another_process(run: Path):
+    """Another process holding ``run``'s lock until the block ends (then it is killed): its Popen."""
     code = ("import sys; from pathlib import Path; from dropless.train.run_dir import lock_run_dir; "
             f"lock_run_dir(Path({str(run)!r})); print('held', flush=True); sys.stdin.read()")
     p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                          text=True)
     try:
         assert p.stdout.readline().strip() == "held"
-        yield run, p
+        yield p
     finally:
         p.kill()
         p.wait()
+
+
+@pytest.fixture
+def holder(tmp_path):
+    """Another process holding ``tmp_path / "run"``'s lock until it is killed: (run dir, Popen)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    with held_by_another_process(run) as p:
+        yield run, p
 
 
 def test_a_run_dir_held_by_another_process_is_refused_naming_it(holder):
@@ -199,17 +207,9 @@ def test_a_busy_run_dir_with_checkpoints_is_called_in_use_not_resumable(tmp_path
         tr.train()
     finally:
         tr.close()
-    code = ("import sys; from pathlib import Path; from dropless.train.run_dir import lock_run_dir; "
-            f"lock_run_dir(Path({str(run)!r})); print('held', flush=True); sys.stdin.read()")
-    p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         text=True)
-    try:
-        assert p.stdout.readline().strip() == "held"
-        with pytest.raises(ConfigError, match=f"in use by another run .*pid {p.pid}"):  # not "pass resume=true"
-            Trainer(compose(QUICK + [f"run_dir={run}", "train.steps=4"]))
-    finally:
-        p.kill()
-        p.wait()
+    with held_by_another_process(run) as p, \
+            pytest.raises(ConfigError, match=f"in use by another run .*pid {p.pid}"):  # not "pass resume=true"
+        Trainer(compose(QUICK + [f"run_dir={run}", "train.steps=4"]))
 
 
 def resolve_after_rank0_locked_worker(rank, world, run):

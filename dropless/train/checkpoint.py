@@ -127,8 +127,8 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
 
 
 def saved_world_size(path: Path) -> int | None:
-    """How many ranks saved the checkpoint at ``path`` (its marker's ``world_size`` line, written since
-    session 28), or None where the marker does not say."""
+    """How many ranks saved the checkpoint at ``path`` (its marker's ``world_size`` line), or None where
+    the marker does not say (a marker written before that line existed, or none)."""
     try:
         for line in (Path(path) / MARKER).read_text().splitlines():
             key, _, value = line.partition(" ")
