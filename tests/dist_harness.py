@@ -463,6 +463,9 @@ def mesh_timeout_worker(rank, world, timeout_s):
         out[ep] = dict(shape=tuple(m.shape), coord=list(m.get_coordinate()),
                        dp=info(m.get_group("dp")), ep=info(m.get_group("ep")), ep_sub=info(m["ep"].get_group()))
     out["fsdp_world"] = info(init_device_mesh("cpu", (world,), mesh_dim_names=("world",)).get_group())
+    # groups of one rank (dp = world x ep = 1) are made by that rank alone, through rank 0's TCP store:
+    # without this barrier rank 0 could return and close the store while rank 1 still made its own
+    dist.barrier()
     return out
 
 
