@@ -371,6 +371,18 @@ def test_cli_text_table(capsys):
     assert "515" in next(l for l in out.splitlines() if l.startswith("these counts"))
 
 
+def test_cli_text_table_with_every_expert_empty(capsys):
+    # no live rows: the ratios against them print "-" (this divided by zero once)
+    assert P.main(["--counts", "0,0,0,0,0,0,0,0", "--alignment", "128"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert next(l for l in lines if l.startswith("live rows ")).split()[2] == "0"
+    flops = lines[next(i for i, l in enumerate(lines) if l.startswith("Routed-expert FLOPs")):]
+    assert next(l for l in flops if l.startswith("aligned rows ")).split()[-2:] == ["0.000", "-"]
+    assert next(l for l in lines if l.startswith("ungrouped")).split()[-1] == "-"
+    assert next(l for l in lines if l.startswith("capacity factor 1.0")).split()[-1] == "-"
+
+
 def test_cli_bad_input_exits_with_the_fix(capsys):
     for argv, msg in [
         (["--model", "deepseek_v3_671b", "--ep", "3"], "pick an EP size from"),

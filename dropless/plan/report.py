@@ -229,6 +229,12 @@ def _fmt_pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:+.2f} %"
 
 
+def _over(x: float, base: float) -> float | None:
+    """``x / base - 1``, or None (printed ``-``) when ``base`` is 0: every expert empty has no live rows to
+    compare with."""
+    return x / base - 1 if base else None
+
+
 def _fmt_int(x: Any) -> str:
     if x is None:
         return "-"
@@ -271,11 +277,11 @@ def format_plan(p: dict[str, Any]) -> str:
         parts.append(f"counts per local expert: {rows['counts']}")
     live = fl["live"]
     frows = [["live rows", f"{fl['live'] / 1e12:.3f}", ""],
-             ["aligned rows", f"{fl['aligned'] / 1e12:.3f}", _fmt_pct(fl["aligned"] / live - 1)]]
-    frows += [[f"capacity factor {cf}", f"{v / 1e12:.3f}", _fmt_pct(v / live - 1)]
+             ["aligned rows", f"{fl['aligned'] / 1e12:.3f}", _fmt_pct(_over(fl["aligned"], live))]]
+    frows += [[f"capacity factor {cf}", f"{v / 1e12:.3f}", _fmt_pct(_over(v, live))]
               for cf, v in fl["capacity_factor"].items()]
     frows.append([f"ungrouped (x{r['local_experts']} experts)", f"{fl['ungrouped'] / 1e12:.3f}",
-                  f"{fl['ungrouped'] / fl['aligned']:.2f}x aligned"])
+                  f"{fl['ungrouped'] / fl['aligned']:.2f}x aligned" if fl["aligned"] else "-"])
     parts += ["", f"Routed-expert FLOPs, forward ({fl['per_row_per_expert'] / 1e6:.2f} MFLOP "
                   "per row per expert)", _table(["counted over", "TFLOP", "vs live"], frows)]
     parts += ["", "Capacity factor vs dropless", _table(
