@@ -73,6 +73,23 @@ def test_missing_path_and_empty_dir(tmp_path):
         load_tokens(_cfg(path=str(tmp_path), vocab_size=300))
 
 
+def test_text_single_file_and_a_file_of_token_ids(tmp_path, capsys):
+    f = tmp_path / "input.txt"
+    f.write_bytes(b"to be or not to be\n" * 20)
+    d = load_tokens(_cfg(path=str(f), val_fraction=0.1))
+    assert np.concatenate([d.train, d.val]).tobytes() == f.read_bytes()
+    assert d.source == f"the file {f} ({len(f.read_bytes()):,} bytes)"
+    ids = tmp_path / "train.bin"
+    np.arange(1, 1000, dtype=np.uint16).tofile(ids)       # ids < 256 have a zero high byte
+    with pytest.raises(ConfigError, match=r"train.bin.* NUL byte at offset 1:.*data=bin"):
+        load_tokens(_cfg(path=str(ids)))
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "a.py").write_bytes(b"x = 1\n")
+    (tmp_path / "tok" / "b.py").write_bytes(b"x\0y")
+    with pytest.raises(ConfigError, match=r"b.py.* NUL byte at offset 1\b"):
+        load_tokens(_cfg(path=str(tmp_path / "tok")))
+
+
 # ------------------------------------------------------------------ bin
 def test_bin_memmap_and_val_split(tmp_path):
     ids = (np.arange(5000) * 7 % 1000).astype(np.uint16)
@@ -238,7 +255,7 @@ def test_a_run_that_never_validates_trains_beside_a_split_too_small_to_validate(
     from dropless.train.config import compose
     from dropless.train.trainer import Trainer
 
-    (tmp_path / "a.txt").write_bytes(bytes(range(256)) * 40)  # 10,240 bytes: 1 % is 102, under one window
+    (tmp_path / "a.txt").write_bytes(bytes(range(1, 256)) * 40)  # 10,200 bytes: 1 % is 102, under one window
     common = ["data.path=" + str(tmp_path), "data.glob=*.txt", "train.micro_batch_size=2", "train.seq_len=64",
               "train.steps=2", "optim.warmup_steps=1", "train.ckpt_every=0", "logging.mode=disabled",
               "logging.progress=false", "num_threads=2"]

@@ -7,7 +7,8 @@ Two sources (``cfg.data.kind``):
   machine), concatenated as raw bytes: token id = byte value, vocab 256. The default
   ``data.path: null`` is the Python standard library's own source
   (``sysconfig.get_paths()["stdlib"]``, ``*.py``; ``site-packages``/``dist-packages``
-  excluded), real text that is on every machine.
+  excluded), real text that is on every machine. ``data.path`` may also name one text file. A file
+  holding a NUL byte is refused (not text: a ``.bin`` of token ids, say, belongs to ``bin``).
 * ``bin`` (``configs/data/bin.yaml``): a flat file of ``uint16``/``uint32`` token ids
   (nanoGPT's ``train.bin`` format), memory-mapped, with its ``data.vocab_size``. Every id
   is checked ``< vocab_size`` before training, in chunks of :data:`CHECK_CHUNK` ids
@@ -209,6 +210,19 @@ def _load_bin(path: Path, dtype: str, vocab_size: int, what: str) -> np.ndarray:
     return ids
 
 
+def _text_bytes(path: Path) -> bytes:
+    """The bytes of one file of a text corpus; ConfigError if it holds a NUL byte (not text: a file of
+    token ids, say, which byte-level text would silently train on as bytes)."""
+    b = path.read_bytes()
+    at = b.find(b"\0")
+    if at >= 0:
+        raise ConfigError(f"data.path: {str(path)!r} holds a NUL byte at offset {at:,}: it is not ASCII or "
+                          "UTF-8 text, and data=stdlib (data.kind=text) trains on the bytes of text files. For a "
+                          "file of token ids use data=bin data.path=FILE data.vocab_size=N "
+                          "(data.dtype=uint16|uint32); otherwise narrow data.glob to text files.")
+    return b
+
+
 def load_tokens(data_cfg: Any, model_vocab_size: int | None = None, validates: bool = True) -> TokenData:
     """Load and check the token streams described by ``cfg.data``.
 
@@ -233,14 +247,15 @@ def load_tokens(data_cfg: Any, model_vocab_size: int | None = None, validates: b
         if not files:
             raise ConfigError(f"data.path={str(root)!r}: no file matches data.glob={glob!r} "
                               "(searched recursively). Put text files there or change data.glob.")
-        blob = b"".join(f.read_bytes() for f in files)
+        blob = b"".join(_text_bytes(f) for f in files)
         if not blob:
             raise ConfigError(f"data.path={str(root)!r}: the {len(files)} files matching "
                               f"{glob!r} are all empty")
         ids = np.frombuffer(blob, dtype=np.uint8)
         n_val = max(1, int(len(ids) * frac)) if frac > 0 else 0
         train, val = ids[:len(ids) - n_val], ids[len(ids) - n_val:]
-        source = f"{len(files)} files matching {glob!r} under {root} ({len(ids):,} bytes)"
+        source = (f"the file {root} ({len(ids):,} bytes)" if root.is_file()
+                  else f"{len(files)} files matching {glob!r} under {root} ({len(ids):,} bytes)")
     else:
         dtype = str(data_cfg.get("dtype", "uint16"))
         vocab = int(data_cfg.vocab_size)
