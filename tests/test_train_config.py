@@ -275,6 +275,20 @@ def test_misspelled_key_gets_one_hint_the_closest_key(capsys):
     assert "did you mean optim.weight_decay=0?" in err and "To append" not in err, err
 
 
+@pytest.mark.parametrize("overrides,hint", [
+    (["data.dtype=uint16"], "'data.dtype' is a key of data=bin only, not of this run's data option: choose data=bin"),
+    (["data=bin", "data.glob=*.txt"], "'data.glob' is a key of data=stdlib only, not of this run's data option: "
+                                      "choose data=stdlib"),
+])
+def test_a_key_of_another_option_of_its_group_names_that_option(capsys, overrides, hint):
+    # the closest key of the default config was train.dtype for data.dtype, and data.glob itself for data.glob
+    from dropless.train.__main__ import main
+
+    assert main(overrides) == 2
+    err = capsys.readouterr().err
+    assert hint in err and "did you mean" not in err, err
+
+
 @pytest.mark.parametrize("override,field", [("model.hidden_size=255", "K (input width)=255"),
                                             ("model.moe_intermediate_size=30", "K (input width)=30")])
 def test_shape_the_grouped_gemm_cannot_take_exits_2_before_the_run_dir(tmp_path, capsys, override, field):

@@ -190,18 +190,36 @@ def _compose_with_null_dicts(hydra_compose: Any, config_name: str, ov: list[str]
 _GROUPS = ("model", "dispatcher", "gemm", "optim", "data", "logging")
 
 
-def _config_keys() -> list[str]:
-    """Every dotted key of the default config (``train.steps``, ``optim``, ``model.hidden_size``, …)."""
-    def walk(node: Any, prefix: str) -> list[str]:
+def _config_keys(overrides: Sequence[str] = ()) -> list[str]:
+    """Every dotted key of the default config, or of the config ``overrides`` compose (``train.steps``,
+    ``optim``, ``model.hidden_size``, …)."""
+    def walk(node: dict, prefix: str) -> list[str]:
         out = []
         for k, v in node.items():
             key = f"{prefix}{k}"
             out.append(key)
-            if isinstance(v, DictConfig):
+            if isinstance(v, dict):
                 out += walk(v, key + ".")
         return out
 
-    return walk(compose([]), "")
+    # a container: a mandatory value still missing (data=bin's path) is no error here
+    return walk(OmegaConf.to_container(compose(list(overrides)), resolve=False, throw_on_missing=False), "")
+
+
+def _options_holding(key: str) -> list[str]:
+    """The group options (``data=bin``) whose config holds ``key`` (``data.dtype``): a key of one option
+    of a group that another option lacks."""
+    group = key.split(".", 1)[0]
+    if group not in _GROUPS:
+        return []
+    out = []
+    for option in sorted(f.stem for f in (config_dir() / group).glob("*.yaml") if f.stem != "schema"):
+        try:
+            if key in _config_keys([f"{group}={option}"]):
+                out.append(f"{group}={option}")
+        except ConfigError:
+            continue
+    return out
 
 
 def _composition_message(err: Exception, overrides: Sequence[str]) -> str:
@@ -241,9 +259,14 @@ def _composition_message(err: Exception, overrides: Sequence[str]) -> str:
                 "spelling (`dropless-train --cfg` prints the resolved config).")
         if unknown:
             key = unknown.group(1)
-            close = difflib.get_close_matches(key, _config_keys(), n=1, cutoff=0.6)
             value = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == key), "...")
-            if close:
+            holders = _options_holding(key)
+            close = [k for k in difflib.get_close_matches(key, _config_keys(), n=2, cutoff=0.6) if k != key]
+            if holders:  # e.g. data.dtype, a key of data=bin, with the default data=stdlib
+                group = key.split(".", 1)[0]
+                hint = (f"\n'{key}' is a key of {' and '.join(holders)} only, not of this run's {group} option: "
+                        f"choose {holders[0]} (or drop {key}=...).") + hint
+            elif close:
                 hint = f"\n'{key}' is not a config key: did you mean {close[0]}={value}?" + hint
     if "recipes" in msg and "Available options in 'recipes'" not in msg:
         hint += f"\nAvailable recipes (recipe=NAME): {', '.join(list_recipes())}"
