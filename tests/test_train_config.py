@@ -341,11 +341,17 @@ def test_a_dict_override_sets_a_field_that_is_null_and_merges_into_one_that_is_n
     # (the list goes on with fp8, loop, torch and any backend another test registered)
     ("model.gemm=foo", "gemm.backend (model.gemm)='foo': not a grouped GEMM backend"),
     ("optim.name=sgd", "optim.name='sgd': dropless trains with AdamW only"),
+    # these four passed --cfg and failed only when the run started
+    ("device=tpu", "device='tpu': must be auto, cpu or cuda"),
+    ("train.loss_impl=foo", "train.loss_impl='foo': must be one of ('auto', 'torch', 'liger')"),
+    ("dispatcher.ep_size=0", "dispatcher.ep_size=0: must be a positive integer"),
+    ("dispatcher.ep_size=3", "dispatcher=local with EP = 3: local keeps every expert on every rank"),
+    ("model.recompute_gather=true dispatcher=a2a", "model.recompute_gather=true: re-gathers the landed rows"),
 ])
 def test_a_value_nothing_would_build_is_a_config_error_also_under_cfg(override, text, capsys):
     """An unknown GEMM backend was a ValueError traceback at the model build (exit 1; --cfg printed it),
     and optim.name=sgd trained AdamW silently."""
     from dropless.train.__main__ import main
 
-    assert main(["--cfg", override]) == 2
+    assert main(["--cfg", *override.split()]) == 2
     assert text in capsys.readouterr().err

@@ -25,13 +25,15 @@ from dropless.config import ConfigError, ModelArgs
 from dropless.convert.start import resolve_source
 from dropless.dispatch import build_dispatcher
 from dropless.dispatch.mesh import local_expert_count
+from dropless.dispatch.registry import dispatcher_class
 from dropless.layout import aligned_capacity
 from dropless.model import Transformer
+from dropless.model.loss import LOSS_IMPLS
 from dropless.ops.backends import list_backends
 from dropless.train.compile import check_compile_moe
 from dropless.train.config import model_args
 from dropless.train.data import check_data_config
-from dropless.train.dist import DistEnv, usable_cores
+from dropless.train.dist import DistEnv, resolve_ep_size, usable_cores
 from dropless.train.metrics import wandb_problem
 from dropless.train.shard import apply_fsdp, shard_dense_params
 
@@ -39,8 +41,10 @@ from dropless.train.shard import apply_fsdp, shard_dense_params
 def check_train_config(cfg: DictConfig) -> None:
     """Raise ConfigError for config values that cannot work, from the config alone (before any work).
 
-    Checks the train/optim/logging ranges, the model (:func:`~dropless.train.config.model_args`:
-    every field and their relations, e.g. ``n_group`` dividing ``n_routed_experts``), the data
+    Checks the train/optim/logging ranges, ``device``, ``train.loss_impl``, ``dispatcher.ep_size``
+    (against torchrun's ``WORLD_SIZE``), the model (:func:`~dropless.train.config.model_args`: every
+    field and their relations, e.g. ``n_group`` dividing ``n_routed_experts``; ``model.recompute_gather``
+    against the dispatcher), the data
     (:func:`~dropless.train.data.check_data_config`: all its problems in one error, paths included) and
     ``train.seq_len`` against ``model.max_position_embeddings``. ``dropless-train`` calls it
     before it prints the resolved config, so the error is the last thing on the terminal.
@@ -88,6 +92,12 @@ def check_train_config(cfg: DictConfig) -> None:
              "train.shard_dense=true all-gathers parameters inside forward and backward (FSDP2), which a "
              "captured graph cannot hold; set one of them to false")
     need(isinstance(cfg.deterministic, bool), "deterministic", cfg.deterministic, "must be true or false")
+    need(str(cfg.device) in ("auto", "cpu", "cuda"), "device", cfg.device, "must be auto, cpu or cuda")
+    need(str(t.get("loss_impl", "auto")) in LOSS_IMPLS, "train.loss_impl", t.get("loss_impl"),
+         f"must be one of {LOSS_IMPLS}")
+    # a positive ep_size, and 1 for the dispatchers that keep every expert on every rank (torchrun's
+    # WORLD_SIZE stands in for the world size; the mesh itself is checked when the ranks start)
+    resolve_ep_size(cfg.dispatcher, int(os.environ.get("WORLD_SIZE", "1")))
     need(isinstance(t.get("shard_dense", False), bool), "train.shard_dense", t.get("shard_dense"),
          "must be true or false")
     # inf passes a range check and trains NaN or nothing; beyond float32's range (the optimizer's
@@ -122,6 +132,10 @@ def check_train_config(cfg: DictConfig) -> None:
     need(str(o.get("name", "adamw")) == "adamw", "optim.name", o.get("name"),
          "dropless trains with AdamW only (torch.optim.AdamW; configs/optim/adamw.yaml); set optim.name=adamw")
     args = model_args(cfg)
+    need(not args.recompute_gather or dispatcher_class(str(cfg.dispatcher.name)).gathers_locally,
+         "model.recompute_gather", True,
+         f"re-gathers the landed rows from this rank's tokens in backward, but dispatcher={cfg.dispatcher.name} "
+         "lands them through a collective; use dispatcher=local or fsdp, or set model.recompute_gather=false")
     need(args.gemm in list_backends(), "gemm.backend (model.gemm)", args.gemm,
          f"not a grouped GEMM backend; choose one of {list_backends()} (gemm=NAME picks configs/gemm/NAME.yaml)")
     check_data_config(cfg.data, args.vocab_size,  # every missing/invalid data field in one error
