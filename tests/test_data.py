@@ -225,7 +225,8 @@ def test_val_windows_fixed_disjoint_per_rank():
     assert not starts[0] & starts[1]
     again = val_windows(ids, 16, 4, 3, rank=0, world_size=2)
     assert all(torch.equal(a[0], b[0]) for a, b in zip(per[0], again))
-    with pytest.raises(ConfigError, match="validation split"):
+    with pytest.raises(ConfigError, match=r"validation split .* fewer than train.micro_batch_size=4\. "
+                                          r"Lower train.micro_batch_size or train.seq_len"):
         val_windows(np.arange(20), 16, 4, 1)
 
 

@@ -347,6 +347,8 @@ def test_a_dict_override_sets_a_field_that_is_null_and_merges_into_one_that_is_n
     ("dispatcher.ep_size=0", "dispatcher.ep_size=0: must be a positive integer"),
     ("dispatcher.ep_size=3", "dispatcher=local with EP = 3: local keeps every expert on every rank"),
     ("model.recompute_gather=true dispatcher=a2a", "model.recompute_gather=true: re-gathers the landed rows"),
+    # cpu_peak_flops is no Optional: its message offered null, which the schema refuses
+    ("logging.cpu_peak_flops=0", "logging.cpu_peak_flops=0.0: must be > 0 (the CPU's assumed FLOP/s per process"),
 ])
 def test_a_value_nothing_would_build_is_a_config_error_also_under_cfg(override, text, capsys):
     """An unknown GEMM backend was a ValueError traceback at the model build (exit 1; --cfg printed it),

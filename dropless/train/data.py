@@ -370,7 +370,8 @@ def val_windows(ids: np.ndarray, seq_len: int, batch_size: int, num_batches: int
         raise ConfigError(
             f"data: the validation split ({len(ids):,} tokens) has {per_rank} windows of "
             f"train.seq_len+1={seq_len + 1} per rank, fewer than train.micro_batch_size={batch_size}. "
-            "Raise data.val_fraction (or give data.val_path), or lower train.seq_len.")
+            "Lower train.micro_batch_size or train.seq_len, or hold out more validation tokens (a larger "
+            "data.val_fraction, or with data=bin a longer data.val_path file).")
     take = min(want, per_rank - per_rank % batch_size)
     pos = np.linspace(0, per_rank - 1, take).round().astype(np.int64)
     idx = rank + world_size * pos

@@ -119,9 +119,11 @@ def check_train_config(cfg: DictConfig) -> None:
     need(float(o.weight_decay) >= 0, "optim.weight_decay", o.weight_decay, "must be >= 0")
     need(float(t.get("dist_timeout_s", 600)) > 0, "train.dist_timeout_s", t.get("dist_timeout_s"),
          "must be > 0 (seconds a collective may wait for the other ranks)")
-    for name in ("peak_flops", "cpu_peak_flops"):
-        v = cfg.logging.get(name)
-        need(v is None or float(v) > 0, f"logging.{name}", v, "must be > 0 (FLOP/s per device for MFU), or null")
+    v = cfg.logging.get("peak_flops")
+    need(v is None or float(v) > 0, "logging.peak_flops", v,
+         "must be > 0 (FLOP/s per device, for MFU), or null (the device's figure from dropless's table)")
+    v = cfg.logging.cpu_peak_flops
+    need(float(v) > 0, "logging.cpu_peak_flops", v, "must be > 0 (the CPU's assumed FLOP/s per process, for MFU)")
     need(int(cfg.logging.log_every) > 0, "logging.log_every", cfg.logging.log_every, "must be >= 1")
     need(int(cfg.logging.histogram_every) >= 0, "logging.histogram_every", cfg.logging.histogram_every,
          "must be >= 0 (0: never)")

@@ -226,8 +226,8 @@ class Trainer:
             self.val_batches = []  # too small a split (or data.val_fraction=0) for a run that never validates
         if len(self.val_batches) < int(t.val_batches) and int(t.val_every) > 0:
             self._warn(f"train.val_batches={int(t.val_batches)}: the validation split holds "
-                       f"{len(self.val_batches)} micro-batch(es) per rank; validating on those (raise "
-                       "data.val_fraction or give data.val_path for more)")
+                       f"{len(self.val_batches)} micro-batch(es) per rank; validating on those (for more, "
+                       "a larger data.val_fraction, or with data=bin a longer data.val_path file)")
         #: rank 0's lock on the run directory (one run at a time in it), released by close()
         self.run_dir, self._run_dir_lock = claim_run_dir(self.run_dir, env, fresh=not cfg.run_dir)
         if self._run_dir_lock is not None and self._run_dir_lock.note:
