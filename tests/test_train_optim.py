@@ -114,6 +114,25 @@ def test_lambda_lr_follows_lr_at(tmp_path):
     assert lrs[0] < lrs[2] and lrs[-1] == pytest.approx(tr.cfg.optim.min_lr_ratio * tr.cfg.optim.lr, rel=1e-12)
 
 
+def test_a_per_tensor_adamw_group_is_a_rank_0_start_up_warning(tmp_path, monkeypatch, capsys):
+    # under torchrun the FSDP2 groups' note went to the logging module on every rank, unprefixed
+    import dropless.train.optim as O
+
+    impl = O.adamw_impl
+    why = "FSDP2 DTensor parameters use the per-tensor AdamW (as for a DTensor group)"
+    monkeypatch.setattr(O, "adamw_impl", lambda ps, fused=None: (
+        ({"foreach": False, "fused": False}, why) if any(p.dim() == 1 for p in ps) else impl(ps, fused)))
+    tr = _trainer(tmp_path)
+    try:
+        g = next(g for g in tr.optimizer.param_groups if any(p.dim() == 1 for p in g["params"]))
+        assert (g["foreach"], g["fused"]) == (False, False)
+        note = f"AdamW: {len(g['params'])} parameters: {why}"
+        assert note in tr.warnings
+        assert f"[dropless] warning: {note}" in capsys.readouterr().out
+    finally:
+        tr.close()
+
+
 def test_master_weights_fp32_is_the_model_itself():
     m = torch.nn.Linear(4, 3)
     mw = MasterWeights(m, torch.float32)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -102,12 +102,14 @@ def adamw_impl(params: Iterable[torch.Tensor], fused: bool | None = None) -> tup
     return {"foreach": True, "fused": False}, "foreach"
 
 
-def build_optimizer(named_params: Iterable[tuple[str, torch.Tensor]], optim_cfg: Any) -> torch.optim.AdamW:
+def build_optimizer(named_params: Iterable[tuple[str, torch.Tensor]], optim_cfg: Any,
+                    warn: Callable[[str], None] | None = None) -> torch.optim.AdamW:
     """AdamW over ``named_params`` (``(fqn, fp32 tensor)``: the masters and FSDP2 parameters).
 
     Weight decay ``optim.weight_decay`` on matrices (dim >= 2) except ``tok_embeddings``;
     none on vectors. Plain tensors and DTensors go to separate param groups
-    (:func:`adamw_impl` picks each group's implementation; a per-tensor fallback is logged).
+    (:func:`adamw_impl` picks each group's implementation; a per-tensor fallback is said through
+    ``warn``: the trainer's rank-0 warning, or this module's logger when None).
     """
     groups: dict[tuple[bool, bool], list[torch.Tensor]] = {}
     for name, p in named_params:
@@ -121,7 +123,7 @@ def build_optimizer(named_params: Iterable[tuple[str, torch.Tensor]], optim_cfg:
     for (decay, _), ps in sorted(groups.items(), key=lambda kv: (kv[0][1], not kv[0][0])):
         impl, why = adamw_impl(ps, fused)
         if not impl["fused"] and not impl["foreach"]:
-            log.warning("AdamW: %d parameters: %s", len(ps), why)
+            (warn or log.warning)(f"AdamW: {len(ps)} parameters: {why}")
         param_groups.append({"params": ps, "weight_decay": wd if decay else 0.0, **impl})
     return torch.optim.AdamW(param_groups, lr=float(optim_cfg.lr), betas=tuple(float(b) for b in optim_cfg.betas),
                              eps=float(optim_cfg.eps))

@@ -263,7 +263,7 @@ class Trainer:
         self._graph_written: dict[str, frozenset[int]] = {}
         if self.graphs is not None:
             self.grads.overlap = False  # no collective inside a captured backward: all-reduce after the last one
-        self.optimizer = build_optimizer(self.masters.named_masters, cfg.optim)
+        self.optimizer = build_optimizer(self.masters.named_masters, cfg.optim, warn=self._warn)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.steps)
         self.balancer = RouterBiasUpdate(self.model)
         self.balancer.register(self.optimizer)
