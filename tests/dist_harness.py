@@ -455,9 +455,8 @@ def shard_dense_worker(rank, world):
 def mesh_timeout_worker(rank, world, timeout_s):
     """The timeouts of ``build_mesh``'s groups (dp = 1 × ep = world, and dp = world × ep = 1), and
     whether each is the default group; also the FSDP2 1-D mesh's group (``shard_dense_params``)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     from dropless.dispatch.mesh import build_mesh
+    from dropless.train.shard import world_mesh
 
     def info(g):
         return dict(world=g is dist.group.WORLD, ranks=dist.get_process_group_ranks(g),
@@ -467,7 +466,7 @@ def mesh_timeout_worker(rank, world, timeout_s):
         m = build_mesh(world, ep, "cpu", timeout_s=timeout_s)
         out[ep] = dict(shape=tuple(m.shape), coord=list(m.get_coordinate()),
                        dp=info(m.get_group("dp")), ep=info(m.get_group("ep")), ep_sub=info(m["ep"].get_group()))
-    out["fsdp_world"] = info(init_device_mesh("cpu", (world,), mesh_dim_names=("world",)).get_group())
+    out["fsdp_world"] = info(world_mesh("cpu").get_group())
     # groups of one rank (dp = world x ep = 1) are made by that rank alone, through rank 0's TCP store:
     # rank 0 keeps it open until rank 1 is done because _entry waits in a barrier before leaving
     return out

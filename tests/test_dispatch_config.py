@@ -134,7 +134,8 @@ def test_local_two_phase_api_is_eager():
 def test_mesh_groups_carry_the_timeout():
     """build_mesh's dp and ep groups time out after ``timeout_s`` (not torch's 30 min); a dimension
     over every rank is the default group (started here with 20 s). The FSDP2 1-D world mesh
-    (dropless/train/shard.py) reuses the default group on a CPU build, so it carries its timeout."""
+    (dropless/train/shard.py::world_mesh) is the default group, so it carries its timeout (on a CUDA
+    build of torch ``init_device_mesh`` made a new group with the 30-minute default)."""
     from tests import dist_harness as H
 
     res = H.run_world("mesh_timeout_worker", 2, 5.0, pg_timeout_s=20.0, deadline_s=120)

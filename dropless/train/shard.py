@@ -25,15 +25,25 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from dropless.dispatch.fsdp import FSDPDispatcher
 from dropless.dispatch.registry import check_dispatcher_ep
 from dropless.moe import MoE
 
-__all__ = ["apply_fsdp", "shard_dense_params"]
+__all__ = ["apply_fsdp", "shard_dense_params", "world_mesh"]
+
+
+def world_mesh(device_type: str) -> DeviceMesh:
+    """The 1-D ``("world",)`` DeviceMesh over the default process group itself, so its collectives
+    time out after the default group's timeout (``train.dist_timeout_s``). ``init_device_mesh``
+    reuses the default group only on some builds (a CPU build of torch did; a CUDA build made a new
+    group with torch's 30-minute default: a stalled rank held its peers that long under
+    ``train.shard_dense``)."""
+    return DeviceMesh.from_group(dist.group.WORLD, device_type, mesh_dim_names=("world",))
 
 
 def shard_dense_params(model: nn.Module, world_size: int, device_type: str,
@@ -59,7 +69,7 @@ def shard_dense_params(model: nn.Module, world_size: int, device_type: str,
     if not hasattr(model, "layers") or not hasattr(model, "expert_parameters"):
         raise ValueError("shard_dense_params: expected a dropless.model.Transformer (with .layers and "
                          f".expert_parameters()), got {type(model).__name__}")
-    mesh = init_device_mesh(device_type, (world_size,), mesh_dim_names=("world",))
+    mesh = world_mesh(device_type)
     # experts that FSDP2 already manages (the fsdp dispatcher) are skipped by fully_shard as
     # nested FSDP modules; the others (EP shards) must be named as ignored
     nested = {id(p) for m in model.modules() if isinstance(m, FSDPModule) for p in m.parameters()}
