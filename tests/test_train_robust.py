@@ -375,6 +375,7 @@ def test_out_of_gpu_memory_in_a_step_is_one_line_naming_what_to_lower(tmp_path, 
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 7.88 GiB. GPU 0 has a total capacity "
                                      "of 79.19 GiB of which 1.2 GiB is free.\nIf reserved but unallocated ...")
 
+    real = Trainer._loss
     monkeypatch.setattr(Trainer, "_loss", oom)  # the forward of the first micro-batch
     rc = main(QUICK + [f"run_dir={tmp_path}", "train.steps=3", "train.val_every=0", "logging.mode=disabled",
                        "train.micro_batch_size=4"])
@@ -384,7 +385,14 @@ def test_out_of_gpu_memory_in_a_step_is_one_line_naming_what_to_lower(tmp_path, 
     assert len(line) == 1 and "Traceback" not in err, err
     assert "at step 1 (CUDA out of memory" in line[0] and "Tried to allocate 7.88 GiB" in line[0]
     assert "train.micro_batch_size (now 4;" in line[0] and "train.activation_checkpointing=true" in line[0]
-    assert "If reserved" not in line[0] and "resume=true continues" in line[0]
+    assert "If reserved" not in line[0] and line[0].endswith("no checkpoint was saved before it, so a new run "
+                                                            "starts from step 0"), line[0]
+    # after a checkpoint, the line names the one a resume starts from
+    monkeypatch.setattr(Trainer, "_loss", lambda self, x, y: oom(self, x, y) if self.step >= 2 else real(self, x, y))
+    assert main(QUICK + [f"run_dir={tmp_path / 'b'}", "train.steps=4", "train.ckpt_every=2", "train.val_every=0",
+                         "logging.mode=disabled", "train.micro_batch_size=4"]) == 2
+    line = [x for x in capsys.readouterr().err.splitlines() if x.startswith("dropless-train: error: out of GPU")]
+    assert "at step 3 (" in line[0] and line[0].endswith("resume=true continues from step_00000002 (step 2)"), line
 
 
 def test_out_of_gpu_memory_at_start_up_is_one_line(tmp_path, monkeypatch, capsys):

@@ -29,7 +29,7 @@ aborted by a second Ctrl-C without that checkpoint (the message names the step t
 from __future__ import annotations
 
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 __all__ = ["main"]
 
@@ -40,10 +40,11 @@ def _usage() -> str:
     return (__doc__ or "") + "\nRecipes: " + ", ".join(list_recipes()) + "\n"
 
 
-def _out_of_memory(cfg, when: str, err: BaseException) -> str:
+def _out_of_memory(cfg, when: str, err: BaseException, newest: tuple[int, Any] | None = None) -> str:
     """The error line for ``torch.OutOfMemoryError`` (the GPU's allocator) ``when`` ("at step N" or
     "during start-up"): the allocator's first three sentences (what it asked for, the GPU's total and
-    free memory) and the settings that lower the peak."""
+    free memory), the settings that lower the peak and where a resume would start (``newest``: the run's
+    newest complete checkpoint ``(step, path)``, or None)."""
     first = ". ".join(str(err).strip().split("\n")[0].split(". ")[:3]).rstrip(".")
     t = cfg.train
     if when == "during start-up":
@@ -56,8 +57,12 @@ def _out_of_memory(cfg, when: str, err: BaseException) -> str:
                "set train.activation_checkpointing=true or the MoE memory options model.recompute_fc1, "
                "model.recompute_gather, model.fold_routing_weights, model.num_token_chunks (dropless-plan lists "
                "what each keeps for backward)")
-    after = ("nothing was trained or saved" if when == "during start-up" else
-             "this step was not saved; resume=true continues from the newest complete checkpoint")
+    if when == "during start-up":
+        after = "nothing was trained or saved"
+    elif newest is None:
+        after = "no checkpoint was saved before it, so a new run starts from step 0"
+    else:
+        after = f"this step was not saved; resume=true continues from {newest[1].name} (step {newest[0]})"
     return f"out of GPU memory {when} ({first}): {fix}; {after}"
 
 
@@ -159,8 +164,11 @@ def _main(argv: list[str]) -> int:
         print(f"dropless-train: error: {e}", file=sys.stderr, flush=True)
         return 3
     except torch.OutOfMemoryError as e:
-        print(f"dropless-train: error: {_out_of_memory(cfg, f'at step {trainer.step + 1}', e)}", file=sys.stderr,
-              flush=True)
+        from dropless.train.checkpoint import latest_checkpoint
+
+        newest = latest_checkpoint(trainer.run_dir)
+        print(f"dropless-train: error: {_out_of_memory(cfg, f'at step {trainer.step + 1}', e, newest)}",
+              file=sys.stderr, flush=True)
         return 2
     except RuntimeError as e:
         if NONFINITE_LOGITS in str(e):  # the router's check (on CPU; on CUDA a device-side assert)
