@@ -17,6 +17,24 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+# The tests not marked ``gpu`` check the CPU path, as CI runs them. On a machine with CUDA, ``device=auto``
+# would put their trainers on the GPU (CPU reference values and CPU batches then no longer match), so
+# there, outside ``gpu`` tests, device=auto resolves to the CPU in this process. The runs a test starts in
+# other processes (torchrun, dropless-train) say device=cpu themselves (tests/test_train.py's QUICK). The
+# kernel tests that choose their own device (``DEV = "cuda" if ...``) do not go through device=auto.
+_HAS_CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(autouse=True)
+def _device_auto_is_the_cpu_outside_gpu_tests(request, monkeypatch):
+    if _HAS_CUDA and request.node.get_closest_marker("gpu") is None:
+        from dropless.train import dist as train_dist
+
+        real = train_dist._device
+        monkeypatch.setattr(train_dist, "_device",
+                            lambda want, *a, **k: real("cpu" if str(want) == "auto" else want, *a, **k))
+    yield
+
 
 def ref_moe_batched(x_TH, router_w_EH, topk_idx_Tk, w13_EHI2, w2_EIH, shared, *, scaling=1.0,
                     norm_topk_prob=True, keep_Tk=None, topk_weight_Tk=None):

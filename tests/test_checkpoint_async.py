@@ -66,7 +66,7 @@ def held_writes(monkeypatch):
     return go
 
 
-@pytest.fixture(params=["default", "refill", "cuda"])
+@pytest.fixture(params=["default", "refill", pytest.param("cuda", marks=pytest.mark.gpu)])
 def stager(request, monkeypatch):
     """The asynchronous saves' stager: DCP's default (a new copy per save, the CPU's), the one kept
     and refilled between saves (CUDA's, :func:`ckpt.host_stager`; pinning is a no-op here, a CPU
@@ -76,13 +76,16 @@ def stager(request, monkeypatch):
     if request.param == "cuda":
         if not torch.cuda.is_available():
             pytest.skip("needs CUDA: the trainer's own pinned stager")
-        return ckpt.host_stager(torch.device("cuda"))
+        s = ckpt.host_stager(torch.device("cuda"))
+        s.run_overrides = ["device=cuda"]  # a CUDA run (the other stagers run on the CPU, as QUICK says)
+        return s
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self)
     return ckpt._RefillStager()
 
 
 def test_async_save_holds_its_step_while_training_goes_on(tmp_path, held_writes, stager):
-    tr = Trainer(compose(QUICK + COMMON + [f"run_dir={tmp_path}", "train.steps=6", "train.ckpt_async=true"]))
+    tr = Trainer(compose(QUICK + COMMON + [f"run_dir={tmp_path}", "train.steps=6", "train.ckpt_async=true",
+                              *getattr(stager, "run_overrides", [])]))
     tr.checkpoints.stager = stager
     try:
         for _ in range(2):
@@ -113,7 +116,8 @@ def test_consecutive_async_saves_each_hold_their_step(tmp_path, held_writes, cap
     change what step 2's checkpoint holds, and step 4's holds step 4's state although training
     goes on while it is written. The second save says it waited for the first one's write. With
     the refilled stager both saves go through the same host copy."""
-    tr = Trainer(compose(QUICK + COMMON + [f"run_dir={tmp_path}", "train.steps=8", "train.ckpt_async=true"]))
+    tr = Trainer(compose(QUICK + COMMON + [f"run_dir={tmp_path}", "train.steps=8", "train.ckpt_async=true",
+                              *getattr(stager, "run_overrides", [])]))
     tr.checkpoints.stager = stager
     try:
         snaps = {}
@@ -133,7 +137,8 @@ def test_consecutive_async_saves_each_hold_their_step(tmp_path, held_writes, cap
         tr.checkpoints.finish()
         if stager is not None:  # one host copy, refilled: its tensors hold step 4's values now
             staged = stager.state_dict_cache["model"]
-            assert all(torch.equal(staged[k[len("model."):]], v) for k, v in snaps[4].items() if k.startswith("model."))
+            assert all(torch.equal(staged[k[len("model."):]], v.cpu()) for k, v in snaps[4].items()
+                       if k.startswith("model."))
             tr.close()
             assert tr.checkpoints.stager is None  # the closed trainer lets its host copy go
         for step in (2, 4):

@@ -25,8 +25,9 @@ from dropless.train.metrics import REQUIRED_KEYS
 from dropless.train.trainer import Trainer, lr_at
 
 # a small, quick version of the CPU default (the tiny MoE model, the stdlib's bytes)
+# device=cpu: these runs check the CPU path (several ranks through gloo) on any machine, a GPU one too
 QUICK = ["train.micro_batch_size=8", "train.seq_len=64", "optim.warmup_steps=2", "train.val_batches=2",
-         "logging.progress=false", "num_threads=2"]
+         "logging.progress=false", "num_threads=2", "device=cpu"]
 
 
 @pytest.fixture(autouse=True)
@@ -224,7 +225,8 @@ def test_torchrun_two_processes_a2a_checkpoint_resume(tmp_path):
 @pytest.mark.slow
 def test_torchrun_world_size_not_fitting_the_mesh(tmp_path):
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        "-m", "dropless.train", "dispatcher=a2a", "dispatcher.ep_size=4", f"run_dir={tmp_path}"],
+                        "-m", "dropless.train", "dispatcher=a2a", "dispatcher.ep_size=4", f"run_dir={tmp_path}",
+                        "device=cpu"],
                        capture_output=True, text=True, env=_env(), timeout=300)
     assert r.returncode != 0
     assert "world size 2 does not fit the mesh" in r.stderr
