@@ -283,9 +283,21 @@ class ModelArgs:
     @classmethod
     def from_json(cls, path: str | Path) -> "ModelArgs":
         """Load a published DeepSeek-V3 ``config.json`` (unknown keys ignored with a notice;
-        ``rope_scaling`` is kept and applied, see :meth:`yarn`)."""
-        with open(path) as f:
-            return cls.from_dict(json.load(f))
+        ``rope_scaling`` is kept and applied, see :meth:`yarn`).
+
+        Raises:
+            ConfigError: the file is not UTF-8 JSON holding one object (naming the file and where it broke).
+        """
+        try:
+            with open(path, encoding="utf-8") as f:
+                d = json.load(f)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{str(path)!r} is not a JSON config.json ({type(e).__name__}: {e}); pass a model's "
+                              "config.json (e.g. DeepSeek-V3's) or a model name") from e
+        if not isinstance(d, dict):
+            raise ConfigError(f"{str(path)!r}: a config.json holds one JSON object of model fields, this one holds a "
+                              f"{type(d).__name__}")
+        return cls.from_dict(d)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

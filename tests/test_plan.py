@@ -405,6 +405,20 @@ def test_cli_model_from_config_json(tmp_path, capsys):
     assert d["rows"]["aligned_rows"] == 65_792
 
 
+def test_cli_model_file_that_is_no_config_json_names_the_file(tmp_path, capsys):
+    # a binary file was a bare UnicodeDecodeError, a JSON list a TypeError traceback
+    for name, data, why in [("bin.json", b"\x7fELF\x02\xd0\x00", "is not a JSON config.json (UnicodeDecodeError"),
+                            ("bad.json", b"{bad", "is not a JSON config.json (JSONDecodeError"),
+                            ("list.json", b"[1, 2]", "holds one JSON object of model fields, this one holds a list")]:
+        f = tmp_path / name
+        f.write_bytes(data)
+        with pytest.raises(SystemExit) as exc:
+            P.main(["--model", str(f)])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2
+        assert f"'{f}'" in err and why in err and "Traceback" not in err, err
+
+
 @pytest.mark.skipif(importlib.util.find_spec("dropless.train.config") is None,
                     reason="dropless.train.config (Hydra compose) not written yet")
 def test_cli_hydra_overrides(capsys):
