@@ -323,9 +323,10 @@ def test_resume_reports_what_differs_from_the_runs_config(tmp_path, capsys):
     common = [f"run_dir={tmp_path}", "train.val_every=0", "logging.mode=disabled"]
     run(common + ["train.steps=1"])
     capsys.readouterr()
-    run(common + ["train.steps=2", "resume=true", "optim.lr=1e-3"])
+    run(common + ["train.steps=2", "resume=true", "optim.lr=1e-3", "optim.grad_clip=null", "optim.betas=[0.8,0.9]"])
     out = capsys.readouterr().out
     assert "differs from the run's config.yaml" in out and "optim.lr: 0.003 -> 0.001" in out
+    assert "optim.grad_clip: 1.0 -> null" in out and "optim.betas: [0.9, 0.95] -> [0.8, 0.9]" in out  # YAML's words
     assert "train.steps: 1 -> 2" in out and "resume:" not in out.split("differs")[1].split("\n")[0]
     assert OmegaConf.load(tmp_path / "config.yaml").optim.lr == 1e-3   # the resumed run's config is saved
     # nothing left to train: the saved config still describes the checkpoints and stays

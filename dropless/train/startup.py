@@ -306,9 +306,21 @@ def config_changes(old: DictConfig, new: DictConfig) -> list[str]:
             out.update(leaves(v, f"{prefix}{k}."))
         return out
 
+    def yaml(v: Any) -> str:  # as the command line and config.yaml spell values: null, true, [0.9, 0.95]
+        if v is _ABSENT:
+            return "(none)"
+        if v is None or isinstance(v, bool):
+            return {None: "null", True: "true", False: "false"}[v]
+        if isinstance(v, list):
+            return "[" + ", ".join(yaml(x) for x in v) + "]"
+        return str(v)
+
     la, lb = leaves(a), leaves(b)
-    return [f"{k}: {la.get(k, '(none)')} -> {lb.get(k, '(none)')}" for k in sorted(set(la) | set(lb))
-            if k != "resume" and la.get(k) != lb.get(k)]
+    return [f"{k}: {yaml(la.get(k, _ABSENT))} -> {yaml(lb.get(k, _ABSENT))}" for k in sorted(set(la) | set(lb))
+            if k != "resume" and la.get(k, _ABSENT) != lb.get(k, _ABSENT)]
+
+
+_ABSENT = object()  # a key one of the two configs lacks
 
 
 def set_deterministic(seed: int) -> None:
