@@ -159,7 +159,14 @@ def init_distributed(cfg: Any, n_routed_experts: int) -> DistEnv:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     ep = resolve_ep_size(cfg.dispatcher, world)
-    dp = check_mesh(world, ep, n_routed_experts)
+    try:
+        dp = check_mesh(world, ep, n_routed_experts)
+    except ConfigError as e:
+        if cfg.dispatcher.get("ep_size") is None and ep > 1:  # the user never wrote that EP: say where it came from
+            raise ConfigError(f"dispatcher.ep_size is null, so dispatcher={cfg.dispatcher.name} spreads the experts "
+                              f"over all {world} processes (EP = {ep}): {str(e).rstrip('.')}; or launch a number of "
+                              f"processes that divides model.n_routed_experts={n_routed_experts}") from e
+        raise
     device = _device(cfg.get("device", "auto"), local_rank, cfg.get("recipe"))
     threads = cfg.get("num_threads")  # >= 1 or null (dropless.train.startup.check_train_config)
     torch.set_num_threads(int(threads) if threads is not None else default_num_threads(local_world))
