@@ -486,8 +486,8 @@ def test_a_resume_on_another_rank_count_says_what_changes(tmp_path):
     step = ckpt.latest_checkpoint(tmp_path)[1]
     assert (step / ckpt.MARKER).read_text() == "step 2\nworld_size 1\n" and ckpt.saved_world_size(step) == 1
 
-    def warnings_of_resume() -> list[str]:
-        tr = Trainer(compose(QUICK + [f"run_dir={tmp_path}", "resume=true", "train.steps=2",
+    def warnings_of_resume(steps: int = 3) -> list[str]:
+        tr = Trainer(compose(QUICK + [f"run_dir={tmp_path}", "resume=true", f"train.steps={steps}",
                                       "logging.mode=disabled"]))
         tr.close()
         return [w for w in tr.warnings if w.startswith("resume:")]
@@ -497,5 +497,6 @@ def test_a_resume_on_another_rank_count_says_what_changes(tmp_path):
     (w,) = warnings_of_resume()
     assert w.startswith("resume: step_00000002 was saved by 4 rank(s), this run has 1: the weights and optimizer "
                         "state carry over") and "tokens per step scale with the ranks" in w
+    assert warnings_of_resume(steps=2) == []  # nothing left to train: no data order to change
     (step / ckpt.MARKER).write_text("step 2\n")  # a checkpoint from before the line existed
     assert warnings_of_resume() == [] and ckpt.saved_world_size(step) is None

@@ -321,7 +321,7 @@ class Trainer:
                 self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
                 self.resumed_from = self.step
                 saved_world = ckpt.saved_world_size(found[1])
-                if saved_world is not None and saved_world != env.world_size:
+                if saved_world is not None and saved_world != env.world_size and self.step < self.steps:
                     self._warn(f"resume: {found[1].name} was saved by {saved_world} rank(s), this run has "
                                f"{env.world_size}: the weights and optimizer state carry over, but each rank's "
                                "shard of the training windows changes with the rank count, so the rest of this "
