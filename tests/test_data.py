@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 from dropless.config import ConfigError
 from dropless.train.data import (
     ShardedLoader,
+    check_data_config,
     check_token_ids,
     load_tokens,
     num_windows,
@@ -66,6 +67,8 @@ def test_missing_path_and_empty_dir(tmp_path):
         load_tokens(_cfg(path=str(tmp_path / "nope")))
     with pytest.raises(ConfigError, match="no file matches"):
         load_tokens(_cfg(path=str(tmp_path)))
+    with pytest.raises(ConfigError, match=r"no file matches data.glob='\*.py'"):  # what --cfg runs, before any work
+        check_data_config(_cfg(path=str(tmp_path)), 256)
     (tmp_path / "e.py").write_bytes(b"")
     with pytest.raises(ConfigError, match="all empty"):
         load_tokens(_cfg(path=str(tmp_path)))

@@ -177,8 +177,10 @@ def test_mesh_checks(monkeypatch):
         init_distributed(compose(["dispatcher=a2a", "dispatcher.ep_size=2"]), 8)
     # ep_size left null: EP is the world size, which the message says (the user never wrote ep_size=3)
     with pytest.raises(ConfigError, match=r"^dispatcher.ep_size is null, so dispatcher=a2a spreads the experts "
-                                          r"over all 3 processes \(EP = 3\): dispatcher.ep_size=3 does not divide "
-                                          r"model.n_routed_experts=8.*; or launch a number of processes that divides"):
+                                          r"over all 3 processes \(EP = 3\), and 3 does not divide "
+                                          r"model.n_routed_experts=8: set dispatcher.ep_size to one of \[1\] "
+                                          r"\(dividing both 3 and 8\), or launch a number of processes from "
+                                          r"\[1, 2, 4, 8\]$"):
         init_distributed(compose(["dispatcher=a2a"]), 8)
     assert not dist.is_initialized()
 

@@ -143,10 +143,14 @@ def _data_problems(data_cfg: Any, model_vocab_size: int | None, validates: bool 
     if kind == "text":
         if not _missing(data_cfg, "path"):
             root = Path(str(data_cfg.path)).expanduser()
+            glob = str(data_cfg.get("glob", "*.py"))
             if not root.exists():
                 out.append(f"data.path={str(root)!r}: no such file or directory. Pass a directory of text files "
                            "(data.path=DIR data.glob='*.txt'), or leave data.path null for the Python standard "
                            "library.")
+            elif root.is_dir() and not text_files(root, glob):
+                out.append(f"data.path={str(root)!r}: no file matches data.glob={glob!r} (searched recursively). "
+                           "Put text files there or change data.glob.")
         vocab = 256 if _missing(data_cfg, "vocab_size") else int(data_cfg.vocab_size)
         if vocab != 256:
             out.append(f"data.vocab_size={vocab}: byte-level text has 256 token ids; set it to 256")

@@ -163,9 +163,13 @@ def init_distributed(cfg: Any, n_routed_experts: int) -> DistEnv:
         dp = check_mesh(world, ep, n_routed_experts)
     except ConfigError as e:
         if cfg.dispatcher.get("ep_size") is None and ep > 1:  # the user never wrote that EP: say where it came from
+            fits = [d for d in range(1, world + 1) if world % d == 0 and n_routed_experts % d == 0]
+            divisors = [d for d in range(1, n_routed_experts + 1) if n_routed_experts % d == 0]
             raise ConfigError(f"dispatcher.ep_size is null, so dispatcher={cfg.dispatcher.name} spreads the experts "
-                              f"over all {world} processes (EP = {ep}): {str(e).rstrip('.')}; or launch a number of "
-                              f"processes that divides model.n_routed_experts={n_routed_experts}") from e
+                              f"over all {world} processes (EP = {ep}), and {ep} does not divide "
+                              f"model.n_routed_experts={n_routed_experts}: set dispatcher.ep_size to one of {fits} "
+                              f"(dividing both {world} and {n_routed_experts}), or launch a number of processes "
+                              f"from {divisors}") from e
         raise
     device = _device(cfg.get("device", "auto"), local_rank, cfg.get("recipe"))
     threads = cfg.get("num_threads")  # >= 1 or null (dropless.train.startup.check_train_config)
