@@ -388,7 +388,9 @@ def test_cli_bad_input_exits_with_the_fix(capsys):
         (["--model", "deepseek_v3_671b", "--ep", "3"], "pick an EP size from"),
         (["--model", "deepseek_v3_671b", "--counts", "1,2,3"], "one count per local expert"),
         (["--model", "deepseek_v3_671b", "--capacity-factor", "0"], "capacity_factor=0.0"),
-        (["--model", "no_such_model"], "--model='no_such_model'"),
+        (["--model", "no_such_model"], "--model='no_such_model' is no model name: give one of"),
+        (["--model", "/no/such/config.json"], "--model='/no/such/config.json' is no model name and no such file"),
+        (["--model", "/tmp"], "--model='/tmp' is a directory, not a config.json"),
         (["--model", "deepseek_v3_671b", "--counts", "a,b"], "comma-separated integers"),
     ]:
         with pytest.raises(SystemExit) as exc:

@@ -105,7 +105,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             elif os.path.isfile(ns.model):
                 args = ModelArgs.from_json(ns.model)
             else:
-                raise ValueError(f"--model={ns.model!r}: give one of {sorted(_MODELS)} or the path "
+                what = ("is a directory, not a config.json" if os.path.isdir(ns.model) else
+                        "is no model name and no such file" if os.sep in ns.model or ns.model.endswith(".json")
+                        else "is no model name")
+                raise ValueError(f"--model={ns.model!r} {what}: give one of {sorted(_MODELS)} or the path "
                                  "of a config.json")
             ep, tokens, seq_len = defaults.get("ep"), defaults.get("tokens_per_rank"), \
                 defaults.get("seq_len")
