@@ -87,6 +87,12 @@ def test_train_init_from_hf_then_export_the_run(tmp_path, capsys):
     back = DeepseekV3ForCausalLM.from_pretrained(str(out)).eval()
     with torch.no_grad():
         torch.testing.assert_close(back(tokens).logits, trained, rtol=0, atol=2e-5)
+    capsys.readouterr()
+    out_run = tmp_path / "exported_from_the_run"                # the run directory: its newest checkpoint
+    assert main(["dcp-to-hf", str(tmp_path / "a"), str(out_run)]) == 0
+    assert "is a run directory: reading its newest complete checkpoint, step_00000001" in capsys.readouterr().out
+    for f in sorted(out.glob("*.safetensors")):
+        assert (out_run / f.name).read_bytes() == f.read_bytes()
 
     # resume=true with a checkpoint in run_dir continues the run: init_from is not applied again
     again = Trainer(compose(base + [f"run_dir={tmp_path / 'a'}", "resume=true", "train.steps=1", f"init_from={src}"]))

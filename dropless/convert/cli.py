@@ -13,7 +13,8 @@ starts from it. It holds the model once in memory in fp32, in one process; for m
 do not fit, give the Hugging Face directory to ``init_from`` directly under torchrun, where
 each rank reads only its own experts.
 
-``dcp-to-hf`` reads SRC (hf-to-dcp's output or a training run's ``checkpoints/step_N``; the
+``dcp-to-hf`` reads SRC (hf-to-dcp's output, a training run's ``checkpoints/step_N``, or the run
+directory itself for its newest complete checkpoint; the
 model config from ``--config``, ``SRC/model_args.json`` or the run's ``config.yaml``) tensor
 by tensor and writes a Hugging Face directory (:func:`dropless.convert.hf_export.export_hf`).
 
@@ -32,7 +33,7 @@ import torch
 import yaml
 
 from dropless.config import ConfigError
-from dropless.convert.dcp_io import DCPSource, read_model_args, save_model_dcp
+from dropless.convert.dcp_io import DCPSource, is_dcp_dir, newest_run_checkpoint, read_model_args, save_model_dcp
 from dropless.convert.hf_config import args_from_hf_config, read_hf_config
 from dropless.convert.hf_export import export_hf
 from dropless.convert.hf_import import load_hf
@@ -77,7 +78,11 @@ def hf_to_dcp(src: str | Path, dst: str | Path, overrides: dict | None = None) -
 def dcp_to_hf(src: str | Path, dst: str | Path, config: str | Path | None = None,
               dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 10**9,
               copy_files_from: str | Path | None = None) -> Path:
-    """The ``dcp-to-hf`` command as a function. Returns ``dst``."""
+    """The ``dcp-to-hf`` command as a function. ``src`` may also be a training run's directory: its
+    newest complete checkpoint is read (and said). Returns ``dst``."""
+    if not is_dcp_dir(src) and (newest := newest_run_checkpoint(src)) is not None:
+        print(f"[dropless-convert] {src} is a run directory: reading its newest complete checkpoint, {newest.name}")
+        src = newest
     source = DCPSource(src)  # first: a directory that is no checkpoint is the error to report
     args = read_model_args(src, config)
     return export_hf(source, args, dst, dtype=dtype, max_shard_bytes=max_shard_bytes,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,7 +36,10 @@ try:
 except ImportError:  # pragma: no cover - torch without distributed
     DTensor = None
 
-__all__ = ["ARGS_NAME", "DCPSource", "save_model_dcp", "load_model_dcp", "read_model_args", "is_dcp_dir"]
+_STEP = re.compile(r"^step_(\d+)$")
+
+__all__ = ["ARGS_NAME", "DCPSource", "save_model_dcp", "load_model_dcp", "read_model_args", "is_dcp_dir",
+           "newest_run_checkpoint"]
 
 #: The ModelArgs of a weights-only checkpoint, beside its ``.metadata``.
 ARGS_NAME = "model_args.json"
@@ -44,6 +48,16 @@ ARGS_NAME = "model_args.json"
 def is_dcp_dir(path: str | Path) -> bool:
     """True for a complete DCP checkpoint directory (it has ``.metadata``, written last)."""
     return (Path(path) / ".metadata").is_file()
+
+
+def newest_run_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete DCP checkpoint ``run_dir/checkpoints/step_N`` of a training run (the largest
+    N whose directory has ``.metadata``), or None when ``run_dir`` holds none."""
+    ck = Path(run_dir).expanduser() / "checkpoints"
+    if not ck.is_dir():
+        return None
+    steps = sorted((int(m.group(1)), c) for c in ck.glob("step_*") if (m := _STEP.match(c.name)) and is_dcp_dir(c))
+    return steps[-1][1] if steps else None
 
 
 def _no_dist() -> bool:

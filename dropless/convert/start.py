@@ -12,18 +12,15 @@ built model in place (the optimizer, step and data position start fresh):
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from torch import nn
 
 from dropless.config import ConfigError
-from dropless.convert.dcp_io import is_dcp_dir, load_model_dcp
+from dropless.convert.dcp_io import is_dcp_dir, load_model_dcp, newest_run_checkpoint
 from dropless.convert.hf_import import load_hf
 
 __all__ = ["init_from", "resolve_source"]
-
-_STEP = re.compile(r"^step_(\d+)$")
 
 
 def resolve_source(path: str | Path) -> tuple[str, Path]:
@@ -38,10 +35,9 @@ def resolve_source(path: str | Path) -> tuple[str, Path]:
         return "hf", p
     if is_dcp_dir(p):
         return "dcp", p
-    steps = sorted((int(m.group(1)), c) for c in (p / "checkpoints").glob("step_*")
-                   if (m := _STEP.match(c.name)) and is_dcp_dir(c)) if (p / "checkpoints").is_dir() else []
-    if steps:
-        return "dcp", steps[-1][1]
+    newest = newest_run_checkpoint(p)
+    if newest is not None:
+        return "dcp", newest
     raise ConfigError(f"init_from={str(path)!r}: not a Hugging Face model directory (config.json + *.safetensors), "
                       "a DCP checkpoint (.metadata) or a run directory with checkpoints/step_*")
 
