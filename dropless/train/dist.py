@@ -31,8 +31,17 @@ from dropless.dispatch.collectives import CollectiveError
 from dropless.dispatch.mesh import build_mesh, check_ep_size, start_process_group
 from dropless.dispatch.registry import check_dispatcher_ep, default_ep_size
 
-__all__ = ["DistEnv", "resolve_ep_size", "check_mesh", "init_distributed", "default_num_threads", "usable_cores",
-           "collective_failure", "elastic_restart"]
+__all__ = ["DEVICES", "check_device", "DistEnv", "resolve_ep_size", "check_mesh", "init_distributed",
+           "default_num_threads", "usable_cores", "collective_failure", "elastic_restart"]
+
+#: the values ``device`` takes (``auto``: CUDA where torch sees a GPU, else the CPU)
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def check_device(device_cfg: Any) -> None:
+    """Raise ConfigError unless ``device`` is one of :data:`DEVICES`."""
+    if str(device_cfg) not in DEVICES:
+        raise ConfigError(f"device={str(device_cfg)!r}: must be {', '.join(DEVICES[:-1])} or {DEVICES[-1]}")
 
 
 @dataclass
@@ -131,6 +140,7 @@ def usable_cores() -> int:
 
 
 def _device(device_cfg: str, local_rank: int, recipe: str | None = None) -> torch.device:
+    check_device(device_cfg)
     want = str(device_cfg)
     if want == "auto":
         want = "cuda" if torch.cuda.is_available() else "cpu"
@@ -143,8 +153,6 @@ def _device(device_cfg: str, local_rank: int, recipe: str | None = None) -> torc
             raise ConfigError("device=cuda but torch sees no CUDA device; set device=cpu (or auto)")
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         return torch.device("cuda", torch.cuda.current_device())
-    if want != "cpu":
-        raise ConfigError(f"device={device_cfg!r}: must be auto, cpu or cuda")
     return torch.device("cpu")
 
 

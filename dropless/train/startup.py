@@ -33,7 +33,7 @@ from dropless.ops.backends import list_backends
 from dropless.train.compile import check_compile_moe
 from dropless.train.config import model_args
 from dropless.train.data import check_data_config
-from dropless.train.dist import DistEnv, resolve_ep_size, usable_cores
+from dropless.train.dist import DistEnv, check_device, resolve_ep_size, usable_cores
 from dropless.train.metrics import wandb_problem
 from dropless.train.shard import apply_fsdp, shard_dense_params
 
@@ -92,7 +92,7 @@ def check_train_config(cfg: DictConfig) -> None:
              "train.shard_dense=true all-gathers parameters inside forward and backward (FSDP2), which a "
              "captured graph cannot hold; set one of them to false")
     need(isinstance(cfg.deterministic, bool), "deterministic", cfg.deterministic, "must be true or false")
-    need(str(cfg.device) in ("auto", "cpu", "cuda"), "device", cfg.device, "must be auto, cpu or cuda")
+    check_device(cfg.device)
     need(str(t.get("loss_impl", "auto")) in LOSS_IMPLS, "train.loss_impl", t.get("loss_impl"),
          f"must be one of {LOSS_IMPLS}")
     # a positive ep_size, and 1 for the dispatchers that keep every expert on every rank (torchrun's
@@ -293,6 +293,9 @@ def check_logging(cfg: DictConfig, env: DistEnv) -> None:
         raise ConfigError(problem)
 
 
+_ABSENT = object()  # a key one of the two configs lacks (config_changes)
+
+
 def config_changes(old: DictConfig, new: DictConfig) -> list[str]:
     """``key: old -> new`` for every leaf that differs between two configs (resolved; ``resume`` ignored)."""
     a = OmegaConf.to_container(old, resolve=True)
@@ -318,9 +321,6 @@ def config_changes(old: DictConfig, new: DictConfig) -> list[str]:
     la, lb = leaves(a), leaves(b)
     return [f"{k}: {yaml(la.get(k, _ABSENT))} -> {yaml(lb.get(k, _ABSENT))}" for k in sorted(set(la) | set(lb))
             if k != "resume" and la.get(k, _ABSENT) != lb.get(k, _ABSENT)]
-
-
-_ABSENT = object()  # a key one of the two configs lacks
 
 
 def set_deterministic(seed: int) -> None:
