@@ -103,7 +103,7 @@ def test_async_save_holds_its_step_while_training_goes_on(tmp_path, held_writes,
         held_writes.set()
         assert tr.checkpoints.finish() == path
         assert ckpt.latest_checkpoint(tmp_path) == (2, path) and not partial.exists()
-        st = ckpt.load(path, tr.masters.state_module, tr.optimizer, tr._trainer_state(), tr.env, tr.expert_fqns)
+        st = ckpt.load(path, tr.masters.state_module, tr.optimizer, tr.progress.state_dict(), tr.env, tr.expert_fqns)
         assert st["step"] == 2
         _assert_equal(_snapshot(tr.masters.state_module, tr.optimizer), at2)
     finally:
@@ -143,7 +143,7 @@ def test_consecutive_async_saves_each_hold_their_step(tmp_path, held_writes, cap
             assert tr.checkpoints.stager is None  # the closed trainer lets its host copy go
         for step in (2, 4):
             st = ckpt.load(ckpt.checkpoint_dir(tmp_path, step), tr.masters.state_module, tr.optimizer,
-                           tr._trainer_state(), tr.env, tr.expert_fqns)
+                           tr.progress.state_dict(), tr.env, tr.expert_fqns)
             assert st["step"] == step
             _assert_equal(_snapshot(tr.masters.state_module, tr.optimizer), snaps[step])
     finally:

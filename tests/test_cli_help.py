@@ -40,7 +40,7 @@ def test_a_second_interrupt_aborts_with_one_line_naming_the_newest_checkpoint(tm
 
     def aborted(self):
         self.train_step()
-        raise KeyboardInterrupt  # what Trainer._on_signal raises at a second Ctrl-C
+        raise KeyboardInterrupt  # what StopSignals raises at a second Ctrl-C
 
     monkeypatch.setattr(Trainer, "train", aborted)
     assert main(quick + ["train.steps=4", "resume=true"]) == 130

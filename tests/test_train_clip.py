@@ -142,8 +142,8 @@ def test_trainer_folded_clip_equals_the_separate_clip(tmp_path, monkeypatch, dty
     over = CLIP + [f"train.dtype={dtype}", "optim.fused=true"]
     guarded, calls = [], []
     real_guarded, real = grads_mod.guarded_step, grads_mod.clipped_step
-    monkeypatch.setattr("dropless.train.trainer.guarded_step", lambda *args: guarded.append(1) or real_guarded(*args))
-    monkeypatch.setattr("dropless.train.trainer.clipped_step",
+    monkeypatch.setattr("dropless.train.step.guarded_step", lambda *args: guarded.append(1) or real_guarded(*args))
+    monkeypatch.setattr("dropless.train.step.clipped_step",
                         lambda *args: calls.append(real(*args)) or calls[-1])
     _, tr = run([f"run_dir={a}"] + over)
     assert all(g["fused"] for g in tr.optimizer.param_groups) and tr.device_guarded

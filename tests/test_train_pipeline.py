@@ -138,7 +138,7 @@ def test_stop_at_a_read_drops_the_launched_step_and_resumes_bitwise(tmp_path):
         for rec in tr.iter_steps(5):
             got.append(rec)
             if len(got) == 2:
-                tr._stop_signal = signal.SIGINT        # Ctrl-C while step 3 is being launched
+                tr.signals.signum = signal.SIGINT        # Ctrl-C while step 3 is being launched
         assert tr.stopping and len(got) == 3 and tr.step == 3
         assert all(r.tokens_per_expert.abs().sum() == 0 for r in tr.balancer.routers)  # step 4's counts dropped
         tr.save_checkpoint()
@@ -223,7 +223,7 @@ def test_an_interrupt_during_the_last_step_completes_the_run(tmp_path, capsys):
         def update(launched):
             out = plain(launched)
             if tr.step == 3:
-                tr._stop_signal = signal.SIGINT  # Ctrl-C during the last step's update, before its read
+                tr.signals.signum = signal.SIGINT  # Ctrl-C during the last step's update, before its read
             return out
 
         tr._update = update

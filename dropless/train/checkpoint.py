@@ -411,6 +411,7 @@ class Checkpointer:
         stager: the asynchronous saves' stager; default :func:`host_stager` of the run's device
             (pinned and kept on CUDA).
         threads: writing threads per rank and save (``train.ckpt_threads``).
+        every: steps between periodic saves (``train.ckpt_every``); 0: none (:meth:`due`).
     Attributes:
         pending: the :class:`PendingSave` in flight, or None.
         waited: after :meth:`save`: (the save that was in flight, seconds :meth:`save` spent
@@ -418,15 +419,20 @@ class Checkpointer:
     """
 
     def __init__(self, run_dir: Path, env: Any, *, keep: int = 0, asynchronous: bool = False,
-                 timeout_s: float = 600.0, stager: AsyncStager | None | str = "auto", threads: int = 1):
+                 timeout_s: float = 600.0, stager: AsyncStager | None | str = "auto", threads: int = 1,
+                 every: int = 0):
         self.run_dir, self.env, self.keep, self.asynchronous = Path(run_dir), env, int(keep), bool(asynchronous)
-        self.threads = int(threads)
+        self.threads, self.every = int(threads), int(every)
         self.stager = (host_stager(env.device) if stager == "auto" else stager) if self.asynchronous else None
         self.group = (dist.new_group(list(range(env.world_size)), backend="gloo",
                                      timeout=datetime.timedelta(seconds=float(timeout_s)))
                       if self.asynchronous and env.distributed else None)
         self.pending: PendingSave | None = None
         self.waited: tuple[Path, float] | None = None
+
+    def due(self, step: int) -> bool:
+        """Whether optimizer step ``step`` is a periodic save's (a multiple of ``every``)."""
+        return bool(self.every) and step % self.every == 0
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainer: dict,
              expert_fqns: set[str], *, wait: bool = True) -> Path:
@@ -458,6 +464,22 @@ class Checkpointer:
         path = finish_save(pending)
         self._prune()
         return path
+
+    def after_error(self, every_rank: bool) -> str | None:
+        """After an error left the training loop: complete the save in flight if ``every_rank`` takes part
+        (one process, or an error every rank raises at the same step), else leave it incomplete (never
+        loaded): another error may have left a rank behind, and an abort does not wait. Returns the
+        note to print, or None where no save was in flight."""
+        if self.pending is None:
+            return None
+        if not every_rank:
+            name, self.pending = self.pending.path.name, None
+            return (f"[dropless] the checkpoint being written ({name}) is left incomplete (never loaded); "
+                    "resume=true uses the newest complete one")
+        try:
+            return f"[dropless] checkpoint {self.finish().name} complete"
+        except Exception as e:  # noqa: BLE001 - the error that left the loop is the one to report
+            return f"[dropless] {e}"
 
     def _prune(self) -> None:
         if self.env.is_main:

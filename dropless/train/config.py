@@ -121,18 +121,7 @@ def compose(overrides: Sequence[str] = (), config_name: str = "config") -> DictC
     cdir = config_dir()
     _register()
     ov = _rewrite(overrides)
-    added = [o for o in ov if o.startswith("+") and not o.lstrip("+").startswith("recipes=")]
-    if added:
-        raise ConfigError(
-            f"overrides {added} add new keys: every key dropless reads already exists in configs/, "
-            "so a '+key=value' would be ignored. Drop the '+' and check the spelling "
-            "(`dropless-train --cfg` prints the resolved config).")
-    for o in ov:  # each group's typed schema is registered beside its options, so Hydra lists it as one
-        key, _, value = o.partition("=")
-        if key in _GROUPS and value == "schema":
-            options = sorted(f.stem for f in (cdir / key).glob("*.yaml"))
-            raise ConfigError(f"{key}=schema: 'schema' is the typed schema of the {key} group, not an option; "
-                              f"pick one of {options} ({key}=NAME)")
+    _check_overrides(ov, cdir)
     gh = GlobalHydra.instance()
     was = gh.is_initialized()
     if was:  # compose inside someone else's Hydra context: use our own, then give it back
@@ -160,6 +149,23 @@ def compose(overrides: Sequence[str] = (), config_name: str = "config") -> DictC
         OmegaConf.update(cfg, key, value, merge=False)
     OmegaConf.set_struct(cfg, True)
     return cfg
+
+
+def _check_overrides(ov: list[str], cdir: Path) -> None:
+    """ConfigError for an override that adds a key (``+key=value``; every key dropless reads exists in
+    ``configs/``) or picks a group's typed schema as an option (``optim=schema``)."""
+    added = [o for o in ov if o.startswith("+") and not o.lstrip("+").startswith("recipes=")]
+    if added:
+        raise ConfigError(
+            f"overrides {added} add new keys: every key dropless reads already exists in configs/, "
+            "so a '+key=value' would be ignored. Drop the '+' and check the spelling "
+            "(`dropless-train --cfg` prints the resolved config).")
+    for o in ov:  # each group's typed schema is registered beside its options, so Hydra lists it as one
+        key, _, value = o.partition("=")
+        if key in _GROUPS and value == "schema":
+            options = sorted(f.stem for f in (cdir / key).glob("*.yaml"))
+            raise ConfigError(f"{key}=schema: 'schema' is the typed schema of the {key} group, not an option; "
+                              f"pick one of {options} ({key}=NAME)")
 
 
 def _compose_with_null_dicts(hydra_compose: Any, config_name: str, ov: list[str]) -> tuple[DictConfig, list]:

@@ -51,7 +51,7 @@ from omegaconf import OmegaConf
 from dropless.config import ConfigError
 
 __all__ = ["TokenData", "ShardedLoader", "load_tokens", "check_data_config", "stdlib_dir", "text_files",
-           "check_token_ids", "val_windows", "CHECK_CHUNK"]
+           "check_token_ids", "val_windows", "run_val_windows", "CHECK_CHUNK"]
 
 #: ids per chunk of the ``id < vocab_size`` check of a ``.bin`` (64 Mi ids: 128 MiB of uint16).
 CHECK_CHUNK = 1 << 26
@@ -381,3 +381,21 @@ def val_windows(ids: np.ndarray, seq_len: int, batch_size: int, num_batches: int
     idx = rank + world_size * pos
     w = _windows(ids, idx, seq_len)
     return [(w[i:i + batch_size, :-1], w[i:i + batch_size, 1:]) for i in range(0, take, batch_size)]
+
+
+def run_val_windows(ids: np.ndarray, seq_len: int, batch_size: int, num_batches: int, rank: int, world_size: int,
+                    validates: bool) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], str | None]:
+    """A run's validation micro-batches (:func:`val_windows`) and a warning when there are fewer than
+    ``num_batches`` (``train.val_batches``), else None. A run that never validates (``validates`` false:
+    ``train.val_every=0``) gets none instead of the error for a split too small for one micro-batch."""
+    try:
+        batches = val_windows(ids, seq_len, batch_size, num_batches, rank, world_size)
+    except ConfigError:
+        if validates:
+            raise
+        return [], None
+    if len(batches) >= num_batches or not validates:
+        return batches, None
+    return batches, (f"train.val_batches={num_batches}: the validation split holds {len(batches)} micro-batch(es) "
+                     "per rank; validating on those (for more, a larger data.val_fraction, or with data=bin a "
+                     "longer data.val_path file)")

@@ -28,11 +28,12 @@ import time
 from pathlib import Path
 
 import torch.distributed as dist
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from dropless.config import ConfigError
 from dropless.train import checkpoint as ckpt
 from dropless.train.dist import DistEnv
+from dropless.train.startup import config_changes
 
 try:
     import fcntl
@@ -245,3 +246,21 @@ def claim_run_dir(run_dir: Path, env: DistEnv, fresh: bool = False) -> tuple[Pat
             lock.release()
         raise ConfigError(problem)
     return run_dir, lock
+
+
+def save_config(run_dir: Path, cfg: DictConfig, idle: bool = False) -> str | None:
+    """Write ``run_dir/config.yaml`` (resolved; rank 0). On a resume (``cfg.resume``) beside a saved one,
+    returns the note naming the values that differ from it (else None); ``idle``, a resume with
+    nothing left to train, keeps the saved file: it still describes the checkpoints."""
+    cfg_file = run_dir / "config.yaml"
+    exists = cfg_file.exists()
+    note = None
+    changed = config_changes(OmegaConf.load(cfg_file), cfg) if cfg.resume and exists else []
+    if changed:
+        more = f" (and {len(changed) - 8} more)" if len(changed) > 8 else ""
+        how = "not saved: nothing is left to train" if idle else "this one is used and saved"
+        note = f"[dropless] resume: this config differs from the run's config.yaml ({how}): " + \
+            ", ".join(changed[:8]) + more
+    if not (idle and exists):
+        cfg_file.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    return note

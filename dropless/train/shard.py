@@ -113,14 +113,7 @@ def apply_fsdp(module: nn.Module, mesh: Any, *, reshard_after_forward: bool = Tr
         a trainer averaging the other parameters' gradients over the world expects. Call it
         before building the optimizer (the parameters become DTensors).
     """
-    dp_mesh = mesh
-    names = getattr(mesh, "mesh_dim_names", None)
-    if names and "dp" in names:
-        if "ep" in names:
-            check_dispatcher_ep("fsdp", mesh["ep"].size())
-        dp_mesh = mesh["dp"]
-    elif mesh.ndim != 1:
-        raise ValueError(f"apply_fsdp: need a mesh with a 'dp' dimension or a 1-D mesh, got dims {names}")
+    dp_mesh = _dp_mesh(mesh)
     layers = _moe_layers(module)
     if not layers:
         raise ValueError("apply_fsdp: no dropless.moe.MoE layer in the module; pass the model (or MoE layer) "
@@ -147,13 +140,30 @@ def apply_fsdp(module: nn.Module, mesh: Any, *, reshard_after_forward: bool = Tr
         expert_ids = {id(p) for ex in sharded for p in ex.parameters()}
         others = {p for p in module.parameters() if id(p) not in expert_ids}
         fully_shard(module, mesh=dp_mesh, ignored_params=others)
-    if prefetch and len(sharded) > 1:
-        for i, ex in enumerate(sharded):
-            if i + 1 < len(sharded):
-                ex.set_modules_to_forward_prefetch([sharded[i + 1]])
-            if i > 0:
-                ex.set_modules_to_backward_prefetch([sharded[i - 1]])
+    if prefetch:
+        _chain_prefetch(sharded)
     return sharded
+
+
+def _dp_mesh(mesh: Any) -> Any:
+    """The dp dimension of ``mesh`` (whose ep dimension, if any, must be 1), or a 1-D mesh itself."""
+    names = getattr(mesh, "mesh_dim_names", None)
+    if names and "dp" in names:
+        if "ep" in names:
+            check_dispatcher_ep("fsdp", mesh["ep"].size())
+        return mesh["dp"]
+    if mesh.ndim != 1:
+        raise ValueError(f"apply_fsdp: need a mesh with a 'dp' dimension or a 1-D mesh, got dims {names}")
+    return mesh
+
+
+def _chain_prefetch(sharded: list[nn.Module]) -> None:
+    """Each experts module prefetches the next one's gather in forward and the previous one's in backward."""
+    for i, ex in enumerate(sharded):
+        if i + 1 < len(sharded):
+            ex.set_modules_to_forward_prefetch([sharded[i + 1]])
+        if i > 0:
+            ex.set_modules_to_backward_prefetch([sharded[i - 1]])
 
 
 def _dtype_bytes(dtype: torch.dtype | None, p: torch.Tensor) -> int:

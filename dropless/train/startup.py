@@ -29,8 +29,8 @@ from dropless.dispatch.registry import dispatcher_class
 from dropless.layout import aligned_capacity
 from dropless.model import Transformer
 from dropless.model.loss import LOSS_IMPLS
-from dropless.ops.backends import list_backends
-from dropless.train.compile import check_compile_moe
+from dropless.ops.backends import check_backend_device, check_backend_shapes, list_backends
+from dropless.train.compile import check_compile, check_compile_moe
 from dropless.train.config import model_args
 from dropless.train.data import check_data_config
 from dropless.train.dist import DistEnv, check_device, resolve_ep_size, usable_cores
@@ -150,6 +150,33 @@ def check_train_config(cfg: DictConfig) -> None:
         raise ConfigError(f"train.seq_len={int(t.seq_len)} > model.max_position_embeddings="
                           f"{args.max_position_embeddings}: lower train.seq_len or raise "
                           "model.max_position_embeddings")
+
+
+def check_machine(cfg: DictConfig, args: ModelArgs, env: DistEnv, dtype: torch.dtype, total_params: int) -> None:
+    """ConfigError for what the config asks of this machine and cannot get, before the data is read and
+    the run directory made: the GEMM backend on this device (e.g. gemm=fp8 without FP8 tensor cores) and
+    its row sizes, the dispatcher's package (e.g. deepep's), the training state in memory
+    (:func:`check_state_fits`; else an OOM kill while building), ``torch.compile``'s backend, CUDA
+    graphs on a CUDA device, and the wandb login (:func:`check_logging`)."""
+    t = cfg.train
+    check_backend_device(args.gemm, env.device)
+    dispatcher_class(cfg.dispatcher.name).check_available()
+    check_backend_shapes(args.gemm, env.device, dtype, args.hidden_size, args.moe_intermediate_size)
+    check_state_fits(total_params, dtype, env, async_staging=bool(t.ckpt_async))
+    if t.compile:
+        check_compile(env.device, str(t.compile_backend))
+    if t.cuda_graph and env.device.type != "cuda":  # (loss_impl=liger: check_train_config refuses it)
+        raise ConfigError(f"train.cuda_graph=true: CUDA graphs need a CUDA GPU, but the run's device is "
+                          f"{env.device}; set train.cuda_graph=false (or device=cuda on a GPU machine)")
+    check_logging(cfg, env)
+
+
+def start_notes(cfg: DictConfig, args: ModelArgs, env: DistEnv) -> list[str]:
+    """The start-up warnings that the config and the world give: :func:`alignment_note`,
+    :func:`schedule_note`, :func:`threads_note`."""
+    tokens = int(cfg.train.micro_batch_size) * int(cfg.train.seq_len)
+    notes = (alignment_note(args, tokens, env.ep_size), schedule_note(cfg), threads_note(cfg, env))
+    return [n for n in notes if n]
 
 
 def alignment_note(args: ModelArgs, tokens: int, ep_size: int = 1) -> str | None:
