@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dropless.config import ConfigError, ModelArgs
+from dropless.config import ModelArgs
 from dropless.dispatch import Dispatcher, LocalDispatcher, Pending
 from dropless.experts import GroupedExperts, compute_dtype
 from dropless.mlp import FeedForward
@@ -127,11 +127,8 @@ class MoE(nn.Module):
         if self.dispatcher.num_experts != args.n_routed_experts:
             raise ValueError(f"layer {layer_id}: dispatcher built for {self.dispatcher.num_experts} experts but "
                              f"n_routed_experts={args.n_routed_experts}")
-        if args.recompute_gather and not self.dispatcher.gathers_locally:
-            raise ConfigError(f"recompute_gather=True (layer {layer_id}): dispatcher {self.dispatcher.name!r} lands "
-                              "its rows through a collective, so they cannot be re-gathered from this rank's "
-                              "tokens in backward; use it with dispatcher=local or fsdp, or set "
-                              "recompute_gather=false")
+        if args.recompute_gather:
+            self.dispatcher.check_regather()
         if args.num_token_chunks > 1 and self.dispatcher.name == "fsdp":  # shown once per process
             warnings.warn(f"num_token_chunks={args.num_token_chunks} with dispatcher=fsdp runs the FSDP2-sharded "
                           "experts once per chunk, so each MoE layer all-gathers its expert weights "

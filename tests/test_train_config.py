@@ -343,24 +343,24 @@ def test_a_dict_override_sets_a_field_that_is_null_and_merges_into_one_that_is_n
         compose(["model.rope_scaling.factor=4"])
 
 
-@pytest.mark.parametrize("override, text", [
-    ("gemm.backend=foo", "gemm.backend (model.gemm)='foo': not a grouped GEMM backend; choose one of ['deep_gemm', "),
-    # (the list goes on with fp8, loop, torch and any backend another test registered)
-    ("model.gemm=foo", "gemm.backend (model.gemm)='foo': not a grouped GEMM backend"),
-    ("optim.name=sgd", "optim.name='sgd': dropless trains with AdamW only"),
+@pytest.mark.parametrize("override, field", [
+    ("gemm.backend=foo", "gemm.backend (model.gemm)='foo'"),
+    ("model.gemm=foo", "gemm.backend (model.gemm)='foo'"),
+    ("optim.name=sgd", "optim.name='sgd'"),
     # these four passed --cfg and failed only when the run started
-    ("device=tpu", "device='tpu': must be auto, cpu or cuda"),
-    ("train.loss_impl=foo", "train.loss_impl='foo': must be one of ('auto', 'torch', 'liger')"),
-    ("dispatcher.ep_size=0", "dispatcher.ep_size=0: must be a positive integer"),
-    ("dispatcher.ep_size=3", "dispatcher=local with EP = 3: local keeps every expert on every rank"),
-    ("model.recompute_gather=true dispatcher=a2a", "model.recompute_gather=true: re-gathers the landed rows"),
+    ("device=tpu", "device='tpu'"),
+    ("train.loss_impl=foo", "train.loss_impl='foo'"),
+    ("dispatcher.ep_size=0", "dispatcher.ep_size=0"),
+    ("dispatcher.ep_size=3", "dispatcher=local with EP = 3"),
+    ("model.recompute_gather=true dispatcher=a2a", "model.recompute_gather=true"),
     # cpu_peak_flops is no Optional: its message offered null, which the schema refuses
-    ("logging.cpu_peak_flops=0", "logging.cpu_peak_flops=0.0: must be > 0 (the CPU's assumed FLOP/s per process"),
+    ("logging.cpu_peak_flops=0", "logging.cpu_peak_flops=0.0"),
 ])
-def test_a_value_nothing_would_build_is_a_config_error_also_under_cfg(override, text, capsys):
+def test_a_value_nothing_would_build_is_a_config_error_also_under_cfg(override, field, capsys):
     """An unknown GEMM backend was a ValueError traceback at the model build (exit 1; --cfg printed it),
-    and optim.name=sgd trained AdamW silently."""
+    and optim.name=sgd trained AdamW silently. The error names the field and its value, exit status 2."""
     from dropless.train.__main__ import main
 
     assert main(["--cfg", *override.split()]) == 2
-    assert text in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith(f"dropless-train: error: {field}:") and err.count("\n") == 1

