@@ -44,7 +44,7 @@ class _SplitLast(torch.autograd.Function):
     ``wkv_a``'s output ``[c | k_pe]``; with the copies that then built the keys
     (:func:`~dropless.ops.keys_values.keys_values`) it removed the 7.8 ms of ``CatArrayBatchedCopy``
     over MLA's parts from an eager ``h200_single`` step on the H200
-    (``benchmarks/results/h200_train_step_s14.jsonl``).
+    (``benchmarks/results/train_step.jsonl``).
     """
 
     @staticmethod

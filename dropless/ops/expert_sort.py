@@ -11,7 +11,7 @@ dispatcher's tests rely on, and both paths give it exactly (integers only, nothi
 The Triton path is three launches and no host sync. It replaces the reference's sort, binary
 search, prefix sums and scatters, about forty small operators whose host-side cost, not their GPU
 time, made each MoE layer's dispatch about 1 ms of an eager step in which the GPU waited
-(``benchmarks/results/h200_host_timeline_s19.json``):
+(``benchmarks/results/host_timeline_h200_2026-12-03.json``):
 
 1. ``_hist_kernel``: each program counts the choices of its ``BLOCK`` consecutive flat entries per
    expert, ``hist[i, b]``;

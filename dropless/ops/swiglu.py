@@ -189,7 +189,7 @@ class LaunchConfig:
 
 #: Per op, the configs measured best on an H200 (benchmarks/live_rows.py --sweep): the full
 #: buffer's time first (what training sees), then 3,072 live of 28,672 rows, one expert holding
-#: every row not slower (benchmarks/results/h200_live_rows_*, h200_swiglu_ppm_s8.jsonl).
+#: every row not slower (benchmarks/results/live_rows.jsonl).
 DEFAULT_CONFIGS = {OP_FWD: LaunchConfig(programs_per_sm=64), OP_BWD: LaunchConfig(programs_per_sm=64),
                    OP_QUANT: LaunchConfig()}
 

@@ -67,7 +67,7 @@ def wgrad_by_triton(x_MK: torch.Tensor, n: int) -> bool:
     On CUDA: when one expert's 128 x 128 output tiles are fewer than the GPU's SMs. ``grouped_mm``
     takes the experts in order, so there a large expert's long tiles run alone at the end;
     :func:`dropless.ops.triton_wgrad.grouped_wgrad_` starts the largest experts first and needs no
-    zero-fills. Measured on an H200 (``benchmarks/results/h200_wgrad_order_s17.jsonl``) at
+    zero-fills. Measured on an H200 (``benchmarks/results/grouped_gemm.jsonl``) at
     h200_single's MoE shape (64 and 32 tiles per expert), FC1 + FC2 with the best tile config:
     1.18 against 1.23 ms with balanced experts, 1.34 against 2.16 ms with one expert holding 36 %
     of the rows; inside the step, 18.8 against 26 ms (``h200_train_step_s17.jsonl``). With

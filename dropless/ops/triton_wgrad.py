@@ -245,7 +245,7 @@ def largest_first(counts_e: torch.Tensor) -> torch.Tensor:
     fewer than the SMs, a schedule in expert order leaves the largest expert's long tiles to run
     alone at the end (an H200 at h200_single's shape, one expert with 36 % of the rows: 1.09 ms
     for ``grouped_mm``'s FC1 weight gradient against 0.65 balanced); started first, they overlap
-    the short tiles (0.81 ms; ``benchmarks/results/h200_wgrad_order_s17.jsonl``)."""
+    the short tiles (0.81 ms; ``benchmarks/results/grouped_gemm.jsonl``)."""
     return torch.argsort(counts_e, descending=True, stable=True).to(torch.int32)
 
 

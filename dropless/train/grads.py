@@ -227,7 +227,7 @@ class GradBuckets:
                 else:
                     # the multi-tensor copy: a bf16 -> fp32 copy_ runs torch's unrolled (not
                     # vectorised) cast kernel; on an H200 2.0 against 3.0 TB/s, the step's hook
-                    # copies 6.2 -> 5.5 ms (benchmarks/results/h200_train_step_s15.jsonl)
+                    # copies 6.2 -> 5.5 ms (benchmarks/results/train_step.jsonl)
                     torch._foreach_copy_([b.views[k]], [p.grad])
                     self._written.add(id(p))
                 if sink is not None:
