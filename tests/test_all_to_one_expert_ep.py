@@ -1,4 +1,4 @@
-"""CASES.md case-08 scaled up: 4096 tokens all routed to one expert, on one rank of an EP group.
+"""Everything to one expert (docs/design.md#failure-classes): 4096 tokens on one rank of an EP group.
 
 Two gloo ranks, top-1 over 8 experts (4 per rank), a selection bias that sends every token to
 expert 0 on rank 0. Rank 0 must land all 4096 rows, rank 1 none, nothing is dropped, and every
@@ -19,13 +19,13 @@ pytestmark = pytest.mark.slow
 def _local():
     from dropless.moe import MoE
 
-    moe = MoE(H.case08_args(), H.LAYER_ID)
+    moe = MoE(H.one_expert_args(), H.LAYER_ID)
     moe.init_weights()
-    H.case08_prepare(moe)
-    x, cot = H.case08_batch()
+    H.one_expert_prepare(moe)
+    x, cot = H.one_expert_batch()
     x = x.clone().requires_grad_()
     y = moe(x)
-    assert int(moe.last_stats["rows_live"]) == H.CASE08_TOKENS
+    assert int(moe.last_stats["rows_live"]) == H.ONE_EXPERT_TOKENS
     (y * cot).sum().backward()
     return y.detach(), x.grad, moe.experts.w13.grad
 
@@ -33,11 +33,11 @@ def _local():
 @pytest.mark.parametrize("name", ["a2a", "agrs"])
 def test_all_tokens_to_one_expert_on_one_rank(name):
     world = 2
-    res = H.run_world("case08_worker", world, name, deadline_s=180)
+    res = H.run_world("one_expert_worker", world, name, deadline_s=180)
     y_ref, gx_ref, gw_ref = _local()
-    assert [r["rows_live"] for r in res] == [H.CASE08_TOKENS, 0]
+    assert [r["rows_live"] for r in res] == [H.ONE_EXPERT_TOKENS, 0]
     assert all(r["rows_dropped"] == 0 for r in res)
-    half = H.CASE08_TOKENS // world
+    half = H.ONE_EXPERT_TOKENS // world
     for rank, r in enumerate(res):
         sl = slice(rank * half, (rank + 1) * half)
         assert_scaled(r["y"], y_ref[sl], 1e-5)

@@ -6,7 +6,7 @@ are ``[align(end[i-1], A), end[i])`` with ``A`` DeepGEMM's M alignment
 (``get_mk_alignment_for_contiguous_layout()``, 128), and its ``grouped_layout`` argument is
 the int32 ``end[]`` on the device. So ``model.expert_alignment`` must equal that alignment
 (:meth:`DeepGemmBackend.check_alignment`, a configuration error otherwise); rows in the gaps
-and the tail are neither read as live rows nor promised in the output (DESIGN.md rules 2-3).
+and the tail are neither read as live rows nor promised in the output (docs/design.md#the-live-row-contract, rule 2-3).
 
 Operands (sm90 "1D2D" recipe): the left operand e4m3 with one fp32 scale per row per 128
 columns (:func:`~dropless.ops.fp8_quant.quant_rows` ``group=128``, live rows only; the FC2
