@@ -1,12 +1,15 @@
 """Failure classes of public MoE code (docs/design.md#failure-classes), with the right value asserted.
 
-* padding leaks: unwritten padding rows must not leak (2048 tokens, top-1 over 8 experts,
-  static capacity 2304, A = 1 and A = 128, NaN in every padding row of every
-  intermediate and of its gradient, two forward+backward passes).
-* a tile spans two experts: segment starts not on the kernel's 128-row tile (rows [128, 130, 65], A = 64).
+* padding leaks (e.g. huggingface/transformers#45621: uninitialised rows times a zero weight):
+  unwritten padding rows must not leak (2048 tokens, top-1 over 8 experts, static capacity
+  2304, A = 1 and A = 128, NaN in every padding row of every intermediate and of its
+  gradient, two forward+backward passes).
+* a tile spans two experts (e.g. tile-ai/TileOPs#1952): segment starts not on the kernel's
+  128-row tile (rows [128, 130, 65], A = 64).
 * everything to one expert (5 tokens / 4 experts, and 4096 tokens).
 
-Empty experts are in test_grouped_gemm.py; the router's classes in test_routing.py.
+Empty experts (pytorch/pytorch#172439) are in test_grouped_gemm.py; the router's classes in
+test_routing.py.
 
 References are float64: ``reference_moe`` (the per-token loop of tests/moe_reference.py) and
 its batched form ``ref_moe_batched`` (conftest.py, checked against it below).
