@@ -325,7 +325,7 @@ def test_fp8_wgrad_is_the_dequantised_product(promote, dw_dtype):
             assert (dw[i] == 0).all()
             continue
         # fp32 dw: the fp32 sums of the interpreter; on CUDA Hopper's FP8 MMA accumulates each block's
-        # products in reduced precision (1.3e-4 at DeepSeek-V3's per-rank shape, h200_fp8_wgrad_s10.jsonl)
+        # products in reduced precision (1.3e-4 at DeepSeek-V3's per-rank shape, benchmarks/results/moe_layer.jsonl)
         assert rel(dw[i], a[s0:t].t() @ b[s0:t]) < (1e-2 if dw_dtype == torch.bfloat16 else FP8_ACC_TOL)
         assert 0.005 < rel(dw[i], exact[i]) < 0.06  # FP8 really ran, within the e4m3 bound
     old = torch.randn(dw.shape, device=DEV).to(dw_dtype)
