@@ -210,8 +210,8 @@ def check_state_fits(total_params: int, dtype: torch.dtype, env: DistEnv, have: 
 def threads_note(cfg: DictConfig, env: DistEnv, cores: int | None = None) -> str | None:
     """A warning when ``num_threads`` times the processes on this node exceeds the cores they may use
     (``cores``, default :func:`~dropless.train.dist.usable_cores`): intra-op threads then wait for
-    each other (valid, rarely meant: ``num_threads=1000`` on 2 cores ran the default recipe ≈ 60×
-    slower). None for ``num_threads=null`` (the cores shared out) or a count that fits."""
+    each other and run much slower (valid, rarely meant). None for ``num_threads=null`` (the cores
+    shared out) or a count that fits."""
     threads = cfg.num_threads
     cores = usable_cores() if cores is None else cores
     if threads is None or int(threads) * env.local_world_size <= cores:
