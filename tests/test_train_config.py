@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -106,7 +107,7 @@ def test_cli_reports_config_errors(capsys):
     assert main(["--cfg=job", "train.steps=5"]) == 0  # argparse's spelling of the same
     assert "steps: 5" in capsys.readouterr().out
     assert main(["--cfg=jobs", "train.steps=5"]) == 2  # a typo is named, not a Hydra grammar error
-    assert "--cfg jobs: unknown; --cfg takes job, all or nothing" in capsys.readouterr().err
+    assert capsys.readouterr().err.startswith("dropless-train: --cfg jobs: ")
     assert main(["--cfg", "hydra"]) == 2 and "no hydra: section" in capsys.readouterr().err
     # --cfg runs the config-alone checks before it prints
     assert main(["--cfg", "optim.eps=-1"]) == 2
@@ -115,23 +116,24 @@ def test_cli_reports_config_errors(capsys):
 
 
 def test_train_config_checks():
-    for ov, match in (("train.steps=0", "train.steps"), ("optim.min_lr_ratio=2", "min_lr_ratio"),
-                      ("train.dtype=fp16", "train.dtype"), ("logging.mode=loud", "logging.mode")):
-        with pytest.raises(ConfigError, match=match):
+    for ov in ("train.steps=0", "optim.min_lr_ratio=2", "train.dtype=fp16", "logging.mode=loud"):
+        field = ov.split("=")[0]
+        with pytest.raises(ConfigError, match=rf"^{re.escape(field)}="):  # the error names the field first
             check_train_config(compose([ov]))
 
 
 def test_cuda_graph_config_errors(tmp_path):
     """train.cuda_graph refuses what a captured forward/backward cannot hold, before any step."""
     from dropless.train.trainer import Trainer
-    for ov, match in ((["dispatcher=a2a"], "dispatcher=a2a"), (["dispatcher=fsdp"], "fsdp all-gathers"),
-                      (["train.shard_dense=true"], "shard_dense"), (["gemm=loop"], "model.gemm=loop"),
+    for ov, other in ((["dispatcher=a2a"], "dispatcher=a2a"), (["dispatcher=fsdp"], "dispatcher=fsdp"),
+                      (["train.shard_dense=true"], "train.shard_dense"), (["gemm=loop"], "model.gemm=loop"),
                       (["gemm=fp8"], "model.gemm=fp8"), (["model.gemm=loop"], "model.gemm=loop"),
-                      (["train.loss_impl=liger"], "loss_impl=liger")):
-        with pytest.raises(ConfigError, match=match):
+                      (["train.loss_impl=liger"], "train.loss_impl=liger")):
+        # the field, then the one it conflicts with
+        with pytest.raises(ConfigError, match=rf"^train\.cuda_graph=true: .*{re.escape(other)}"):
             check_train_config(compose(["train.cuda_graph=true", *ov]))
     check_train_config(compose(["train.cuda_graph=true"]))  # local dispatcher: accepted from the config alone
-    with pytest.raises(ConfigError, match="CUDA graphs need a CUDA GPU"):
+    with pytest.raises(ConfigError, match=r"^train\.cuda_graph=true: .*device"):
         Trainer(compose(["train.cuda_graph=true", "device=cpu", f"run_dir={tmp_path / 'run'}",
                          "logging.mode=disabled"]))
     assert not (tmp_path / "run").exists()  # refused before the run dir is made
