@@ -28,7 +28,7 @@ N's read, so an error or a stop at N applies nothing of N+1.
 
 The class is a base: the trainer builds the parts it reads (``model``, ``loader``, ``grads``,
 ``graphs``, ``masters``, ``optimizer``, ``scheduler``, ``balancer``, ``env``, ``cfg``, ``args``,
-``console``, ``signals`` and the counters set by :meth:`StepLoop._init_steps`).
+``run`` (the typed config), ``console``, ``signals`` and the counters set by :meth:`StepLoop._init_steps`).
 """
 
 from __future__ import annotations
@@ -270,7 +270,7 @@ class StepLoop:
         non-finite step raises (``train.nonfinite=error``) or moves nothing, a norm above
         ``optim.grad_clip`` is clipped in a separate pass.
         """
-        clip = float(self.cfg.optim.grad_clip) if self.cfg.optim.grad_clip else None
+        clip = self.run.optim.grad_clip or None
         if self.device_guarded:
             with record_function("dropless.optimizer"):
                 guarded_step(self.optimizer, gnorm, clip, torch.isfinite(loss) & torch.isfinite(gnorm))
@@ -285,7 +285,7 @@ class StepLoop:
             p.host = self._read_metrics(p)
         loss_v, gnorm_v = p.host[0], p.host[4]
         if not (math.isfinite(loss_v) and math.isfinite(gnorm_v)):
-            if self.cfg.train.nonfinite == "error":
+            if self.run.train.nonfinite == "error":
                 raise self._nonfinite_error(p.step, loss_v, gnorm_v)
             self.balancer.discard()
             return
@@ -307,7 +307,7 @@ class StepLoop:
         loss_v, aux_v, dropped_v, stop_v, gnorm_v = host[:5]
         self._stop_agreed = stop_v > 0
         if not (math.isfinite(loss_v) and math.isfinite(gnorm_v)):
-            if self.cfg.train.nonfinite == "error":
+            if self.run.train.nonfinite == "error":
                 raise self._nonfinite_error(p.step, loss_v, gnorm_v)
             self.skipped_steps += 1
             self.console.print(f"[dropless] step {p.step}: non-finite loss ({loss_v}) or gradient norm "

@@ -116,16 +116,16 @@ class Trainer(StepLoop):
 
     def _check(self, cfg: DictConfig) -> None:
         """The config, the world and the device: every check before the data is read and the run dir made."""
-        self.cfg, t = cfg, cfg.train
-        check_train_config(cfg)
-        if cfg.deterministic:
-            set_deterministic(int(cfg.seed))
+        #: the config as composed (Hydra's DictConfig), and as checked typed objects (the schema's dataclasses)
+        self.cfg, self.run = cfg, check_train_config(cfg)
+        t = self.run.train
+        if self.run.deterministic:
+            set_deterministic(self.run.seed)
         self.args = model_args(cfg)
-        self.seq_len, self.batch, self.accum, self.steps = int(t.seq_len), int(t.micro_batch_size), \
-            int(t.grad_accum), int(t.steps)
+        self.seq_len, self.batch, self.accum, self.steps = t.seq_len, t.micro_batch_size, t.grad_accum, t.steps
         self.env = env = init_distributed(cfg, self.args.n_routed_experts)
         self.main = env.is_main
-        self.console = Console(self.main, bool(cfg.logging.progress))
+        self.console = Console(self.main, self.run.logging.progress)
         self.warnings = self.console.warnings
         self.signals = StopSignals(self.console)
         self.dtype = compute_dtype(t, env.device)
@@ -133,18 +133,18 @@ class Trainer(StepLoop):
         check_machine(cfg, self.args, env, self.dtype, self.param_counts.total)
         for note in start_notes(cfg, self.args, env):
             self.console.warn(note)
-        self.loss_impl, loss_note = resolve_loss_impl(t.loss_impl, env.device, bool(t.cuda_graph))
+        self.loss_impl, loss_note = resolve_loss_impl(t.loss_impl, env.device, t.cuda_graph)
         self.print(f"[dropless] loss: {loss_note}")
 
     def _load_data(self, cfg: DictConfig) -> None:
         """The tokens, the training loader and the validation batches; then the run directory, claimed."""
-        t, env = cfg.train, self.env
+        t, env = self.run.train, self.env
         self.run_dir = resolve_run_dir(cfg, env)
-        validates = int(t.val_every) > 0
+        validates = t.val_every > 0
         self.tokens = load_tokens(cfg.data, self.args.vocab_size, validates)
         self.loader = ShardedLoader(self.tokens.train, self.seq_len, self.batch, env.rank, env.world_size,
-                                    int(cfg.seed), pin_memory=env.device.type == "cuda")
-        self.val_batches, note = run_val_windows(self.tokens.val, self.seq_len, self.batch, int(t.val_batches),
+                                    self.run.seed, pin_memory=env.device.type == "cuda")
+        self.val_batches, note = run_val_windows(self.tokens.val, self.seq_len, self.batch, t.val_batches,
                                                  env.rank, env.world_size, validates)
         if note:
             self.console.warn(note)
@@ -155,7 +155,7 @@ class Trainer(StepLoop):
 
     def _build(self, cfg: DictConfig) -> None:
         """The model (and init_from's weights), its masters, gradient buckets, optimizer and schedule."""
-        t, env = cfg.train, self.env
+        t, env = self.run.train, self.env
         self.model = build_model(self.args, cfg, env, self.dtype)
         if cfg.init_from and not (cfg.resume and ckpt.latest_checkpoint(self.run_dir)):  # weights only
             where = init_from(self.model, cfg.init_from, mesh=env.mesh if env.ep_size > 1 else None)
@@ -169,11 +169,11 @@ class Trainer(StepLoop):
         self.fsdp_params = [p for p in self.model.parameters() if p.requires_grad and is_dtensor(p)]
         self.masters = MasterWeights(self.model, self.dtype, skip={id(p) for p in self.fsdp_params})
         if t.compile:
-            compile_blocks(self.model, str(t.compile_backend), moe=bool(t.compile_moe))
+            compile_blocks(self.model, t.compile_backend, moe=t.compile_moe)
         # the buckets' own group (its async all-reduces run beside backward), with train.dist_timeout_s
         # (a new group does not inherit the world group's timeout)
         self._grad_group = (dist.new_group(list(range(env.world_size)),
-                                           timeout=datetime.timedelta(seconds=float(t.dist_timeout_s)))
+                                           timeout=datetime.timedelta(seconds=t.dist_timeout_s))
                             if env.distributed else None)
         self.grads = GradBuckets(self.masters.compute, {id(p) for p in expert} if env.ep_size > 1 else set(),
                                  self.masters.grads_are_params, env.world_size, self._grad_group, env.dp_group,
@@ -192,7 +192,7 @@ class Trainer(StepLoop):
         #: the clip and the non-finite skip are decided on the device (the fused AdamW's grad_scale and
         #: found_inf), so a step's metrics can be read after the next step is launched (iter_steps)
         self.device_guarded = folds_clip(self.optimizer)
-        if cfg.optim.grad_clip:
+        if self.run.optim.grad_clip:
             self.print("[dropless] grad clip: " + ("inside the fused AdamW kernel (optimizer.grad_scale)"
                                                    if self.device_guarded else
                                                    "scaled in a separate pass over the gradients (only the "
@@ -203,11 +203,11 @@ class Trainer(StepLoop):
 
     def _resume(self, cfg: DictConfig) -> None:
         """The checkpointer; with ``resume=true`` and a checkpoint in the run directory, its state."""
-        t, env = cfg.train, self.env
+        t, env = self.run.train, self.env
         #: the saves; with train.ckpt_async (and several ranks) it makes the writes' gloo group here
-        self.checkpoints = ckpt.Checkpointer(self.run_dir, env, keep=int(t.ckpt_keep), every=int(t.ckpt_every),
-                                             asynchronous=bool(t.ckpt_async), threads=int(t.ckpt_threads),
-                                             timeout_s=float(t.dist_timeout_s))
+        self.checkpoints = ckpt.Checkpointer(self.run_dir, env, keep=t.ckpt_keep, every=t.ckpt_every,
+                                             asynchronous=t.ckpt_async, threads=t.ckpt_threads,
+                                             timeout_s=t.dist_timeout_s)
         self.resumed_from: int | None = None
         #: the step counters, the data position and the LR schedule: the checkpoint's ``trainer`` entry
         self.progress = Progress(self, self.loader, self.scheduler)
@@ -244,7 +244,7 @@ class Trainer(StepLoop):
             NonFiniteError: ``train.nonfinite=error`` and a non-finite training loss, gradient norm or
                 validation loss (named with its step).
         """
-        con, val_every = self.console, int(self.cfg.train.val_every)
+        con, val_every = self.console, self.run.train.val_every
         con.opening(self)
         start, first_val, last_val = time.perf_counter(), None, None
         step0, skipped0, last_skipped = self.step, self.skipped_steps, False
@@ -275,25 +275,25 @@ class Trainer(StepLoop):
             finally:
                 self.metrics.close()
         wall = time.perf_counter() - start
-        diverged = None if self.interrupted or self.cfg.train.nonfinite != "skip" else divergence(
+        diverged = None if self.interrupted or self.run.train.nonfinite != "skip" else divergence(
             self.step, self.step - step0, self.skipped_steps - skipped0, last_skipped,
-            bool(self.cfg.train.val_every), self.nonfinite_val_steps)
+            self.run.train.val_every > 0, self.nonfinite_val_steps)
         con.done(self, wall, step0, first_val, last_val)
         return {"steps": self.step, "wall_s": wall, "first_val_loss": first_val, "val_loss": last_val,
                 "run_dir": str(self.run_dir), "interrupted": self.interrupted, "diverged": diverged}
 
     def _due(self, step: int) -> bool:
         """Whether a validation or a checkpoint follows ``step`` (its record is read before the next starts)."""
-        val_every = int(self.cfg.train.val_every)
+        val_every = self.run.train.val_every
         return bool(val_every and step % val_every == 0) or self.checkpoints.due(step)
 
     def _log(self, rec: dict[str, Any], last: bool) -> None:
         """A step's record to metrics.jsonl/wandb (every ``logging.log_every`` steps, the last, and with a
         validation; the router histograms every ``logging.histogram_every``) and :attr:`history`."""
-        lg = self.cfg.logging
-        hist_every = int(lg.histogram_every)
+        lg = self.run.logging
+        hist_every = lg.histogram_every
         hist = self._router_counts if hist_every and (self.step % hist_every == 0 or last) else None
-        if self.step % int(lg.log_every) == 0 or last or "val_loss" in rec:
+        if self.step % lg.log_every == 0 or last or "val_loss" in rec:
             self.metrics.log(self.step, rec, hist_counts=hist)
         if self.main:
             self.history.append({"step": self.step, **rec})
@@ -354,7 +354,7 @@ class Trainer(StepLoop):
             return v
         weights = (f"the weights after step {self.step}" if self.step else
                    "the starting weights (initialised, or loaded by init_from)")
-        if str(self.cfg.train.nonfinite) == "error":
+        if self.run.train.nonfinite == "error":
             raise NonFiniteError(f"step {self.step}: non-finite validation loss ({v}): {weights} give NaN/Inf on the "
                                  "validation data. Lower optim.lr or check the data")
         self.nonfinite_val_steps.append(self.step)
