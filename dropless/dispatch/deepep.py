@@ -175,11 +175,22 @@ class _V1Dispatch(torch.autograd.Function):
         return gx, gw, None, None, None
 
 
+def _bias(addend_TH: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
+    """The addend as DeepEP's combine ``bias``: ``[T, H]`` in the rows' dtype, contiguous."""
+    return None if addend_TH is None else addend_TH.to(like.dtype).contiguous()
+
+
+def _bias_grad(ctx, g: torch.Tensor) -> torch.Tensor | None:
+    """The gradient of the combine's ``bias`` input: the output's, in the addend's dtype."""
+    return g.to(ctx.addend_dtype) if ctx.addend_dtype is not None and ctx.needs_input_grad[3] else None
+
+
 class _V1Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, partial_NH, disp, handle):
+    def forward(ctx, partial_NH, disp, handle, addend_TH):
         ctx.disp, ctx.handle = disp, handle
-        out, _w, _ev = disp._v1.combine(partial_NH.contiguous(), handle)
+        ctx.addend_dtype = None if addend_TH is None else addend_TH.dtype
+        out, _w, _ev = disp._v1.combine(partial_NH.contiguous(), handle, bias=_bias(addend_TH, partial_NH))
         disp._count(partial_NH)
         return out
 
@@ -187,7 +198,7 @@ class _V1Combine(torch.autograd.Function):
     def backward(ctx, g):
         gx, *_ = ctx.disp._v1.dispatch(g.contiguous(), handle=ctx.handle)
         ctx.disp._count(gx)
-        return gx, None, None
+        return gx, None, None, _bias_grad(ctx, g)
 
 
 class _V2Dispatch(torch.autograd.Function):
@@ -211,9 +222,10 @@ class _V2Dispatch(torch.autograd.Function):
 
 class _V2Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y_MH, disp, handle):
+    def forward(ctx, y_MH, disp, handle, addend_TH):
         ctx.disp, ctx.handle = disp, handle
-        out, _w, _ev = disp._v2.combine(y_MH.contiguous(), handle=handle)
+        ctx.addend_dtype = None if addend_TH is None else addend_TH.dtype
+        out, _w, _ev = disp._v2.combine(y_MH.contiguous(), handle=handle, bias=_bias(addend_TH, y_MH))
         disp._count(y_MH)
         return out
 
@@ -221,7 +233,7 @@ class _V2Combine(torch.autograd.Function):
     def backward(ctx, g):
         gx, *_ = ctx.disp._v2.dispatch(g.contiguous(), handle=ctx.handle)
         ctx.disp._count(gx)
-        return gx, None, None
+        return gx, None, None, _bias_grad(ctx, g)
 
 
 class DeepEPDispatcher(Dispatcher):
@@ -311,14 +323,16 @@ class DeepEPDispatcher(Dispatcher):
             return Dispatched(recv_x, layout, recv_w, DeepEPHandle(2, handle, None, None))
         return Dispatched(recv_x, layout, None, DeepEPHandle(2, handle, None, recv_w))
 
-    def combine_async(self, y_MH, handle: DeepEPHandle) -> Pending:
-        return Pending(value=self._combine(y_MH, handle))
+    def combine_async(self, y_MH, handle: DeepEPHandle, addend_TH=None) -> Pending:
+        return Pending(value=self._combine(y_MH, handle, addend_TH))
 
-    def _combine(self, y_MH, handle: DeepEPHandle) -> torch.Tensor:
+    def _combine(self, y_MH, handle: DeepEPHandle, addend_TH) -> torch.Tensor:
+        # the addend (shared experts' output) is DeepEP's combine ``bias``: its kernel adds it to
+        # the fp32 sum over the ranks before the one rounding of the output
         if handle.version == 1:
             partial = reduce_to_received(y_MH, handle.dest_Nk, handle.weight)
-            return _V1Combine.apply(partial, self, handle.handle)
+            return _V1Combine.apply(partial, self, handle.handle, addend_TH)
         y = y_MH
         if handle.weight is not None:  # DeepEP's combine adds slots without weights
             y = (y_MH.float() * handle.weight.float().unsqueeze(1)).to(y_MH.dtype)
-        return _V2Combine.apply(y, self, handle.handle)
+        return _V2Combine.apply(y, self, handle.handle, addend_TH)
