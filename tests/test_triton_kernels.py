@@ -19,6 +19,16 @@ from dropless.ops import select  # noqa: E402
 from dropless.ops import swiglu as sw  # noqa: E402
 from dropless.ops import zero_fill as zf  # noqa: E402
 from tests.once_rounded import bf16_toward_zero, near_cancelling  # noqa: E402
+from tests.ue8m0_sweep import (  # noqa: E402
+    amax_sweep,
+    case_quant_expert_columns,
+    case_quant_rows,
+    case_quant_token_blocks,
+    case_quant_weight,
+    case_swiglu_quant,
+    case_swiglu_quant_rows,
+    check_scales,
+)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -476,3 +486,24 @@ def test_fp8_quant_token_blocks_kernel_live_rows_only(expert_scales, monkeypatch
         with pytest.raises(RuntimeError, match="NaN or Inf"):
             quant(x2, lay)
 
+
+UE8M0_KERNEL_CASES = {
+    "quant_rows": lambda a: case_quant_rows(a, DEV),
+    "quant_rows_1x128": lambda a: case_quant_rows(a, DEV, group=128),
+    "swiglu_quant_rows": lambda a: case_swiglu_quant_rows(a, DEV),
+    "swiglu_quant_rows_1x128": lambda a: case_swiglu_quant_rows(a, DEV, group=128),
+    "swiglu_quant": lambda a: case_swiglu_quant(a, DEV),
+    "quant_token_blocks": lambda a: case_quant_token_blocks(a, DEV),
+    "quant_expert_columns": lambda a: case_quant_expert_columns(a, DEV),
+    "quant_weight_columns": lambda a: case_quant_weight(a, DEV, 1),
+    "quant_weight_rows": lambda a: case_quant_weight(a, DEV, 2),
+}
+
+
+@pytest.mark.parametrize("name", list(UE8M0_KERNEL_CASES))
+def test_ue8m0_kernel_scale_is_the_exact_power_of_two_ceiling(name):
+    """Every quantising kernel (:func:`dropless.ops.ue8m0.pow2_ceil_bits`): at, one fp32 step below and
+    one above 448·2^k, the scale is the smallest power of two with amax / scale <= 448, DeepGEMM's
+    bit for bit."""
+    scale, amax = UE8M0_KERNEL_CASES[name](amax_sweep(-40, 100))
+    check_scales(amax, scale, name)
