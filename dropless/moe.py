@@ -1,6 +1,6 @@
 """The dropless MoE layer: router -> dispatcher -> grouped-GEMM experts -> combine (+ shared experts).
 
-DESIGN.md "The pipeline"::
+docs/design.md#the-pipeline::
 
     x_TH ─ Router ─ topk_idx_Tk, topk_weight_Tk
          ─ Dispatcher.dispatch ─ rows_MH + ExpertLayout
@@ -57,7 +57,7 @@ def capacity_drop(topk_idx_Tk: torch.Tensor, num_experts: int, capacity_factor: 
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The old token-dropping baseline: each expert keeps its first ``C`` rows.
 
-    ``C = ceil(capacity_factor · T·k / E)`` (seed 003 §6), with ``T`` the tokens given (the
+    ``C = ceil(capacity_factor · T·k / E)`` (docs/design.md#why-dropless), with ``T`` the tokens given (the
     rank's); rows are kept in token order (GShard / Switch convention), the rest are dropped
     (index set to -1). No host sync. Memory: a ``[T·k, E]`` int64 one-hot (baseline only).
 
@@ -186,7 +186,7 @@ class MoE(nn.Module):
         # (Router.account) after the routed experts, so that the GPU has GEMMs queued while the host
         # launches the router's and the dispatch's many small kernels. The outputs and the parameters'
         # gradients do not depend on it; x's gradient adds its three parts (shared, routed, router) in
-        # another order than before session 19, so it can differ in the last bit.
+        # this order, so it can differ in the last bit from a sum in another order.
         y_sh = None
         if self.shared_experts is not None:
             if a.recompute_fc1 and torch.is_grad_enabled():  # save only x_TH, recompute in backward

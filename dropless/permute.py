@@ -2,7 +2,7 @@
 
 Where each row lands, :func:`sort_by_expert`, is the op of :mod:`dropless.ops.expert_sort`
 (re-exported here). The permute and the combine are custom autograd Functions that save only
-integer indices (MaxText's custom sort VJP; DESIGN.md "Memory"): the backward of a gather is
+integer indices (MaxText's custom sort VJP; docs/design.md#memory): the backward of a gather is
 the inverse gather, not a stored copy of the rows.
 
 * :func:`permute_rows` lands rows straight from ``x_NH`` by index into the
@@ -14,7 +14,7 @@ the inverse gather, not a stored copy of the rows.
   shared experts' output) in the same accumulator, rounded once.
 
 Both only ever read the live rows named by ``dest_Nk``; padding rows of the
-landed buffers and of their gradients are never read (DESIGN.md rule 2).
+landed buffers and of their gradients are never read (docs/design.md#the-live-row-contract, rule 2).
 """
 
 from __future__ import annotations

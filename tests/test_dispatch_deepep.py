@@ -9,7 +9,7 @@
   equals a float64 loop (it feeds DeepEP's unweighted combine).
 * :func:`layout_from_v2_psum`: DeepEP V2's expanded-dispatch ``psum_num_recv_tokens_per_expert``
   (documented as ``psum[i] = align(psum[i-1], A) + count[i]``), built here by a loop, converts
-  to the same layout as ``ExpertLayout.from_counts``; DESIGN.md's example
+  to the same layout as ``ExpertLayout.from_counts``; the example of docs/design.md#the-live-row-contract
   (A = 128, counts [96, 0, 129, 1] -> end [96, 128, 257, 385]).
 * Without ``deep_ep``, configuring ``deepep`` raises a ConfigError that says how to install it.
 The adapter class itself needs deep_ep and Hopper GPUs and cannot run here. Runtime < 2 s.

@@ -52,7 +52,7 @@ from tests.ue8m0_sweep import (
 )
 
 NAN = float("nan")
-CASE01 = [162, 0, 2577, 446, 0, 83]
+EMPTY_EXPERT_COUNTS = [162, 0, 2577, 446, 0, 83]
 FP8_GEMM_TOL = 0.06
 FP8_MLP_TOL = 0.1  # FC1 -> SwiGLU -> FC2: four quantised operands, sqrt(4) · 2^-4 / sqrt(3) ≈ 0.07
 
@@ -148,7 +148,7 @@ def reference(x, w, seg, dy):
 def test_grouped_mm_fp8_emulated_live_rows(a):
     """Forward and dX in FP8 (bounded error vs fp64, NaN padding never reaches them), dW in fp32, empty dW == 0."""
     be = Fp8Backend(emulate=True)
-    lay, x, w, seg, live, g = make(CASE01, a, k_dim=64, n_dim=32)
+    lay, x, w, seg, live, g = make(EMPTY_EXPERT_COUNTS, a, k_dim=64, n_dim=32)
     x.requires_grad_(True)
     w.requires_grad_(True)
     out = grouped_mm(x, w, lay, be)
@@ -161,7 +161,7 @@ def test_grouped_mm_fp8_emulated_live_rows(a):
         assert 0.005 < e < FP8_GEMM_TOL, (what, e)
     assert torch.isfinite(w.grad).all()
     assert rel(w.grad, ref_dw) < 1e-5  # the weight gradient is not FP8
-    for i, c in enumerate(CASE01):
+    for i, c in enumerate(EMPTY_EXPERT_COUNTS):
         if c == 0:
             assert torch.equal(w.grad[i], torch.zeros_like(w.grad[i]))
     # the emulation is exactly "dequantised FP8 operands, fp32 GEMM": rebuild it here
@@ -179,12 +179,12 @@ def test_quant_token_blocks_and_expert_columns_bound_live_rows_only():
     expert; within one e4m3 step of x on live rows (the module docstring's bound); the rows past an
     expert's end inside its last block are zero codes; NaN padding never reaches a scale; a NaN in a live row raises; an
     alignment that is not a multiple of 128 is refused, naming model.expert_alignment."""
-    lay, x, _, seg, live, _ = make(CASE01, a=128, k_dim=64)
+    lay, x, _, seg, live, _ = make(EMPTY_EXPERT_COUNTS, a=128, k_dim=64)
     x[live] *= torch.logspace(-2, 2, 64).unsqueeze(0)  # columns of very different magnitude
     m = x.shape[0]
     mp = -(-m // 128) * 128
     rex = lay.row_expert()
-    for quant, n_scales in ((quant_token_blocks, mp // 128), (quant_expert_columns, len(CASE01))):
+    for quant, n_scales in ((quant_token_blocks, mp // 128), (quant_expert_columns, len(EMPTY_EXPERT_COUNTS))):
         q, s = quant(x, lay)
         assert q.shape == (64, mp) and q.dtype == torch.float8_e4m3fn and s.shape == (n_scales, 64)
         assert torch.isfinite(s).all()
@@ -221,12 +221,12 @@ def test_fp8_weight_gradient_emulated(mode):
     the FP8 GEMM bound of fp64 (and not exact: FP8 ran), exactly the dequantised codes' product, exact 0
     for an empty expert, NaN padding rows ignored; the accumulating form adds onto dw; a layout whose
     alignment is not a multiple of 128 is refused (ValueError) and so is the config (ConfigError)."""
-    lay, x, _, seg, live, g = make(CASE01, a=128, k_dim=64)
+    lay, x, _, seg, live, g = make(EMPTY_EXPERT_COUNTS, a=128, k_dim=64)
     dy = torch.randn(x.shape[0], 32, generator=g)
     dy[~live] = NAN
     be = Fp8Backend(emulate=True, wgrad=mode)
     dw = be.gmm_wgrad(x, dy, lay)
-    assert dw.shape == (len(CASE01), 64, 32) and dw.dtype == x.dtype
+    assert dw.shape == (len(EMPTY_EXPERT_COUNTS), 64, 32) and dw.dtype == x.dtype
     quant = quant_token_blocks if mode == "fp8" else quant_expert_columns
     (aq, a_s), (bq, b_s) = quant(x, lay), quant(dy, lay)
     a, b = be._dequant_cols(aq, a_s, lay).double(), be._dequant_cols(bq, b_s, lay).double()

@@ -9,7 +9,7 @@ expert's w1, w3, w2.
 Tolerances, ``max|got − ref| / max|ref|`` per tensor:
 * ``gemm=torch`` fp32: 1e-5 (fp32 GEMMs; observed ~1e-6).
 * ``gemm=loop`` fp64: 1e-6. The router computes its logits, scores and combine
-  weights in fp32 by design (DESIGN.md "Router": "sigmoid scores in fp32"), so the
+  weights in fp32 by design (docs/design.md#the-router: scores in fp32), so the
   fp64 layer agrees with the all-fp64 reference to fp32 precision only (observed ~1e-7).
 """
 
@@ -233,7 +233,7 @@ def test_capacity_drop_known_counts():
 
 
 def test_capacity_drop_seed_numbers():
-    """DESIGN.md: counts [21733, 15004, 17982, 10817], capacity factor 1.0 drops 6,947 rows and pads 6,947."""
+    """docs/design.md#a-worked-rank: counts [21733, 15004, 17982, 10817], cf 1.0 drops 6,947 rows, pads 6,947."""
     counts = [21733, 15004, 17982, 10817]
     labels = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])
     g = torch.Generator().manual_seed(0)

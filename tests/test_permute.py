@@ -1,4 +1,4 @@
-"""Tests of dropless.permute: sort_by_expert, permute_rows, combine_rows (DESIGN.md "Memory", rule 2).
+"""Tests of dropless.permute: sort_by_expert, permute_rows, combine_rows (docs/design.md#memory).
 
 References: a plain-Python stable sort of the (token, choice) pairs by expert, and
 float64 loops for the gather / weighted sum and their gradients;

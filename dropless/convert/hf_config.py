@@ -1,6 +1,6 @@
 """Hugging Face DeepSeek-V3 ``config.json`` <-> :class:`~dropless.config.ModelArgs`.
 
-The model fields keep DeepSeek-V3's names (DESIGN.md), so most keys pass through. What the
+The model fields keep DeepSeek-V3's names (docs/design.md#shapes-and-names), so most keys pass through. What the
 translation adds:
 
 * ``q_lora_rank``: ``null`` in the file is 0 here (no query compression).

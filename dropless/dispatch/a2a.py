@@ -2,7 +2,7 @@
 
 Expert ``g`` (global id) lives on EP rank ``g // e`` (``e = E / EP``), as local expert ``g % e``.
 
-One layer call, on each rank (DESIGN.md "The pipeline", dispatcher table)::
+One layer call, on each rank (docs/design.md#the-pipeline, #dispatchers)::
 
     sort the rank's (token, choice) pairs by global expert      -> send buffer [T·k, H]
       (rows grouped by destination rank, within it by expert; direct gather from x_TH)

@@ -1,6 +1,6 @@
 """``agrs``: every token to every EP rank (all-gather), partial outputs back (reduce-scatter).
 
-One layer call, on each of the ``EP`` ranks of the group (DESIGN.md dispatcher table)::
+One layer call, on each of the ``EP`` ranks of the group (docs/design.md#dispatchers)::
 
     all_gather_into_tensor  x_TH, topk_idx_Tk, topk_weight_Tk  -> [EP·T, H], [EP·T, k], [EP·T, k]
     select the gathered choices whose expert is local (ids outside [offset, offset+e) are

@@ -2,7 +2,7 @@
 
 A dispatcher takes the rank's tokens and their routing and lands the rows
 for this rank's ``e`` local experts in one expert-sorted, aligned buffer with
-an :class:`~dropless.layout.ExpertLayout` (DESIGN.md "The pipeline"); after
+an :class:`~dropless.layout.ExpertLayout` (docs/design.md#the-pipeline); after
 the experts ran, ``combine`` brings their outputs back to the original token
 order as the weighted sum over ``k``.
 

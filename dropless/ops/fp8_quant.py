@@ -24,7 +24,7 @@ fp32 scale's bits (:mod:`dropless.ops.ue8m0`: DeepGEMM's scales bit for bit, ``a
 With a layout, the Triton kernels walk rows ``[start[i], end[i])`` of each expert only
 (program ``(p, i)`` takes blocks ``p, p + P, …`` of expert ``i``'s rows; a block is ``BLOCK_M``
 whole rows with one scale per row, ``BLOCK_M`` rows × up to 1,024 columns with ``group=128``):
-padding rows of ``q`` and ``scale`` stay unwritten and cost nothing (DESIGN.md rules 2-3).
+padding rows of ``q`` and ``scale`` stay unwritten and cost nothing (docs/design.md#the-live-row-contract, rule 2-3).
 The torch references compute every row.
 
 Non-finite input: a live row holding NaN or ±Inf has no usable scale. Every op here counts
@@ -224,9 +224,9 @@ def _launch(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, flag: torch.Tenso
         block_k = min(block_k, triton.next_power_of_2(k))
     else:  # one scale per row: a block holds whole rows
         block_k = triton.next_power_of_2(k)
-        if block_k <= 1024 and layout is not None:  # measured on an H200 at K = 512 / 1024 over 64 experts
-            block_m, num_warps, per_sm = 4, 4, 32    # (h200_fp8_quant_s8.jsonl); the dense path is slower with it
-        elif layout is not None:  # K 2,048-7,168 over the seed's 4 experts (h200_fp8_quant_s9.jsonl)
+        if block_k <= 1024 and layout is not None:  # the best at K = 512 / 1024 over 64 experts
+            block_m, num_warps, per_sm = 4, 4, 32    # (benchmarks/results/fp8_kernels.jsonl); dense: slower
+        elif layout is not None:  # K 2,048-7,168 over the per-rank shape's 4 experts (fp8_kernels.jsonl)
             block_m, num_warps, per_sm = 1, 8, 32
         else:  # 8-16 KiB of input per block
             block_m = max(1, min(16, 8192 // block_k))
@@ -339,7 +339,7 @@ def swiglu_quant_rows(h13_MI2: torch.Tensor, layout: ExpertLayout | None = None,
 
 TOKEN_BLOCK = 128  # rows per scale block of quant_token_blocks (the FP8 weight gradient's contracted dim)
 TOKEN_COLS, TOKEN_WARPS = 64, 4  # columns per program and warps of the token-block kernels (the best of 5
-#                                   launches on an H200 at K 7,168 / 4,096: h200_fp8_wgrad_s10.jsonl)
+#                                   launches at K 7,168 / 4,096: benchmarks/results/moe_layer.jsonl)
 
 
 def _token_shape(name: str, x_MK: torch.Tensor, layout: ExpertLayout) -> tuple[int, int, int, int]:

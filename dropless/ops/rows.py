@@ -114,7 +114,7 @@ class RowSource:
     as ``Σ_j grad_rows[dest_Nk[n, j]]``. Dispatchers that land rows by a local gather
     (``local``, ``fsdp``) can return this, so that the experts save ``x_NH`` (which the
     router keeps anyway) and re-gather in backward instead of saving ``[M, H]``
-    (``recompute_gather``; seed 003 §4: the buffer is ``k``× the layer input).
+    (``recompute_gather``; docs/design.md#memory: the buffer is ``k``× the layer input).
 
     Attributes:
         x_NH: ``[N, H]`` source rows. src_M: int64 ``[M]`` (``-1`` on padding).

@@ -11,7 +11,7 @@ Ops (each picks its Triton kernel or its torch reference in one place, :func:`dr
   blockwise FP8 GEMMs), ``scale = amax / 448`` or its power-of-two ceiling (``ue8m0``).
 * :func:`swiglu` — the autograd op over :func:`swiglu_fwd` / :func:`swiglu_bwd` saving only ``h13``.
 
-The live-row contract (DESIGN.md rule 3, seed 000 §2-3): with a layout, each program of the
+The live-row contract (docs/design.md#the-live-row-contract, rule 3): with a layout, each program of the
 Triton kernel reads ``start``/``end`` on the device and walks live row blocks only in a
 grid-stride loop (:class:`LaunchConfig` says how the blocks are dealt out), so the work is
 bounded by live rows and padding rows of every output stay unwritten; there is no schedule
@@ -177,7 +177,7 @@ class LaunchConfig:
             experts itself (``cumsum`` in registers) and takes tiles ``p, p + G, …``, so any
             split of the rows over the experts (one expert holding every row included) spreads
             over the whole GPU. ``"expert"``: a ``(P, e)`` grid; program ``(p, i)`` takes expert
-            ``i``'s tiles ``p, p + P, …`` (``program_id(1)`` picks the expert, as in seed 000).
+            ``i``'s tiles ``p, p + P, …`` (``program_id(1)`` picks the expert).
         block_m: rows per tile. block_n: columns per tile (a power of two; a multiple of 128
             for the quantisation). num_warps: warps per program.
         programs_per_sm: ``G`` (flat) or ``P·e`` (expert) is about this many programs per SM.
@@ -192,7 +192,7 @@ class LaunchConfig:
 
 #: Per op, the configs measured best on an H200 (benchmarks/live_rows.py --sweep): the full
 #: buffer's time first (what training sees), then 3,072 live of 28,672 rows, one expert holding
-#: every row not slower (benchmarks/results/h200_live_rows_*, h200_swiglu_ppm_s8.jsonl).
+#: every row not slower (benchmarks/results/live_rows.jsonl).
 DEFAULT_CONFIGS = {OP_FWD: LaunchConfig(programs_per_sm=64), OP_BWD: LaunchConfig(programs_per_sm=64),
                    OP_QUANT: LaunchConfig()}
 
@@ -479,7 +479,7 @@ def swiglu(h13_MI2: torch.Tensor, layout: ExpertLayout | None = None) -> torch.T
     """``silu(gate) * up`` on ``[M, 2I]`` (gate = first ``I`` columns) -> ``[M, I]``, same dtype, with autograd.
 
     Saves only ``h13`` for backward. With a ``layout`` on the Triton path only live rows are
-    computed (DESIGN.md rule 3) and padding rows of the result and of its gradient stay
+    computed (docs/design.md#the-live-row-contract, rule 3) and padding rows of the result and of its gradient stay
     unwritten; elsewhere every row is computed (padding rows give garbage, never read).
     Without a ``layout`` it is the plain torch expression (any rows, autograd of the torch ops).
     """
