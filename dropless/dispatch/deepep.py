@@ -28,6 +28,8 @@ received buffers.
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,6 +182,27 @@ def _bias(addend_TH: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | 
     return None if addend_TH is None else addend_TH.to(like.dtype).contiguous()
 
 
+def _combine_with_bias(combine, x: torch.Tensor, bias: torch.Tensor | None, **kw) -> torch.Tensor:
+    """DeepEP's ``combine(x, ..., bias=bias)``: the bias added to the fp32 sum before its one rounding.
+
+    A DeepEP without the ``bias`` argument (older releases) gets the plain combine and the bias
+    added after it, in fp32 and rounded again (two roundings), with a warning saying so.
+    """
+    if bias is None:
+        return combine(x, **kw)[0]
+    try:
+        takes_bias = "bias" in inspect.signature(combine).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: assume a current DeepEP
+        takes_bias = True
+    if takes_bias:
+        return combine(x, bias=bias, **kw)[0]
+    warnings.warn("dispatcher=deepep: this deep_ep's combine has no 'bias' argument, so the shared experts' "
+                  "output is added after it (the bf16 output is rounded twice); update DeepEP for one rounding",
+                  stacklevel=2)
+    out = combine(x, **kw)[0]
+    return (out.float() + bias.float()).to(out.dtype)
+
+
 def _bias_grad(ctx, g: torch.Tensor) -> torch.Tensor | None:
     """The gradient of the combine's ``bias`` input: the output's, in the addend's dtype."""
     return g.to(ctx.addend_dtype) if ctx.addend_dtype is not None and ctx.needs_input_grad[3] else None
@@ -190,7 +213,8 @@ class _V1Combine(torch.autograd.Function):
     def forward(ctx, partial_NH, disp, handle, addend_TH):
         ctx.disp, ctx.handle = disp, handle
         ctx.addend_dtype = None if addend_TH is None else addend_TH.dtype
-        out, _w, _ev = disp._v1.combine(partial_NH.contiguous(), handle, bias=_bias(addend_TH, partial_NH))
+        out = _combine_with_bias(disp._v1.combine, partial_NH.contiguous(), _bias(addend_TH, partial_NH),
+                                 handle=handle)
         disp._count(partial_NH)
         return out
 
@@ -225,7 +249,7 @@ class _V2Combine(torch.autograd.Function):
     def forward(ctx, y_MH, disp, handle, addend_TH):
         ctx.disp, ctx.handle = disp, handle
         ctx.addend_dtype = None if addend_TH is None else addend_TH.dtype
-        out, _w, _ev = disp._v2.combine(y_MH.contiguous(), handle=handle, bias=_bias(addend_TH, y_MH))
+        out = _combine_with_bias(disp._v2.combine, y_MH.contiguous(), _bias(addend_TH, y_MH), handle=handle)
         disp._count(y_MH)
         return out
 
