@@ -76,7 +76,7 @@ if select.HAS_TRITON:
         bad = tl.sum(tl.sum(tl.where(mask & ~(tl.abs(a) <= 3.4028234663852886e38), 1, 0), axis=1), axis=0)
         if GROUP == 0:  # one scale per row
             amax = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-12)
-            scale = amax / 448.0
+            scale = tl.math.div_rn(amax, 448.0)
             if UE8M0:
                 scale = pow2_ceil_bits(scale)
             q = tl.clamp(tl.math.div_rn(a, scale[:, None]), -448.0, 448.0)
@@ -84,7 +84,7 @@ if select.HAS_TRITON:
         else:  # one scale per row per GROUP columns (K a multiple of GROUP; BLOCK_K of them)
             a3 = tl.reshape(a, (BLOCK_M, BLOCK_K // GROUP, GROUP))
             amax = tl.maximum(tl.max(tl.abs(a3), axis=2), 1e-12)
-            scale = amax / 448.0
+            scale = tl.math.div_rn(amax, 448.0)
             if UE8M0:
                 scale = pow2_ceil_bits(scale)
             q = tl.reshape(tl.clamp(tl.math.div_rn(a3, scale[:, :, None]), -448.0, 448.0), (BLOCK_M, BLOCK_K))
@@ -141,7 +141,7 @@ if select.HAS_TRITON:
             amax = tl.maximum(amax, tl.max(tl.abs(a), axis=0))
             bad += tl.sum(tl.where(m & ~(tl.abs(a) <= 3.4028234663852886e38), 1, 0), axis=0)
         amax = tl.maximum(amax, 1e-12)
-        scale = amax / 448.0  # the expressions of _quant_block: equal scales and codes bit for bit
+        scale = tl.math.div_rn(amax, 448.0)  # _quant_block's expressions: equal scales and codes bit for bit
         if UE8M0:
             scale = pow2_ceil_bits(scale)
         scale = tl.where(bad > 0, float("nan"), scale)
@@ -198,7 +198,7 @@ if select.HAS_TRITON:
             else:
                 if PASS == 0:
                     amax = tl.maximum(tl.max(tl.abs(a), axis=0), 1e-12)
-                    scale = amax / 448.0  # the expressions of _quant_block
+                    scale = tl.math.div_rn(amax, 448.0)  # the expressions of _quant_block
                     if UE8M0:
                         scale = pow2_ceil_bits(scale)
                     tl.store(s_ptr + b.to(tl.int64) * K + cols, scale, mask=cmask)

@@ -84,7 +84,7 @@ if select.HAS_TRITON:
         else:  # 1x128 e4m3: one scale per row per GROUP columns
             a = tl.reshape(g * s * u, (BLOCK_M, BLOCK_N // GROUP, GROUP))
             amax = tl.maximum(tl.max(tl.abs(a), axis=2), 1e-10)
-            scale = amax / 448.0
+            scale = tl.math.div_rn(amax, 448.0)
             if UE8M0:
                 scale = pow2_ceil_bits(scale)
             q = tl.reshape(tl.clamp(tl.math.div_rn(a, scale[:, :, None]), -448.0, 448.0), (BLOCK_M, BLOCK_N))

@@ -12,7 +12,10 @@ element is clipped.
   called inside the quantising kernels (:mod:`dropless.ops.fp8_quant`, :mod:`dropless.ops.swiglu`).
 
 Both take positive fp32 scales (the quantisers floor ``amax`` first); a subnormal ``s`` gets its
-exact power-of-two ceiling too, and ``inf`` / NaN pass through unchanged.
+exact power-of-two ceiling too, and ``inf`` / NaN pass through unchanged. The kernels form
+``s = amax / 448`` with ``tl.math.div_rn`` (IEEE round-to-nearest, as torch and DeepGEMM divide;
+Triton's ``/`` on fp32 may lower to an approximate division on the GPU), so ``s`` and with it
+the ceiling equal the torch references' bit for bit.
 """
 
 from __future__ import annotations
