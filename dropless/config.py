@@ -62,6 +62,104 @@ class Yarn:
         return 0.1 * self.mscale * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
 
 
+#: The keys naming the scaling kind: ``type`` (DeepSeek-V3's released file), ``rope_type`` (transformers).
+_ROPE_KIND_KEYS = ("type", "rope_type")
+
+
+def rope_scaling_kind(rs: Mapping[str, Any]) -> str:
+    """The scaling kind a ``rope_scaling`` block names: its ``type`` or ``rope_type``, ``"default"`` if neither.
+
+    transformers 4 re-saves a file with both keys, transformers 5 (``rope_parameters``) with
+    ``rope_type``, DeepSeek-V3's released file has ``type``: all of them are read.
+
+    Raises:
+        ConfigError: ``type`` and ``rope_type`` both given and different.
+    """
+    kinds = {str(rs[k]) for k in _ROPE_KIND_KEYS if rs.get(k) is not None}
+    if len(kinds) > 1:
+        raise ConfigError(f"rope_scaling={dict(rs)!r}: type={rs['type']!r} and rope_type={rs['rope_type']!r} "
+                          "differ; give one of them (both name the scaling kind)")
+    return kinds.pop() if kinds else "default"
+
+
+def parse_rope_scaling(rs: Mapping[str, Any] | None, max_position_embeddings: int) -> Yarn | None:
+    """The YaRN settings of a ``rope_scaling`` block, whichever way it is spelt: a :class:`Yarn`, or None.
+
+    Every spelling of the same settings gives the same :class:`Yarn` (compare those, not the
+    blocks): the kind as ``type``, ``rope_type`` or both (:func:`rope_scaling_kind`), integers or
+    floats, defaults written out or left out. None or kind ``"default"`` (and no other key):
+    plain RoPE.
+
+    Keys (DeepSeek-V3 ``config.json``): ``type`` / ``rope_type`` ``"yarn"``, ``factor`` (>= 1),
+    ``original_max_position_embeddings``, ``beta_fast`` (default 32), ``beta_slow`` (default 1;
+    ``0 < beta_slow < beta_fast``), ``mscale`` and ``mscale_all_dim`` (the attention
+    temperature's m; if both are given they must be equal, the case DeepSeek-V3's reference code
+    implements; neither: m = 1, its default).
+
+    Args:
+        rs: the block (``ModelArgs.rope_scaling``; transformers 5's ``rope_parameters`` less
+            ``rope_theta``), or None.
+        max_position_embeddings: the model's context, which YaRN must extend.
+    Raises:
+        ConfigError: another scaling kind, ``type`` and ``rope_type`` that differ, an unknown
+            key, a bad value, or ``max_position_embeddings <= original_max_position_embeddings``
+            (the reference code applies YaRN only when the context is extended, so the block
+            would have no effect).
+    """
+    if rs is None:
+        return None
+
+    def bad(why: str) -> None:
+        raise ConfigError(f"rope_scaling={dict(rs)!r}: {why}")
+
+    if not isinstance(rs, Mapping):
+        raise ConfigError(f"rope_scaling={rs!r}: must be a mapping (the rope_scaling block of config.json) or null")
+    unknown = sorted(set(rs) - set(_YARN_KEYS))
+    if unknown:
+        bad(f"unknown key(s) {unknown}; known: {list(_YARN_KEYS)}")
+    kind = rope_scaling_kind(rs)
+    if kind == "default" and set(rs) <= set(_ROPE_KIND_KEYS):
+        return None
+    if kind != "yarn":
+        bad(f"type={kind!r}: dropless implements only 'yarn' (DeepSeek-V3's); remove rope_scaling for plain RoPE")
+    try:
+        factor = float(rs["factor"])
+        orig = int(rs["original_max_position_embeddings"])
+        beta_fast, beta_slow = float(rs.get("beta_fast", 32)), float(rs.get("beta_slow", 1))
+        ms = {k: float(rs[k]) for k in ("mscale", "mscale_all_dim") if rs.get(k) is not None}
+    except KeyError as e:
+        bad(f"missing key {e.args[0]!r}")
+    except (TypeError, ValueError) as e:
+        bad(f"a value is not a number ({e})")
+    if not factor >= 1.0:
+        bad("factor must be >= 1 (the context extension factor s)")
+    if orig <= 0:
+        bad("original_max_position_embeddings must be a positive integer")
+    if not 0 < beta_slow < beta_fast:
+        bad("need 0 < beta_slow < beta_fast (rotation counts of the ramp's ends, 1 and 32 in DeepSeek-V3)")
+    if len(set(ms.values())) > 1:
+        bad("mscale and mscale_all_dim differ; DeepSeek-V3's reference code has one attention "
+            "temperature coefficient: give them the same value")
+    if max_position_embeddings <= orig:
+        bad(f"max_position_embeddings={max_position_embeddings} must exceed "
+            f"original_max_position_embeddings={orig}: YaRN applies only to an extended context")
+    return Yarn(factor, orig, beta_fast, beta_slow, next(iter(ms.values()), 1.0))
+
+
+def yarn_override(yarn: Yarn | None) -> str:
+    """The ``dropless-train`` override that sets ``model.rope_scaling`` to ``yarn``, quoted for a shell.
+
+    A full block (every key, ``type: yarn``), so that it gives these settings whether Hydra assigns
+    it (the field null) or merges it into a block spelt another way; ``model.rope_scaling=null`` for None.
+    """
+    if yarn is None:
+        return "model.rope_scaling=null"
+    return ("'model.rope_scaling={type:yarn,factor:%r,original_max_position_embeddings:%d,beta_fast:%r,"
+            "beta_slow:%r,mscale:%r,mscale_all_dim:%r}'" % (yarn.factor, yarn.original_max_position_embeddings,
+                                                            yarn.beta_fast, yarn.beta_slow, yarn.mscale,
+                                                            yarn.mscale))
+
+
 @dataclass
 class ModelArgs:
     """DeepSeek-V3-shaped model configuration.
@@ -211,57 +309,13 @@ class ModelArgs:
         return self
 
     def yarn(self) -> Yarn | None:
-        """``rope_scaling`` checked and read: a :class:`Yarn`, or None without ``rope_scaling``.
-
-        Keys (DeepSeek-V3 ``config.json``): ``type`` (or ``rope_type``) ``"yarn"``, ``factor``
-        (>= 1), ``original_max_position_embeddings``, ``beta_fast`` (default 32),
-        ``beta_slow`` (default 1; ``0 < beta_slow < beta_fast``), ``mscale`` and
-        ``mscale_all_dim`` (the attention temperature's m; if both are given they must be
-        equal, the case DeepSeek-V3's reference code implements; neither: m = 1, its default).
+        """``rope_scaling`` checked and read (:func:`parse_rope_scaling`): a :class:`Yarn`, or None
+        for plain RoPE.
 
         Raises:
-            ConfigError: another scaling type, an unknown key, a bad value, or
-                ``max_position_embeddings <= original_max_position_embeddings`` (the
-                reference code applies YaRN only when the context is extended, so the
-                block would have no effect).
+            ConfigError: as :func:`parse_rope_scaling`.
         """
-        rs = self.rope_scaling
-        if rs is None:
-            return None
-
-        def bad(why: str) -> None:
-            raise ConfigError(f"rope_scaling={dict(rs)!r}: {why}")
-
-        if not isinstance(rs, Mapping):
-            bad("must be a mapping (the rope_scaling block of config.json) or null")
-        unknown = sorted(set(rs) - set(_YARN_KEYS))
-        if unknown:
-            bad(f"unknown key(s) {unknown}; known: {list(_YARN_KEYS)}")
-        kind = rs.get("type", rs.get("rope_type"))
-        if kind != "yarn":
-            bad(f"type={kind!r}: dropless implements only 'yarn' (DeepSeek-V3's); remove rope_scaling for plain RoPE")
-        try:
-            factor = float(rs["factor"])
-            orig = int(rs["original_max_position_embeddings"])
-            beta_fast, beta_slow = float(rs.get("beta_fast", 32)), float(rs.get("beta_slow", 1))
-            ms = {k: float(rs[k]) for k in ("mscale", "mscale_all_dim") if rs.get(k) is not None}
-        except KeyError as e:
-            bad(f"missing key {e.args[0]!r}")
-        except (TypeError, ValueError) as e:
-            bad(f"a value is not a number ({e})")
-        if not factor >= 1.0:
-            bad("factor must be >= 1 (the context extension factor s)")
-        if orig <= 0:
-            bad("original_max_position_embeddings must be a positive integer")
-        if not 0 < beta_slow < beta_fast:
-            bad("need 0 < beta_slow < beta_fast (rotation counts of the ramp's ends, 1 and 32 in DeepSeek-V3)")
-        if len(set(ms.values())) > 1:
-            bad("mscale and mscale_all_dim differ; DeepSeek-V3's reference code has one attention "
-                "temperature coefficient: give them the same value")
-        if self.max_position_embeddings <= orig:
-            bad(f"max_position_embeddings={self.max_position_embeddings} must exceed "
-                f"original_max_position_embeddings={orig}: YaRN applies only to an extended context")
-        return Yarn(factor, orig, beta_fast, beta_slow, next(iter(ms.values()), 1.0))
+        return parse_rope_scaling(self.rope_scaling, self.max_position_embeddings)
 
     # ---------------------------------------------------------------------
     @classmethod

@@ -37,7 +37,19 @@ from dropless.ops.fp8_quant import (
     quant_weight,
     swiglu_quant_rows,
 )
+from dropless.ops.ue8m0 import pow2_ceil
 from tests.conftest import py_layout
+from tests.ue8m0_sweep import (
+    amax_sweep,
+    case_quant_expert_columns,
+    case_quant_rows,
+    case_quant_token_blocks,
+    case_quant_weight,
+    case_quant_weight_blocks,
+    case_swiglu_quant,
+    case_swiglu_quant_rows,
+    check_scales,
+)
 
 NAN = float("nan")
 EMPTY_EXPERT_COUNTS = [162, 0, 2577, 446, 0, 83]
@@ -432,3 +444,41 @@ def test_trainer_refuses_gemm_fp8_without_fp8_gpu(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "gemm=fp8 needs" in err and "compute capability >= 8.9" in err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# ----------------------------------------------------------------- power-of-two (UE8M0) scales
+SWEEP = amax_sweep(-40, 100)  # 448·2^k and its fp32 neighbours; amax >= 1e-10 (every op's floor)
+UE8M0_CASES = {
+    "quant_rows": lambda a: case_quant_rows(a, "cpu"),
+    "quant_rows_1x128": lambda a: case_quant_rows(a, "cpu", group=128),
+    "swiglu_quant_rows": lambda a: case_swiglu_quant_rows(a, "cpu"),
+    "swiglu_quant_rows_1x128": lambda a: case_swiglu_quant_rows(a, "cpu", group=128),
+    "swiglu_quant": lambda a: case_swiglu_quant(a, "cpu"),
+    "quant_token_blocks": lambda a: case_quant_token_blocks(a, "cpu"),
+    "quant_expert_columns": lambda a: case_quant_expert_columns(a, "cpu"),
+    "quant_weight": lambda a: case_quant_weight(a, "cpu", 1),
+    "quant_weight_contract2": lambda a: case_quant_weight(a, "cpu", 2),
+    "quant_weight_blocks": lambda a: case_quant_weight_blocks(a[::4], "cpu"),
+}
+
+
+@pytest.mark.parametrize("name", list(UE8M0_CASES))
+def test_ue8m0_scale_is_the_exact_power_of_two_ceiling(name):
+    """Every torch quantiser: at, one fp32 step below and one above 448·2^k, the scale is the smallest
+    power of two with amax / scale <= 448, DeepGEMM's bit for bit (fp32 log2 rounds 2^k·(1 + 2^-23)
+    down to k, which gave 2^k there: the largest element clipped)."""
+    scale, amax = UE8M0_CASES[name](SWEEP)
+    check_scales(amax, scale, name)
+
+
+def test_pow2_ceil_matches_the_bit_rule_on_every_exponent():
+    """:func:`pow2_ceil` on every fp32 exponent (subnormals too), at, below and above each power of two."""
+    p = torch.ldexp(torch.ones(277), torch.arange(-149, 128))
+    s = torch.cat([p, torch.nextafter(p, torch.zeros_like(p)), torch.nextafter(p, torch.full_like(p, float("inf")))])
+    s = s[(s > 0) & torch.isfinite(s)]
+    got = pow2_ceil(s)
+    m, e = torch.frexp(s.double())
+    want = torch.ldexp(torch.ones_like(s, dtype=torch.float64), e - (m == 0.5).long())
+    assert torch.equal(got, want.float())  # 2^128 overflows to inf
+    assert torch.equal(pow2_ceil(torch.tensor([float("inf"), 3e38])), torch.tensor([float("inf"), float("inf")]))
+    assert pow2_ceil(torch.tensor([float("nan")])).isnan().all()

@@ -160,9 +160,14 @@ class Dispatcher(ABC):
         """
 
     @abstractmethod
-    def combine_async(self, y_MH: torch.Tensor, handle: Any) -> Pending:
+    def combine_async(self, y_MH: torch.Tensor, handle: Any, addend_TH: torch.Tensor | None = None) -> Pending:
         """Issue the combine of ``[M, H]`` expert outputs; ``.wait()`` gives ``[T, H]`` in the
-        original token order (weighted sum over k, fp32 accumulation)."""
+        original token order (weighted sum over k, fp32 accumulation).
+
+        ``addend_TH``: ``[T, H]`` (the shared experts' output) added to the fp32 sum before its
+        rounding to ``y_MH``'s dtype, so that the layer's output is rounded once where the
+        dispatcher's own combine is (every dispatcher's docstring says where that is); its
+        gradient is the output's. None: the routed sum alone."""
 
     def dispatch(self, x_TH: torch.Tensor, topk_idx_Tk: torch.Tensor, topk_weight_Tk: torch.Tensor, *,
                  alignment: int = 1, capacity: int | None = None, fold_weights: bool = False) -> Dispatched:
@@ -170,9 +175,9 @@ class Dispatcher(ABC):
         return self.dispatch_async(x_TH, topk_idx_Tk, topk_weight_Tk, alignment=alignment, capacity=capacity,
                                    fold_weights=fold_weights).wait()
 
-    def combine(self, y_MH: torch.Tensor, handle: Any) -> torch.Tensor:
+    def combine(self, y_MH: torch.Tensor, handle: Any, addend_TH: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`combine_async` waited on at once: ``y_TH``."""
-        return self.combine_async(y_MH, handle).wait()
+        return self.combine_async(y_MH, handle, addend_TH).wait()
 
     def dispatch_source(self, x_TH: torch.Tensor, topk_idx_Tk: torch.Tensor, topk_weight_Tk: torch.Tensor, *,
                         alignment: int = 1, capacity: int | None = None, fold_weights: bool = False) -> Dispatched:

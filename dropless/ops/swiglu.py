@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from dropless.layout import ExpertLayout
 from dropless.ops import select
 from dropless.ops.backward import first_order_only
+from dropless.ops.ue8m0 import pow2_ceil
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 QUANT_GROUP = 128  # columns per scale (1×128)
@@ -44,6 +45,8 @@ OP_FWD, OP_BWD, OP_QUANT = 0, 1, 2
 if select.HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from dropless.ops.ue8m0 import pow2_ceil_bits
 
     @triton.jit
     def _tile(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, dw_ptr, r0, hi, c0, I, stride_h, stride_do, stride_o, stride_s,
@@ -81,9 +84,9 @@ if select.HAS_TRITON:
         else:  # 1x128 e4m3: one scale per row per GROUP columns
             a = tl.reshape(g * s * u, (BLOCK_M, BLOCK_N // GROUP, GROUP))
             amax = tl.maximum(tl.max(tl.abs(a), axis=2), 1e-10)
-            scale = amax / 448.0
+            scale = tl.math.div_rn(amax, 448.0)
             if UE8M0:
-                scale = tl.exp2(tl.ceil(tl.log2(scale)))
+                scale = pow2_ceil_bits(scale)
             q = tl.reshape(tl.clamp(tl.math.div_rn(a, scale[:, :, None]), -448.0, 448.0), (BLOCK_M, BLOCK_N))
             tl.store(out_ptr + r64 * stride_o + cols[None, :],
                      q.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
@@ -326,7 +329,7 @@ def quant_fp8_torch(a_MI: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tens
     a = a_MI.float().view(m, i // QUANT_GROUP, QUANT_GROUP)
     scale = a.abs().amax(-1).clamp_min(1e-10) / FP8_MAX
     if ue8m0:
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+        scale = pow2_ceil(scale)
     q = (a / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.view(m, i), scale
 

@@ -140,6 +140,7 @@ def _start(overrides: list[str], show_cfg: bool) -> tuple[Any, Any] | int:
     from dropless.config import ConfigError
     from dropless.train.config import compose
     from dropless.train.dist import elastic_restart
+    from dropless.train.report import report_error
 
     rank = int(os.environ.get("RANK", "0"))
     cfg = None
@@ -162,8 +163,7 @@ def _start(overrides: list[str], show_cfg: bool) -> tuple[Any, Any] | int:
                 print(f"[dropless] warning (repeated from start-up): {note}", flush=True)
         return cfg, trainer
     except ConfigError as e:
-        print(f"dropless-train: error: {e}{_restarts_note()}", file=sys.stderr, flush=True)
-        return 2
+        return report_error(f"{e}{_restarts_note()}", rank, 2)  # once: rank 0 prints it
     except torch.OutOfMemoryError as e:
         print(f"dropless-train: error: {_out_of_memory(cfg, 'during start-up', e)}{_restarts_note()}",
               file=sys.stderr, flush=True)
