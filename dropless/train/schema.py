@@ -54,6 +54,7 @@ class TrainConfig:
     shard_dense: bool = MISSING               # FSDP2-shard the non-expert parameters over all ranks
     dtype: str = MISSING                      # auto | bf16 | fp32
     dist_timeout_s: float = MISSING           # collective timeout, seconds
+    dist_backend: str = MISSING               # auto | nccl | gloo: the process group's backend
     loss_impl: str = MISSING                  # auto | torch | liger: the head + cross-entropy
     nonfinite: str = MISSING                  # error | skip: a NaN/Inf loss or gradient norm
     compile: bool = MISSING                   # torch.compile each decoder block
