@@ -107,33 +107,22 @@ class _Clock:
         return run
 
 
-class _TimedWork:
-    def __init__(self, work: Any, clock: _Clock):
-        self._work, self._clock = work, clock
-
-    def wait(self, *a, **k):
-        return self._clock.timed(self._work.wait)(*a, **k)
-
-    def __getattr__(self, name):
-        return getattr(self._work, name)
-
-
-def _time_collectives(clock: _Clock) -> None:
+def _time_collectives(clock: _Clock) -> bool:
+    """Time every collective call of ``torch.distributed`` (and the dispatchers' bound ones) and
+    every ``Work.wait`` from Python (FSDP2's too). Returns whether ``Work.wait`` could be wrapped."""
     from dropless.dispatch import collectives as C
-
-    def wrap(fn):
-        timed = clock.timed(fn)
-
-        def call(*a, **k):
-            work = timed(*a, **k)
-            return _TimedWork(work, clock) if work is not None and hasattr(work, "wait") else work
-        return call
 
     for name in ("all_to_all_single", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_single",
                  "reduce_scatter_single", "all_reduce"):
         if hasattr(dist, name):
-            setattr(dist, name, wrap(getattr(dist, name)))
-    C._all_gather, C._reduce_scatter = wrap(C._all_gather), wrap(C._reduce_scatter)
+            setattr(dist, name, clock.timed(getattr(dist, name)))
+    C._all_gather, C._reduce_scatter = clock.timed(C._all_gather), clock.timed(C._reduce_scatter)
+    work_cls = dist.distributed_c10d.Work
+    try:
+        work_cls.wait = clock.timed(work_cls.wait)
+    except (TypeError, AttributeError):
+        return False
+    return True
 
 
 # ------------------------------------------------------------------ the ranks
@@ -161,7 +150,7 @@ def _rank(rank: int, world: int, port: int, opts: dict, out_path: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
     clock = _Clock()
-    _time_collectives(clock)
+    waits_timed = _time_collectives(clock)
     mesh_ep, mesh_dp = build_mesh(world, world, "cuda"), build_mesh(world, 1, "cuda")
     shape = dict(hidden_size=opts["hidden"], moe_intermediate_size=opts["inter"], n_routed_experts=opts["experts"],
                  num_experts_per_tok=opts["k"], n_group=4, topk_group=2, n_shared_experts=1, aux_loss_alpha=0.0,
@@ -188,7 +177,7 @@ def _rank(rank: int, world: int, port: int, opts: dict, out_path: str) -> None:
             ms = statistics.median(wall) * 1e3
             share = statistics.median(c / w for c, w in zip(coll, wall))
             lines.append(dict(dispatcher=name, fwd_bwd_ms=round(ms, 3), collective_share=round(share, 3),
-                              collective_ms=round(statistics.median(coll) * 1e3, 3)))
+                              collective_ms=round(statistics.median(coll) * 1e3, 3), waits_timed=waits_timed))
         except Exception as err:  # noqa: BLE001 - one dispatcher's failure is a line, not the end
             lines.append(dict(dispatcher=name, error=str(err).splitlines()[0][:300]))
         dist.barrier()
