@@ -16,8 +16,11 @@ over the step's wall time — the part of the step the collectives hold the host
 ``--trace PATH`` also writes the launch order of one forward's collectives and grouped GEMMs
 under ``torch.profiler`` (``num_token_chunks=4``, a2a and agrs): :func:`launch_order`.
 
-Usage: ``python -m benchmarks.gloo_one_gpu [--tokens 4096] [--iters 10] [--trace FILE] [--commit SHA]``.
-Needs CUDA.
+``--device cpu`` runs the same on CPU ranks (gloo on the CPU; ``gemm=torch`` in fp32 there): a check of
+the launch order and of this script without a GPU; its timings are CPU figures.
+
+Usage: ``python -m benchmarks.gloo_one_gpu [--tokens 4096] [--iters 10] [--trace FILE] [--commit SHA]
+[--device cuda|cpu]``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import os
 import socket
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -126,7 +130,7 @@ def _time_collectives(clock: _Clock) -> bool:
 
 
 # ------------------------------------------------------------------ the ranks
-def _layer(name: str, args, mesh_ep, mesh_dp, device):
+def _layer(name: str, args, mesh_ep, mesh_dp, device, dtype):
     from dropless.dispatch import build_dispatcher
     from dropless.moe import MoE
     from dropless.train.shard import apply_fsdp
@@ -134,7 +138,7 @@ def _layer(name: str, args, mesh_ep, mesh_dp, device):
     disp = build_dispatcher(name, args, None if name in ("local", "fsdp") else mesh_ep)
     moe = MoE(args, 1, disp)
     moe.init_weights()
-    moe = moe.to(device=device, dtype=torch.bfloat16)
+    moe = moe.to(device=device, dtype=dtype)
     if name == "fsdp":
         apply_fsdp(moe, mesh_dp)
     return moe
@@ -144,32 +148,36 @@ def _rank(rank: int, world: int, port: int, opts: dict, out_path: str) -> None:
     from dropless.config import ModelArgs
     from dropless.dispatch.mesh import build_mesh
 
-    torch.set_num_threads(4)
-    device = torch.device("cuda", rank % torch.cuda.device_count())
-    torch.cuda.set_device(device)
+    cuda = opts["device"] == "cuda"
+    torch.set_num_threads(4 if cuda else 1)
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32  # grouped_mm on CUDA takes bf16
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        torch.cuda.set_device(device)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
     clock = _Clock()
     waits_timed = _time_collectives(clock)
-    mesh_ep, mesh_dp = build_mesh(world, world, "cuda"), build_mesh(world, 1, "cuda")
+    mesh_ep, mesh_dp = build_mesh(world, world, device.type), build_mesh(world, 1, device.type)
     shape = dict(hidden_size=opts["hidden"], moe_intermediate_size=opts["inter"], n_routed_experts=opts["experts"],
                  num_experts_per_tok=opts["k"], n_group=4, topk_group=2, n_shared_experts=1, aux_loss_alpha=0.0,
                  gemm="torch")
     lines = []
     g = torch.Generator().manual_seed(100 + rank)
-    x0 = torch.randn(opts["tokens"], opts["hidden"], generator=g).to(device, torch.bfloat16)
-    dy = torch.randn(opts["tokens"], opts["hidden"], generator=g).to(device, torch.bfloat16)
+    x0 = torch.randn(opts["tokens"], opts["hidden"], generator=g).to(device, dtype)
+    dy = torch.randn(opts["tokens"], opts["hidden"], generator=g).to(device, dtype)
     for name in ("local", "a2a", "agrs", "fsdp"):
         try:
-            moe = _layer(name, ModelArgs(**shape), mesh_ep, mesh_dp, device)
+            moe = _layer(name, ModelArgs(**shape), mesh_ep, mesh_dp, device, dtype)
             wall, coll = [], []
             for i in range(opts["warmup"] + opts["iters"]):
                 x = x0.clone().requires_grad_()
                 dist.barrier()
-                torch.cuda.synchronize()
+                sync()
                 c0, t0 = clock.seconds, time.perf_counter()
                 moe(x).backward(dy)
-                torch.cuda.synchronize()
+                sync()
                 t1 = time.perf_counter()
                 if i >= opts["warmup"]:
                     wall.append(t1 - t0)
@@ -186,13 +194,14 @@ def _rank(rank: int, world: int, port: int, opts: dict, out_path: str) -> None:
         for name, disp_letters, comb in (("a2a", "aa", "a"), ("agrs", "ggg", "r")):
             from torch.profiler import ProfilerActivity, profile
 
-            moe = _layer(name, ModelArgs(**shape, num_token_chunks=4), mesh_ep, mesh_dp, device)
+            moe = _layer(name, ModelArgs(**shape, num_token_chunks=4), mesh_ep, mesh_dp, device, dtype)
             moe(x0.clone().requires_grad_()).backward(dy)  # warm-up
-            torch.cuda.synchronize()
+            sync()
             dist.barrier()
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+            with profile(activities=activities) as prof:
                 moe(x0.clone().requires_grad_())
-                torch.cuda.synchronize()
+                sync()
             got = launch_order(prof.events())
             trace.append(dict(dispatcher=name, chunks=4, order=got["order"],
                               expected=expected_order(disp_letters, comb, 4), events=got["events"]))
@@ -225,11 +234,12 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--trace", default=None, help="write the chunk launch order here (text)")
     p.add_argument("--commit", default=None)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     a = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/gloo_one_gpu.py needs CUDA")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("benchmarks/gloo_one_gpu.py needs CUDA (or --device cpu)")
     opts = dict(tokens=a.tokens, hidden=a.hidden, inter=a.inter, experts=a.experts, k=a.k, warmup=a.warmup,
-                iters=a.iters, trace=bool(a.trace))
+                iters=a.iters, trace=bool(a.trace), device=a.device)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -237,16 +247,22 @@ def main(argv=None) -> int:
     mp.start_processes(_rank, args=(2, port, opts, out_path), nprocs=2, start_method="spawn")
     with open(out_path) as f:
         res = json.load(f)
-    head = dict(bench="moe_layer_gloo_one_gpu", note="one-GPU gloo figures (2 ranks share one GPU), not NCCL",
+    cuda = a.device == "cuda"
+    head = dict(bench="moe_layer_gloo_one_gpu" if cuda else "moe_layer_gloo_cpu",
+                note=("one-GPU gloo figures (2 ranks share one GPU), not NCCL" if cuda else
+                      "CPU gloo ranks (a check of the script and the launch order), not GPU figures"),
                 date=datetime.date.today().isoformat(), commit=_commit(a.commit),
-                gpu=torch.cuda.get_device_name(0), torch=torch.__version__, ranks=2, dtype="bf16",
+                gpu=torch.cuda.get_device_name(0) if cuda else "none (cpu)", torch=torch.__version__, ranks=2,
+                dtype="bf16" if cuda else "fp32",
                 tokens_per_rank=a.tokens, hidden=a.hidden, moe_inter=a.inter, experts=a.experts, k=a.k)
     for line in res["lines"]:
         print(json.dumps({**head, **line}), flush=True)
     if a.trace:
         with open(a.trace, "w") as f:
-            f.write(f"# launch order of one MoE forward, num_token_chunks=4, 2 gloo ranks on one GPU "
-                    f"({head['gpu']}, torch {head['torch']}, commit {head['commit']}, {head['date']}); "
+            where = f"2 gloo ranks on one GPU ({head['gpu']}" if cuda else "2 gloo ranks on the CPU (no GPU"
+            cmd = " ".join(sys.argv[1:] if argv is None else argv)
+            f.write(f"# launch order of one MoE forward, num_token_chunks=4, {where}, torch {head['torch']}, "
+                    f"commit {head['commit']}, {head['date']}; python -m benchmarks.gloo_one_gpu {cmd}); "
                     "letters: a all-to-all, g all-gather, r reduce-scatter, M grouped GEMM (host launch order, "
                     "torch.profiler)\n")
             for t in res["trace"]:
