@@ -188,10 +188,10 @@ def run_scenario(rank: int, world: int, sc: dict, mesh_ep, mesh_dp, device: torc
             res["syncs"] = _count_syncs(moe, x, cot)
         if sc.get("profile"):
             res["launches"] = _profile_forward(moe, x)
+        res["host_staged"] = sorted(C.HOST_STAGED)  # kinds staged here (after a refusal by gloo, or forced)
     finally:
         C.HOST_STAGED.clear()
         C.HOST_STAGED.update(staged_before)
-    res["host_staged"] = sorted(C.HOST_STAGED)
     if rank == 0:
         res["ref"] = _reference(world, sc, device)
     return res
@@ -251,3 +251,42 @@ def _ar(x):
     y = x.clone()
     dist.all_reduce(y, async_op=True).wait()
     return y.float().cpu().flatten().tolist()
+
+
+def staging_cpu_worker(rank: int, world: int) -> dict:
+    """The host-staging path of :mod:`dropless.dispatch.collectives` on CPU ranks.
+
+    CPU tensors stand in for CUDA ones (``_gloo_cuda`` answers True), so the same code runs: a2a with
+    every kind staged from the start, then agrs where gloo "refuses" the all-gather once when it is
+    issued (a stub raising as an old gloo does) and the wrapper falls back to staging it. Returns each
+    run's result as :func:`run_scenario` does, the staged kinds and the warnings.
+    """
+    mesh_ep, mesh_dp = build_mesh(world, world, "cpu"), build_mesh(world, 1, "cpu")
+    dev = torch.device("cpu")
+    real_gloo_cuda, real_issue = C._gloo_cuda, C._issue
+    C._gloo_cuda = lambda x, group: True
+    out = {}
+    try:
+        sc = dict(name="a2a-staged", dispatcher="a2a", dtype="fp32", alignment=1, chunks=CHUNKS_STAGED, staged=True)
+        out["a2a"] = run_scenario(rank, world, sc, mesh_ep, mesh_dp, dev)
+        refused = []
+
+        def issue(kind, out_t, x, group, out_splits, in_splits):
+            if kind == "ag" and not refused:
+                refused.append(kind)
+                raise RuntimeError("ProcessGroupGloo::allgather: unsupported device type cuda")
+            return real_issue(kind, out_t, x, group, out_splits, in_splits)
+        C._issue = issue
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            sc = dict(name="agrs-refused", dispatcher="agrs", dtype="fp32", alignment=1, chunks=CHUNKS_STAGED)
+            res = run_scenario(rank, world, sc, mesh_ep, mesh_dp, dev)
+        res["warnings"] = [str(w.message) for w in rec if "staged through host memory" in str(w.message)]
+        out["agrs"] = res
+    finally:
+        C._gloo_cuda, C._issue = real_gloo_cuda, real_issue
+        C.HOST_STAGED.clear()
+    return out
+
+
+CHUNKS_STAGED = 2
