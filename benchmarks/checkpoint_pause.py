@@ -14,8 +14,7 @@ Modes:
                     (:func:`dropless.train.checkpoint.host_stager`: on CUDA a pinned host copy
                     kept between saves).
 ``async_pageable``  ``train.ckpt_async=true`` staged as on a CPU (no stager of ours: DCP stages
-                    through the file writer, a new pageable host copy per save, as ``async`` did on
-                    CUDA before session 27), so the two are compared in one process.
+                    through the file writer, a new pageable host copy per save), so the two are compared in one process.
 
 Fields: ``mode``, ``recipe``, ``device``, ``stager`` (its class name, or null: the
 writer stages), ``saved_gib`` (this rank's checkpointed state: the fp32 masters and AdamW moments),

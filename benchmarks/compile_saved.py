@@ -1,4 +1,4 @@
-"""Probe (issue 12): what one MoE decoder block saves for backward, eager vs train.compile vs train.compile_moe.
+"""Probe: what one MoE decoder block saves for backward, eager vs train.compile vs train.compile_moe.
 
     python benchmarks/compile_saved.py VARIANT          # VARIANT: eager | compile | compile_moe
 

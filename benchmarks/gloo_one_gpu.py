@@ -31,7 +31,6 @@ import json
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -40,6 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from benchmarks.stamp import detect_commit, detect_gpu
 
 #: c10d operators of the collectives and the letter each gets in :func:`launch_order`'s string
 COLLECTIVE_LETTERS = (("alltoall", "a"), ("allgather", "g"), ("reduce_scatter", "r"), ("allreduce", "s"))
@@ -213,16 +214,6 @@ def _rank(rank: int, world: int, port: int, opts: dict, out_path: str) -> None:
     os._exit(0)
 
 
-def _commit(given: str | None) -> str:
-    if given:
-        return given
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
@@ -251,8 +242,9 @@ def main(argv=None) -> int:
     head = dict(bench="moe_layer_gloo_one_gpu" if cuda else "moe_layer_gloo_cpu",
                 note=("one-GPU gloo figures (2 ranks share one GPU), not NCCL" if cuda else
                       "CPU gloo ranks (a check of the script and the launch order), not GPU figures"),
-                date=datetime.date.today().isoformat(), commit=_commit(a.commit),
-                gpu=torch.cuda.get_device_name(0) if cuda else "none (cpu)", torch=torch.__version__, ranks=2,
+                date=datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
+                commit=a.commit or detect_commit(),
+                gpu=detect_gpu() if cuda else "CPU", torch=torch.__version__, ranks=2,
                 dtype="bf16" if cuda else "fp32",
                 tokens_per_rank=a.tokens, hidden=a.hidden, moe_inter=a.inter, experts=a.experts, k=a.k)
     for line in res["lines"]:

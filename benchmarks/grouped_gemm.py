@@ -1,4 +1,4 @@
-"""The experts' grouped GEMMs one by one, at a training recipe's shape (issue 12): one JSON line per result.
+"""The experts' grouped GEMMs one by one, at a training recipe's shape: one JSON line per result.
 
 At ``recipe=h200_single``'s MoE shape (by default: 64 local experts, T·k = 32,768 × 6 = 196,608
 rows spread over the experts with a seeded log-normal imbalance, A = 128; FC1 ``H 1024 -> 2I 1024``,

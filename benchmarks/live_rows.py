@@ -1,13 +1,13 @@
-"""Live-row kernels against the same kernel on a full buffer, torch.compile and the copy ceiling (issue 13).
+"""Live-row kernels against the same kernel on a full buffer, torch.compile and the copy ceiling.
 
 One JSON line per result (``bench``, ``op``, ``variant``, ``rows_live``, ``rows_alloc``, ``us``,
 ``gbps`` over the fewest bytes the op must move, ``pct_copy`` of the device-to-device copy
 measured in the same run). Shapes:
 
-* the seed's activation shape: 28,672 allocated rows, 32 local experts, A = 128, I = 2,048,
+* the per-rank activation shape: 28,672 allocated rows, 32 local experts, A = 128, I = 2,048,
   with 3,072 live rows (96 per expert), every row live (896 per expert), and one expert
   holding every row; ops ``swiglu_fwd``, ``swiglu_bwd``, ``swiglu_quant``;
-* the seed's per-rank training shape: counts [21733, 15004, 17982, 10817] (65,536 rows,
+* DeepSeek-V3's per-rank training shape: counts [21733, 15004, 17982, 10817] (65,536 rows,
   A = 128), H 7,168, I 2,048, T 8,192 tokens × k 8; ops ``swiglu_*`` and ``permute`` (scatter
   into the buffer), ``permute_bwd`` (sum of the k row gradients), ``combine`` (weighted fp32
   sum), ``combine_bwd`` (row gradients + weight gradients).

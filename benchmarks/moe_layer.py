@@ -1,6 +1,6 @@
-"""MoE layer benchmark on one GPU (issue 2): one JSON line per result.
+"""MoE layer benchmark on one GPU: one JSON line per result.
 
-(a) experts only at the seed's per-rank shape (seed 003 §1): 4 local experts with live rows
+(a) experts only at DeepSeek-V3's per-rank shape (docs/design.md#a-worked-rank): 4 local experts with live rows
     [21733, 15004, 17982, 10817], H 7168, I 2048, bf16; forward and forward+backward TFLOP/s
     counted on live FLOPs (6·R·H·I forward, 3× that forward+backward).
 (b) the whole layer: T 8192, H 7168, I 2048, E 32, k 8, n_group 8, topk_group 4, one shared
@@ -83,7 +83,7 @@ def base_name(gemm: str) -> str:
 
 
 def build_experts(gemm: str, counts=(21733, 15004, 17982, 10817), H: int = 7168, I: int = 2048, A: int = 1):
-    """(forward, forward+backward) closures of the experts alone at the seed's per-rank shape."""
+    """(forward, forward+backward) closures of the experts alone at DeepSeek-V3's per-rank shape."""
     from dropless.experts import GroupedExperts
     from dropless.layout import ExpertLayout
 
@@ -109,7 +109,7 @@ def build_experts(gemm: str, counts=(21733, 15004, 17982, 10817), H: int = 7168,
 
 def build_layer(gemm: str, T: int = 8192, H: int = 7168, I: int = 2048, E: int = 32, k: int = 8, A: int = 1,
                 fast_init: bool = False, **extra):
-    """The whole-layer forward+backward closure at issue 2's shape (b)."""
+    """The whole-layer forward+backward closure at shape (b)."""
     from dropless import ModelArgs
     from dropless.moe import MoE
 

@@ -1,6 +1,6 @@
-"""MoE memory benchmark on one GPU (issue 6): one JSON line per result.
+"""MoE memory benchmark on one GPU: one JSON line per result.
 
-For the whole-layer shape of issue 2 (T 8192, H 7168, I 2048, E 32, k 8, one shared expert,
+For the whole-layer shape of benchmarks/moe_layer.py (T 8192, H 7168, I 2048, E 32, k 8, one shared expert,
 bf16, local dispatcher) and every N in ``--chunks`` (default 1 2 4 8), for each memory setting
 (``none``; ``swiglu`` = recompute_swiglu + fold; ``fc1`` = recompute_fc1 + fold; ``fc1_gather``
 = recompute_fc1 + fold + recompute_gather):
@@ -14,7 +14,7 @@ bf16, local dispatcher) and every N in ``--chunks`` (default 1 2 4 8), for each 
   against one copy of the landed rows ``R·H·2`` bytes;
 * ``fwdbwd_ms``: median time of forward+backward;
 * ``peak_vs_n1`` / ``time_vs_n1``: against N = 1 of the same setting, and ``peak_vs_default`` /
-  ``time_vs_default`` against N = 1 without any option (issue 6's target: N = 4 at ≤ 0.40 of
+  ``time_vs_default`` against N = 1 without any option (the target: N = 4 at ≤ 0.40 of
   the peak for ≤ 1.05 of the time).
 
 A ``wgrad`` line per chunk count times the chunk's weight-gradient step both ways: torch's

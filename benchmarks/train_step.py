@@ -1,4 +1,4 @@
-"""Training-step benchmark (issue 12): one JSON line per variant.
+"""Training-step benchmark: one JSON line per variant.
 
 For a recipe (default ``h200_single``) and each variant (``eager``, ``compile``: ``train.compile=true``,
 ``compile_moe``: also ``train.compile_moe=true``; each with ``+graph``: also ``train.cuda_graph=true``, the
@@ -8,7 +8,7 @@ and no checkpoints, runs ``--warmup`` steps, then ``--steps`` timed steps (pipel
 :meth:`~dropless.train.trainer.Trainer.iter_steps` as ``Trainer.train`` runs them; the trainer's own
 ``tokens_per_s``, ``mfu`` and ``tflops``: wall time between two steps' metric reads; medians
 reported), then ``--profile-steps`` steps under :mod:`torch.profiler`, whose kernel (CUDA) or
-operator (CPU) self times are summed per category of issue 12's table:
+operator (CPU) self times are summed per category:
 
 ``casts_copies``  copy / cast / cat / fill kernels (the bf16 refresh's foreach copy included)
 ``optimizer``     ``multi_tensor_apply`` / fused and foreach AdamW, norm and clip kernels
@@ -85,7 +85,7 @@ _RULES = (  # first match wins; matched against the lower-cased kernel / operato
 
 
 def category(name: str) -> str:
-    """The issue-12 category of a kernel or operator name."""
+    """The category of a kernel or operator name (the table of docs/performance.md#the-training-step)."""
     n = name.lower()
     for cat, keys in _RULES:
         if any(k in n for k in keys):

@@ -1,6 +1,6 @@
 """dropless: dropless Mixture-of-Experts training for PyTorch.
 
-The pipeline (DESIGN.md): router -> dispatcher -> grouped-GEMM experts -> combine,
+The pipeline (docs/design.md#the-pipeline): router -> dispatcher -> grouped-GEMM experts -> combine,
 with a live-row :class:`~dropless.layout.ExpertLayout` carried from dispatch to combine.
 
 Public API::

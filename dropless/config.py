@@ -6,7 +6,8 @@ DeepSeek-V3 fields keep their published names (``hidden_size``,
 ``n_group``, ``topk_group``, ...), so a published ``config.json`` loads as it
 is through :meth:`ModelArgs.from_json` (unknown keys are ignored with a
 notice). The fields after the DeepSeek-V3 block are this project's own
-(alignment, capacity, chunking, recompute, gemm backend); see DESIGN.md.
+(alignment, capacity, chunking, recompute, gemm backend); see
+``docs/design.md#the-live-row-contract``.
 
 Errors: :meth:`ModelArgs.validate` raises :class:`ConfigError` (a
 ``ValueError``) naming the field that is wrong and how to fix it.
@@ -61,63 +62,159 @@ class Yarn:
         return 0.1 * self.mscale * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
 
 
+#: The keys naming the scaling kind: ``type`` (DeepSeek-V3's released file), ``rope_type`` (transformers).
+_ROPE_KIND_KEYS = ("type", "rope_type")
+
+
+def rope_scaling_kind(rs: Mapping[str, Any]) -> str:
+    """The scaling kind a ``rope_scaling`` block names: its ``type`` or ``rope_type``, ``"default"`` if neither.
+
+    transformers 4 re-saves a file with both keys, transformers 5 (``rope_parameters``) with
+    ``rope_type``, DeepSeek-V3's released file has ``type``: all of them are read.
+
+    Raises:
+        ConfigError: ``type`` and ``rope_type`` both given and different.
+    """
+    kinds = {str(rs[k]) for k in _ROPE_KIND_KEYS if rs.get(k) is not None}
+    if len(kinds) > 1:
+        raise ConfigError(f"rope_scaling={dict(rs)!r}: type={rs['type']!r} and rope_type={rs['rope_type']!r} "
+                          "differ; give one of them (both name the scaling kind)")
+    return kinds.pop() if kinds else "default"
+
+
+def parse_rope_scaling(rs: Mapping[str, Any] | None, max_position_embeddings: int) -> Yarn | None:
+    """The YaRN settings of a ``rope_scaling`` block, whichever way it is spelt: a :class:`Yarn`, or None.
+
+    Every spelling of the same settings gives the same :class:`Yarn` (compare those, not the
+    blocks): the kind as ``type``, ``rope_type`` or both (:func:`rope_scaling_kind`), integers or
+    floats, defaults written out or left out. None or kind ``"default"`` (and no other key):
+    plain RoPE.
+
+    Keys (DeepSeek-V3 ``config.json``): ``type`` / ``rope_type`` ``"yarn"``, ``factor`` (>= 1),
+    ``original_max_position_embeddings``, ``beta_fast`` (default 32), ``beta_slow`` (default 1;
+    ``0 < beta_slow < beta_fast``), ``mscale`` and ``mscale_all_dim`` (the attention
+    temperature's m; if both are given they must be equal, the case DeepSeek-V3's reference code
+    implements; neither: m = 1, its default).
+
+    Args:
+        rs: the block (``ModelArgs.rope_scaling``; transformers 5's ``rope_parameters`` less
+            ``rope_theta``), or None.
+        max_position_embeddings: the model's context, which YaRN must extend.
+    Raises:
+        ConfigError: another scaling kind, ``type`` and ``rope_type`` that differ, an unknown
+            key, a bad value, or ``max_position_embeddings <= original_max_position_embeddings``
+            (the reference code applies YaRN only when the context is extended, so the block
+            would have no effect).
+    """
+    if rs is None:
+        return None
+
+    def bad(why: str) -> None:
+        raise ConfigError(f"rope_scaling={dict(rs)!r}: {why}")
+
+    if not isinstance(rs, Mapping):
+        raise ConfigError(f"rope_scaling={rs!r}: must be a mapping (the rope_scaling block of config.json) or null")
+    unknown = sorted(set(rs) - set(_YARN_KEYS))
+    if unknown:
+        bad(f"unknown key(s) {unknown}; known: {list(_YARN_KEYS)}")
+    kind = rope_scaling_kind(rs)
+    if kind == "default" and set(rs) <= set(_ROPE_KIND_KEYS):
+        return None
+    if kind != "yarn":
+        bad(f"type={kind!r}: dropless implements only 'yarn' (DeepSeek-V3's); remove rope_scaling for plain RoPE")
+    try:
+        factor = float(rs["factor"])
+        orig = int(rs["original_max_position_embeddings"])
+        beta_fast, beta_slow = float(rs.get("beta_fast", 32)), float(rs.get("beta_slow", 1))
+        ms = {k: float(rs[k]) for k in ("mscale", "mscale_all_dim") if rs.get(k) is not None}
+    except KeyError as e:
+        bad(f"missing key {e.args[0]!r}")
+    except (TypeError, ValueError) as e:
+        bad(f"a value is not a number ({e})")
+    if not factor >= 1.0:
+        bad("factor must be >= 1 (the context extension factor s)")
+    if orig <= 0:
+        bad("original_max_position_embeddings must be a positive integer")
+    if not 0 < beta_slow < beta_fast:
+        bad("need 0 < beta_slow < beta_fast (rotation counts of the ramp's ends, 1 and 32 in DeepSeek-V3)")
+    if len(set(ms.values())) > 1:
+        bad("mscale and mscale_all_dim differ; DeepSeek-V3's reference code has one attention "
+            "temperature coefficient: give them the same value")
+    if max_position_embeddings <= orig:
+        bad(f"max_position_embeddings={max_position_embeddings} must exceed "
+            f"original_max_position_embeddings={orig}: YaRN applies only to an extended context")
+    return Yarn(factor, orig, beta_fast, beta_slow, next(iter(ms.values()), 1.0))
+
+
+def yarn_override(yarn: Yarn | None) -> str:
+    """The ``dropless-train`` override that sets ``model.rope_scaling`` to ``yarn``, quoted for a shell.
+
+    A full block (every key, ``type: yarn``), so that it gives these settings whether Hydra assigns
+    it (the field null) or merges it into a block spelt another way; ``model.rope_scaling=null`` for None.
+    """
+    if yarn is None:
+        return "model.rope_scaling=null"
+    return ("'model.rope_scaling={type:yarn,factor:%r,original_max_position_embeddings:%d,beta_fast:%r,"
+            "beta_slow:%r,mscale:%r,mscale_all_dim:%r}'" % (yarn.factor, yarn.original_max_position_embeddings,
+                                                            yarn.beta_fast, yarn.beta_slow, yarn.mscale,
+                                                            yarn.mscale))
+
+
 @dataclass
 class ModelArgs:
     """DeepSeek-V3-shaped model configuration.
 
     Defaults are a tiny CPU-sized model that keeps V3's structure; the
-    published 671B shape is :meth:`deepseek_v3_671b`.
+    published 671B shape is :meth:`deepseek_v3_671b`. What each field means:
+    :data:`MODEL_FIELD_DOCS` (and ``docs/configuration.md``, generated from it).
     """
 
     # --- DeepSeek-V3 config.json names -------------------------------------
     vocab_size: int = 256
-    hidden_size: int = 64                   # H
-    intermediate_size: int = 192            # dense-layer SwiGLU width
-    moe_intermediate_size: int = 32         # I, per routed/shared expert
+    hidden_size: int = 64
+    intermediate_size: int = 192
+    moe_intermediate_size: int = 32
     num_hidden_layers: int = 4
-    first_k_dense_replace: int = 1          # the first k layers are dense
+    first_k_dense_replace: int = 1
     moe_layer_freq: int = 1
     num_attention_heads: int = 4
-    q_lora_rank: int | None = 0             # 0/None: no query compression
+    q_lora_rank: int | None = 0
     kv_lora_rank: int = 32
     qk_nope_head_dim: int = 16
     qk_rope_head_dim: int = 8
     v_head_dim: int = 16
-    n_routed_experts: int = 8               # E
+    n_routed_experts: int = 8
     n_shared_experts: int = 1
-    num_experts_per_tok: int = 2            # k
+    num_experts_per_tok: int = 2
     n_group: int = 4
     topk_group: int = 2
     routed_scaling_factor: float = 1.0
-    scoring_func: str = "sigmoid"           # "sigmoid" (V3) or "softmax"
+    scoring_func: str = "sigmoid"
     norm_topk_prob: bool = True
     topk_method: str = "noaux_tc"
-    aux_loss_alpha: float = 1e-4            # sequence-wise aux loss weight α; 0 turns it off
+    aux_loss_alpha: float = 1e-4
     seq_aux: bool = True
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
-    rope_scaling: Optional[Dict[str, Any]] = None  # YaRN, as config.json's: type yarn, factor,
-                                            # original_max_position_embeddings, beta_fast, beta_slow,
-                                            # mscale, mscale_all_dim (see yarn())
+    rope_scaling: Optional[Dict[str, Any]] = None
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
-    num_nextn_predict_layers: int = 0       # D multi-token-prediction modules (V3 §2.2); 0: none
+    num_nextn_predict_layers: int = 0
 
     # --- dropless's own MoE fields -----------------------------------------
-    bias_update_speed: float = 1e-3         # γ of the aux-loss-free bias update
-    expert_alignment: int = 1               # A: each expert segment starts on a multiple of A
-    capacity_factor: float | None = None    # None = dropless; a number = old token-dropping baseline
-    num_token_chunks: int = 1               # N: split the rank's tokens into N chunks (at most one per token)
-    recompute_swiglu: bool = False          # recompute the SwiGLU output in backward
-    recompute_fc1: bool = False             # recompute the FC1 (gate||up) output (and the shared experts) in backward
-    recompute_gather: bool = False          # re-gather the landed rows from the layer input in backward
-                                            # (local/fsdp; implies recompute_swiglu; off under poison_padding)
-    fold_routing_weights: bool = False      # multiply routing weights in before FC2
-    gemm: str = "torch"                     # grouped GEMM backend (dropless.ops.list_backends())
-    poison_padding: bool = False            # debug: fill padding rows of every buffer with NaN
-    seed: int = 0                           # weight-init seed, independent of the parallel layout
-    mtp_loss_weight: float = 0.3            # λ of the MTP loss (V3 §4.2: 0.3, later 0.1); used when D > 0
+    bias_update_speed: float = 1e-3
+    expert_alignment: int = 1
+    capacity_factor: float | None = None
+    num_token_chunks: int = 1
+    recompute_swiglu: bool = False
+    recompute_fc1: bool = False
+    recompute_gather: bool = False
+    fold_routing_weights: bool = False
+    gemm: str = "torch"
+    poison_padding: bool = False
+    seed: int = 0
+    mtp_loss_weight: float = 0.3
 
     # ---------------------------------------------------------------------
     @property
@@ -212,57 +309,13 @@ class ModelArgs:
         return self
 
     def yarn(self) -> Yarn | None:
-        """``rope_scaling`` checked and read: a :class:`Yarn`, or None without ``rope_scaling``.
-
-        Keys (DeepSeek-V3 ``config.json``): ``type`` (or ``rope_type``) ``"yarn"``, ``factor``
-        (>= 1), ``original_max_position_embeddings``, ``beta_fast`` (default 32),
-        ``beta_slow`` (default 1; ``0 < beta_slow < beta_fast``), ``mscale`` and
-        ``mscale_all_dim`` (the attention temperature's m; if both are given they must be
-        equal, the case DeepSeek-V3's reference code implements; neither: m = 1, its default).
+        """``rope_scaling`` checked and read (:func:`parse_rope_scaling`): a :class:`Yarn`, or None
+        for plain RoPE.
 
         Raises:
-            ConfigError: another scaling type, an unknown key, a bad value, or
-                ``max_position_embeddings <= original_max_position_embeddings`` (the
-                reference code applies YaRN only when the context is extended, so the
-                block would have no effect).
+            ConfigError: as :func:`parse_rope_scaling`.
         """
-        rs = self.rope_scaling
-        if rs is None:
-            return None
-
-        def bad(why: str) -> None:
-            raise ConfigError(f"rope_scaling={dict(rs)!r}: {why}")
-
-        if not isinstance(rs, Mapping):
-            bad("must be a mapping (the rope_scaling block of config.json) or null")
-        unknown = sorted(set(rs) - set(_YARN_KEYS))
-        if unknown:
-            bad(f"unknown key(s) {unknown}; known: {list(_YARN_KEYS)}")
-        kind = rs.get("type", rs.get("rope_type"))
-        if kind != "yarn":
-            bad(f"type={kind!r}: dropless implements only 'yarn' (DeepSeek-V3's); remove rope_scaling for plain RoPE")
-        try:
-            factor = float(rs["factor"])
-            orig = int(rs["original_max_position_embeddings"])
-            beta_fast, beta_slow = float(rs.get("beta_fast", 32)), float(rs.get("beta_slow", 1))
-            ms = {k: float(rs[k]) for k in ("mscale", "mscale_all_dim") if rs.get(k) is not None}
-        except KeyError as e:
-            bad(f"missing key {e.args[0]!r}")
-        except (TypeError, ValueError) as e:
-            bad(f"a value is not a number ({e})")
-        if not factor >= 1.0:
-            bad("factor must be >= 1 (the context extension factor s)")
-        if orig <= 0:
-            bad("original_max_position_embeddings must be a positive integer")
-        if not 0 < beta_slow < beta_fast:
-            bad("need 0 < beta_slow < beta_fast (rotation counts of the ramp's ends, 1 and 32 in DeepSeek-V3)")
-        if len(set(ms.values())) > 1:
-            bad("mscale and mscale_all_dim differ; DeepSeek-V3's reference code has one attention "
-                "temperature coefficient: give them the same value")
-        if self.max_position_embeddings <= orig:
-            bad(f"max_position_embeddings={self.max_position_embeddings} must exceed "
-                f"original_max_position_embeddings={orig}: YaRN applies only to an extended context")
-        return Yarn(factor, orig, beta_fast, beta_slow, next(iter(ms.values()), 1.0))
+        return parse_rope_scaling(self.rope_scaling, self.max_position_embeddings)
 
     # ---------------------------------------------------------------------
     @classmethod
@@ -325,3 +378,55 @@ class ModelArgs:
         )
         d.update(overrides)
         return cls(**d)
+
+
+#: What each :class:`ModelArgs` field means: the one source of the ``model`` table of
+#: ``docs/configuration.md`` (``python -m dropless.train.docgen``). Shape letters as in
+#: ``docs/design.md#shapes-and-names``.
+MODEL_FIELD_DOCS: dict[str, str] = {
+    "vocab_size": "token vocabulary of the embedding and the output head",
+    "hidden_size": "H, the model width",
+    "intermediate_size": "SwiGLU width of the dense layers",
+    "moe_intermediate_size": "I, SwiGLU width of each routed and shared expert",
+    "num_hidden_layers": "decoder layers",
+    "first_k_dense_replace": "the first k layers are dense, the rest MoE",
+    "moe_layer_freq": "every n-th layer after the dense ones is an MoE layer",
+    "num_attention_heads": "attention heads (MLA)",
+    "q_lora_rank": "rank of MLA's query compression; 0 or null: none",
+    "kv_lora_rank": "rank of MLA's key/value compression",
+    "qk_nope_head_dim": "per-head query/key features without RoPE",
+    "qk_rope_head_dim": "per-head query/key features with RoPE (the key part shared by all heads)",
+    "v_head_dim": "per-head value features",
+    "n_routed_experts": "E, routed experts per MoE layer",
+    "n_shared_experts": "shared experts every token goes through",
+    "num_experts_per_tok": "k, routed experts per token",
+    "n_group": "expert groups of the group-limited top-k",
+    "topk_group": "groups kept per token before the top-k",
+    "routed_scaling_factor": "multiplies the normalised combine weights once",
+    "scoring_func": "router scores: `sigmoid` (DeepSeek-V3) | `softmax`",
+    "norm_topk_prob": "normalise the k combine weights to sum to 1",
+    "topk_method": "`noaux_tc`: group-limited top-k with the aux-loss-free bias (selection only)",
+    "aux_loss_alpha": "α of the sequence-wise auxiliary loss; 0 turns it off",
+    "seq_aux": "the auxiliary loss is sequence-wise (DeepSeek-V3)",
+    "rms_norm_eps": "RMSNorm's epsilon",
+    "rope_theta": "RoPE base",
+    "max_position_embeddings": "longest sequence the RoPE tables cover",
+    "rope_scaling": "YaRN block as in DeepSeek-V3's config.json (type yarn, factor, "
+                    "original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim); null: none",
+    "tie_word_embeddings": "share the embedding and output head weights",
+    "initializer_range": "standard deviation of the weight init",
+    "num_nextn_predict_layers": "D multi-token-prediction modules (DeepSeek-V3 §2.2); 0: none",
+    "bias_update_speed": "γ of the aux-loss-free bias update, applied once per optimizer step",
+    "expert_alignment": "A: each expert's rows start on a multiple of A (128 for `gemm=deep_gemm`)",
+    "capacity_factor": "null: dropless; a number: the token-dropping baseline with that capacity",
+    "num_token_chunks": "N: router, dispatch, experts and combine in N chunks of the rank's tokens",
+    "recompute_swiglu": "rebuild the SwiGLU output in backward instead of saving it",
+    "recompute_fc1": "also rebuild FC1's (gate‖up) output and the shared experts in backward",
+    "recompute_gather": "re-gather the landed rows from the layer input in backward (local/fsdp; implies "
+                        "recompute_swiglu)",
+    "fold_routing_weights": "multiply the routing weights in before FC2, so the combine is a plain sum",
+    "gemm": "grouped-GEMM backend (set by the `gemm` group: `gemm.backend`)",
+    "poison_padding": "debug: fill every padding row with NaN, so a read of padding shows",
+    "seed": "weight-init seed, the same global weights whatever the parallel layout (set from the top-level `seed`)",
+    "mtp_loss_weight": "λ of the multi-token-prediction loss (DeepSeek-V3: 0.3); used when D > 0",
+}

@@ -47,7 +47,7 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def _poisoner(layout: ExpertLayout, on: bool):
-    """The identity, or with ``on`` (``poison_padding``, case-03) :func:`~dropless.layout.poison_padding`:
+    """The identity, or with ``on`` (``poison_padding``) :func:`~dropless.layout.poison_padding`:
     NaN into every padding row of a tensor and of its gradient, so a stage that reads padding shows NaN."""
     if not on:
         return lambda t: t

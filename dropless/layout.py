@@ -1,4 +1,4 @@
-"""The live-row expert layout (DESIGN.md, "The live-row contract").
+"""The live-row expert layout (docs/design.md#the-live-row-contract).
 
 After dispatch, the rows for a rank's ``e`` local experts lie in one buffer of
 ``M`` rows, grouped by local expert in ascending order, each expert's segment
@@ -13,7 +13,7 @@ padding: they may hold garbage (NaN included) and no consumer reads them.
 Everything here is computed on the device with no host synchronisation; the
 only host-side value is the static capacity ``M``.
 
-Source: seeds/000_… §2 (endpoint recurrence), DESIGN.md (A = 128,
+Source: docs/design.md#the-live-row-contract (the end-point recurrence and its example: A = 128,
 counts [96, 0, 129, 1] -> start [0, 128, 128, 384], end [96, 128, 257, 385]).
 """
 
@@ -156,7 +156,7 @@ class ExpertLayout:
         return buf_M.masked_fill(~self.live_mask().view(-1, *([1] * (buf_M.dim() - 1))), value)
 
     def tiles(self, block_m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Tile schedule for a kernel that tiles rows by ``block_m`` (case-04).
+        """Tile schedule for a kernel that tiles rows by ``block_m`` (docs/design.md#failure-classes).
 
         Every tile lies inside one expert's live segment, so a tile never mixes
         experts even when ``A`` is not a multiple of ``block_m``.
@@ -193,7 +193,9 @@ class _PoisonPadding(torch.autograd.Function):
 
 
 def poison_padding(t_M: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
-    """Debug aid (``poison_padding=True``, case-03): NaN in every padding row of ``t_M`` and of its gradient.
+    """Debug aid (``poison_padding=True``): NaN in every padding row of ``t_M`` and of its gradient.
+
+    It shows a leak of padding (docs/design.md#failure-classes) as NaN.
 
     Returns a copy of ``t_M`` (``[M, ...]``) whose padding rows are NaN; in backward the
     incoming gradient's padding rows are set to NaN too. A consumer that reads padding

@@ -1,12 +1,12 @@
 """The dropless MoE layer: router -> dispatcher -> grouped-GEMM experts -> combine (+ shared experts).
 
-DESIGN.md "The pipeline"::
+docs/design.md#the-pipeline::
 
     x_TH ─ Router ─ topk_idx_Tk, topk_weight_Tk
          ─ Dispatcher.dispatch ─ rows_MH + ExpertLayout
          ─ Experts: FC1 (gate||up) ─ SwiGLU ─ FC2, over live rows
-         ─ Dispatcher.combine ─ y_TH (weighted sum over k, fp32 accumulate)
-         + shared experts on x_TH
+         ─ Dispatcher.combine ─ y_TH (weighted sum over k + shared experts' output on x_TH,
+                                     one fp32 accumulation, rounded once)
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def capacity_drop(topk_idx_Tk: torch.Tensor, num_experts: int, capacity_factor: 
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The old token-dropping baseline: each expert keeps its first ``C`` rows.
 
-    ``C = ceil(capacity_factor · T·k / E)`` (seed 003 §6), with ``T`` the tokens given (the
+    ``C = ceil(capacity_factor · T·k / E)`` (docs/design.md#why-dropless), with ``T`` the tokens given (the
     rank's); rows are kept in token order (GShard / Switch convention), the rest are dropped
     (index set to -1). No host sync. Memory: a ``[T·k, E]`` int64 one-hot (baseline only).
 
@@ -186,7 +186,7 @@ class MoE(nn.Module):
         # (Router.account) after the routed experts, so that the GPU has GEMMs queued while the host
         # launches the router's and the dispatch's many small kernels. The outputs and the parameters'
         # gradients do not depend on it; x's gradient adds its three parts (shared, routed, router) in
-        # another order than before session 19, so it can differ in the last bit.
+        # this order, so it can differ in the last bit from a sum in another order.
         y_sh = None
         if self.shared_experts is not None:
             if a.recompute_fc1 and torch.is_grad_enabled():  # save only x_TH, recompute in backward
@@ -199,18 +199,21 @@ class MoE(nn.Module):
         if a.capacity_factor is not None:
             topk_idx_Tk, stats["rows_dropped"], stats["rows_padded"] = capacity_drop(
                 topk_idx_Tk, a.n_routed_experts, a.capacity_factor)
-        y_TH = self._routed(x_TH, topk_idx_Tk, r.topk_weight_Tk, stats)
+        # the shared output joins the combine's fp32 sum: the layer's output is rounded once
+        y_TH = self._routed(x_TH, topk_idx_Tk, r.topk_weight_Tk, stats, y_sh)
         self.router.account(r)
-        if y_sh is not None:
-            y_TH = y_TH + y_sh.to(y_TH.dtype)
         self.last_stats = stats
         if not in_backward_recompute():  # a recompute's graph is not kept alive on the module
             self._aux.value = r.aux_loss
         y = y_TH.view(x.shape).to(x.dtype)
         return (y, r.aux_loss) if return_aux else y
 
-    def _routed(self, x_TH, topk_idx_Tk, topk_weight_Tk, stats):
-        """Dispatch -> experts -> combine over ``num_token_chunks`` chunks of the rank's tokens.
+    def _routed(self, x_TH, topk_idx_Tk, topk_weight_Tk, stats, y_sh=None):
+        """Dispatch -> experts -> combine (+ ``y_sh``) over ``num_token_chunks`` chunks of the rank's tokens.
+
+        ``y_sh``: ``[T, H]`` shared experts' output or None; each chunk's rows of it are the
+        addend of that chunk's combine (:meth:`~dropless.dispatch.Dispatcher.combine_async`),
+        added to the fp32 weighted sum before its one rounding.
 
         With N > 1 the rank's tokens go through in N contiguous chunks, so only one chunk's
         landed buffers and expert intermediates are alive at once in forward (and one
@@ -259,7 +262,8 @@ class MoE(nn.Module):
                                        weights=weights, source=d.source if regather else None, with_ahead=True)
             live.append(d.layout.counts.sum())
             cap = max(cap, d.layout.capacity)
-            pending_y = disp.combine_async(y_MH, d.handle)
+            pending_y = disp.combine_async(y_MH, d.handle,
+                                           None if y_sh is None else y_sh[bounds[c]:bounds[c + 1]])
             if ahead is not None and weights is not None and (pending_y.done or n_chunks == 1):
                 # a hook rebuilds FC1's output right before this chunk's combine backward lands the
                 # [M, H] row gradient. Not on the output of an asynchronous collective with N > 1:

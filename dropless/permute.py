@@ -2,7 +2,7 @@
 
 Where each row lands, :func:`sort_by_expert`, is the op of :mod:`dropless.ops.expert_sort`
 (re-exported here). The permute and the combine are custom autograd Functions that save only
-integer indices (MaxText's custom sort VJP; DESIGN.md "Memory"): the backward of a gather is
+integer indices (MaxText's custom sort VJP; docs/design.md#memory): the backward of a gather is
 the inverse gather, not a stored copy of the rows.
 
 * :func:`permute_rows` lands rows straight from ``x_NH`` by index into the
@@ -10,10 +10,11 @@ the inverse gather, not a stored copy of the rows.
   its ``k`` rows by the Triton kernel, a gather by ``src_M`` elsewhere; no
   ``repeat_interleave(k)`` copy of x).
 * :func:`combine_rows` is the weighted sum over ``k`` accumulated in fp32 in
-  the fixed order ``j = 0 … k-1``, reading live rows only.
+  the fixed order ``j = 0 … k-1``, reading live rows only, plus an optional addend (the
+  shared experts' output) in the same accumulator, rounded once.
 
 Both only ever read the live rows named by ``dest_Nk``; padding rows of the
-landed buffers and of their gradients are never read (DESIGN.md rule 2).
+landed buffers and of their gradients are never read (docs/design.md#the-live-row-contract, rule 2).
 """
 
 from __future__ import annotations
@@ -40,13 +41,14 @@ class _PermuteRows(torch.autograd.Function):
 
 class _CombineRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y_MH, dest_Nk, weight_Nk):
+    def forward(ctx, y_MH, dest_Nk, weight_Nk, addend_AH, addend_row0):
         if weight_Nk is None:
             ctx.save_for_backward(dest_Nk)
         else:
             ctx.save_for_backward(dest_Nk, weight_Nk, y_MH)
         ctx.num_rows_M = y_MH.shape[0]
-        return gather_sum(y_MH, dest_Nk, weight_Nk)
+        ctx.addend = None if addend_AH is None else (addend_row0, addend_AH.shape[0], addend_AH.dtype)
+        return gather_sum(y_MH, dest_Nk, weight_Nk, addend_AH, addend_row0)
 
     @staticmethod
     @first_order_only
@@ -57,7 +59,11 @@ class _CombineRows(torch.autograd.Function):
         need_gw = weight_Nk is not None and ctx.needs_input_grad[2]
         grad_y, grad_w = combine_bwd(grad_NH.contiguous(), saved[2] if need_gw else None, dest_Nk, weight_Nk,
                                      ctx.num_rows_M, need_gw)
-        return grad_y, None, (grad_w.to(weight_Nk.dtype) if grad_w is not None else None)
+        grad_add = None
+        if ctx.addend is not None and ctx.needs_input_grad[3]:  # the addend's gradient is the output's
+            row0, rows, dtype = ctx.addend
+            grad_add = grad_NH[row0:row0 + rows].to(dtype)
+        return grad_y, None, (grad_w.to(weight_Nk.dtype) if grad_w is not None else None), grad_add, None
 
 
 def permute_rows(x_NH: torch.Tensor, src_M: torch.Tensor, dest_Nk: torch.Tensor) -> torch.Tensor:
@@ -75,8 +81,10 @@ def permute_rows(x_NH: torch.Tensor, src_M: torch.Tensor, dest_Nk: torch.Tensor)
     return _PermuteRows.apply(x_NH, src_M, dest_Nk)
 
 
-def combine_rows(y_MH: torch.Tensor, dest_Nk: torch.Tensor, weight_Nk: torch.Tensor | None = None) -> torch.Tensor:
-    """``out[n] = Σ_j weight[n, j] · y[dest[n, j]]`` (fp32 accumulate, fixed ``j`` order).
+def combine_rows(y_MH: torch.Tensor, dest_Nk: torch.Tensor, weight_Nk: torch.Tensor | None = None,
+                 addend_AH: torch.Tensor | None = None, addend_row0: int = 0) -> torch.Tensor:
+    """``out[n] = Σ_j weight[n, j] · y[dest[n, j]] (+ addend[n - row0])`` (fp32 accumulate, fixed ``j`` order,
+    rounded once).
 
     Args:
         y_MH: ``[M, H]`` expert outputs; only live rows named by ``dest_Nk`` are read.
@@ -84,7 +92,12 @@ def combine_rows(y_MH: torch.Tensor, dest_Nk: torch.Tensor, weight_Nk: torch.Ten
         weight_Nk: ``[N, k]`` routing weights, or None for a plain sum (weights folded
             into the rows before FC2). With weights, ``y_MH`` is saved for their gradient;
             without, only the indices are.
+        addend_AH: ``[A, H]`` (any float dtype), e.g. the shared experts' output, added to
+            output rows ``addend_row0 … addend_row0 + A - 1`` in the same fp32 accumulator
+            before the one rounding (:func:`dropless.ops.rows.gather_sum`); or None. Its
+            gradient is the output's gradient on those rows.
+        addend_row0: first output row the addend covers.
     Returns:
         ``[N, H]`` in ``y_MH``'s dtype.
     """
-    return _CombineRows.apply(y_MH, dest_Nk, weight_Nk)
+    return _CombineRows.apply(y_MH, dest_Nk, weight_Nk, addend_AH, addend_row0)

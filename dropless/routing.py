@@ -1,7 +1,7 @@
 """DeepSeek-V3 router: sigmoid scores, bias-for-selection, group-limited top-k,
 aux-loss-free bias balancing and the sequence-wise auxiliary loss.
 
-Sources of the formulas (DESIGN.md "Router (DeepSeek-V3)"):
+Sources of the formulas (docs/design.md#the-router):
 
 * Scores, selection bias, combine weights: DeepSeek-V3 technical report
   (arXiv:2412.19437) §2.1.2, eq. 12-16 — ``s = sigmoid(u·e)``, the bias
@@ -20,10 +20,10 @@ Sources of the formulas (DESIGN.md "Router (DeepSeek-V3)"):
   ``L = α Σ_i f_i P_i``, ``f_i = E/(k·T_seq) Σ_t 1[i ∈ topk_t]``,
   ``P_i = 1/T_seq Σ_t s'_{i,t}``, ``s' = s / Σ_j s_j`` over ALL E experts.
 
-Shape letters as in DESIGN.md: T tokens, H hidden, E routed experts, k experts
+Shape letters as in docs/design.md#shapes-and-names: T tokens, H hidden, E routed experts, k experts
 per token.
 
-Counting rule (case-07): each forward in training mode adds its per-expert row
+Counting rule (docs/design.md#the-router): each forward in training mode adds its per-expert row
 counts into the buffer ``tokens_per_expert``, except a forward that runs
 inside the autograd engine's backward, which is the recompute of activation
 checkpointing (both ``use_reentrant=False``, whose recompute runs in a
@@ -108,7 +108,7 @@ class _Fp32Logits(torch.autograd.Function):
     accumulation over ``[hi | lo]`` (K = 2E): ``dx = [hi | lo] @ [w ; w]``, ``dw = hiᵀx + loᵀx``.
     They are rounded to bf16 once, as the fp32 path rounds them, and differ from it by at most
     one bf16 rounding (``tests/test_routing.py``, GPU). The fp32 GEMMs they replace are SIMT
-    kernels (no fp32 tensor-core path without TF32): 3.6 ms of a ``recipe=h200_single`` step.
+    kernels (no fp32 tensor-core path without TF32).
     Elsewhere (CPU, fp16, fp32) the fp32 products as written below.
     """
 

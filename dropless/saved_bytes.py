@@ -1,4 +1,4 @@
-"""Measure the bytes autograd keeps for backward (the MoE memory options' yardstick, issue 6).
+"""Measure the bytes autograd keeps for backward (the MoE memory options' yardstick).
 
 Used by ``tests/test_moe_memory.py`` (asserted against each option's formula and
 :func:`dropless.plan.saved_bytes`) and ``benchmarks/moe_memory.py`` (``saved_gib``).

@@ -1,4 +1,4 @@
-"""Shared helpers of the MoE tests, as fixtures: a batched float64 reference and a scaled comparison.
+"""Shared fixtures of the MoE tests: a batched float64 reference and a scaled comparison.
 
 ``ref_moe_batched`` is ``tests/moe_reference.reference_moe`` (the per-token loop)
 vectorised over tokens, so the 2048- and 4096-token cases stay fast; it also
@@ -85,7 +85,7 @@ def rerun_under_interpreter(test_file: str) -> None:
 
 
 def py_layout(counts: list[int], a: int) -> tuple[list[int], list[int]]:
-    """DESIGN.md's live-row recurrence, one expert at a time (the tests' plain-Python reference):
+    """docs/design.md#the-live-row-contract's recurrence, one expert at a time (the plain-Python reference):
     ``start[0] = 0``, ``start[i] = align_up(end[i-1], a)``, ``end[i] = start[i] + counts[i]``."""
     start, end = [], []
     prev_end = 0

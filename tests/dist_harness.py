@@ -364,37 +364,37 @@ def timeout_worker(rank, world, name, how):
     return {"raised": None, "elapsed": time.monotonic() - t0}
 
 
-CASE08_TOKENS = 4096  # global tokens, split evenly over the ranks
+ONE_EXPERT_TOKENS = 4096  # global tokens, split evenly over the ranks
 
 
-def case08_args() -> ModelArgs:
+def one_expert_args() -> ModelArgs:
     return model_args(num_experts_per_tok=1, n_group=1, topk_group=1)
 
 
-def case08_batch():
+def one_expert_batch():
     g = torch.Generator().manual_seed(8)
-    x = torch.randn(CASE08_TOKENS, BASE["hidden_size"], generator=g)
-    return x, torch.randn(CASE08_TOKENS, BASE["hidden_size"], generator=g)
+    x = torch.randn(ONE_EXPERT_TOKENS, BASE["hidden_size"], generator=g)
+    return x, torch.randn(ONE_EXPERT_TOKENS, BASE["hidden_size"], generator=g)
 
 
-def case08_prepare(moe) -> None:
-    """case-08: every token prefers expert 0 (which lives on rank 0)."""
+def one_expert_prepare(moe) -> None:
+    """Everything to one expert: every token prefers expert 0 (which lives on rank 0)."""
     with torch.no_grad():
         moe.router.e_score_correction_bias[0] += 100.0
 
 
-def case08_worker(rank, world, name):
-    """CASES.md case-08 scaled up: 4096 tokens, all routed to expert 0 on rank 0 of the EP group."""
+def one_expert_worker(rank, world, name):
+    """Everything routed to one expert, scaled up: 4096 tokens, all routed to expert 0 on rank 0 of the EP group."""
     from dropless.dispatch import build_dispatcher
     from dropless.dispatch.mesh import build_mesh
     from dropless.moe import MoE
 
-    args = case08_args()
+    args = one_expert_args()
     moe = MoE(args, LAYER_ID, build_dispatcher(name, args, build_mesh(world, world, "cpu")))
     moe.init_weights()
-    case08_prepare(moe)
-    x_all, cot_all = case08_batch()
-    sl = slice(rank * CASE08_TOKENS // world, (rank + 1) * CASE08_TOKENS // world)
+    one_expert_prepare(moe)
+    x_all, cot_all = one_expert_batch()
+    sl = slice(rank * ONE_EXPERT_TOKENS // world, (rank + 1) * ONE_EXPERT_TOKENS // world)
     x = x_all[sl].clone().requires_grad_()
     y = moe(x)
     rows_live = int(moe.last_stats["rows_live"])

@@ -91,10 +91,10 @@ def test_grad_accum_split_gives_the_same_gradients(ckpt):
     assert want.keys() == got.keys()
     routers = [n for n in want if n.endswith("router.weight")]
     assert len(routers) == 2
-    for n in want:  # the router's logits are fp32 by design (DESIGN.md "Precision"), the rest float64
+    for n in want:  # the router's logits are fp32 by design (docs/design.md#precision), the rest float64
         tol = 1e-5 if n in routers else 1e-9
         torch.testing.assert_close(got[n], want[n], rtol=tol, atol=tol * want[n].abs().max().item(), msg=n)
-    # the routers counted each token once (counting rule, case-07), also under recompute
+    # the routers counted each token once (counting rule of docs/design.md#the-router), also under recompute
     for a, b in zip(whole.moe_layers(), split.moe_layers()):
         assert a.router.tokens_per_expert.sum() == 2 * 12 * 2
         assert torch.equal(a.router.tokens_per_expert, b.router.tokens_per_expert)

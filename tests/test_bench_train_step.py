@@ -56,7 +56,7 @@ def test_kernel_categories():
 
 def test_gpu_user_annotations_are_not_counted():
     """torch.optim's ``Optimizer.step#AdamW.step`` range reaches the GPU as a user annotation spanning
-    the optimizer's kernels; counting it counted them twice (15.7 ms of session 5's 37 ms)."""
+    the optimizer's kernels; counting it would count them twice."""
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
     kernel = SimpleNamespace(device_type=cuda, is_user_annotation=False, self_device_time_total=15_300.0)
     annotation = SimpleNamespace(device_type=cuda, is_user_annotation=True, self_device_time_total=15_700.0)

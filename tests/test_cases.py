@@ -1,17 +1,20 @@
-"""The failing inputs of /work/shared/cases/CASES.md that concern the MoE path, with the right value asserted.
+"""Failure classes of public MoE code (docs/design.md#failure-classes), with the right value asserted.
 
-* case-03: unwritten padding rows must not leak (2048 tokens, top-1 over 8 experts,
-  static capacity 2304, A = 1 and A = 128, NaN in every padding row of every
-  intermediate and of its gradient, two forward+backward passes).
-* case-04: segment starts not on the kernel's 128-row tile (rows [128, 130, 65], A = 64).
-* case-08: everything to one expert (5 tokens / 4 experts, and 4096 tokens).
+* padding leaks (e.g. huggingface/transformers#45621: uninitialised rows times a zero weight):
+  unwritten padding rows must not leak (2048 tokens, top-1 over 8 experts, static capacity
+  2304, A = 1 and A = 128, NaN in every padding row of every intermediate and of its
+  gradient, two forward+backward passes).
+* a tile spans two experts (e.g. tile-ai/TileOPs#1952): segment starts not on the kernel's
+  128-row tile (rows [128, 130, 65], A = 64).
+* everything to one expert (5 tokens / 4 experts, and 4096 tokens).
 
-case-01 and case-02 are in test_grouped_gemm.py; case-05 … case-07 in test_routing.py.
+Empty experts (pytorch/pytorch#172439) are in test_grouped_gemm.py; the router's classes in
+test_routing.py.
 
 References are float64: ``reference_moe`` (the per-token loop of tests/moe_reference.py) and
 its batched form ``ref_moe_batched`` (conftest.py, checked against it below).
 Tolerances ``max|got − ref| / max|ref|``: ``torch`` fp32 1e-5; ``loop`` fp64 1e-12 where
-no router is involved, 1e-6 through the router (fp32 scores by design, DESIGN.md "Router").
+no router is involved, 1e-6 through the router (fp32 scores by design, docs/design.md#the-router).
 """
 
 from __future__ import annotations
@@ -74,8 +77,8 @@ def test_batched_reference_equals_token_loop(ref_moe):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
-# ----------------------------------------------------------------- case-03
-def case03_inputs(dtype, seed=0):
+# ----------------------------------------------------------------- padding leaks
+def padding_leak_inputs(dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     labels = torch.cat([torch.full((c,), e) for e, c in enumerate(ROWS03)])
     idx = labels[torch.randperm(labels.numel(), generator=g)].view(-1, 1)
@@ -85,7 +88,7 @@ def case03_inputs(dtype, seed=0):
     return idx, x, w, gy
 
 
-def case03_pass(experts, idx, x, w, gy, alignment, capacity, fold):
+def padding_leak_pass(experts, idx, x, w, gy, alignment, capacity, fold):
     """One forward+backward through dispatch -> experts (poisoned) -> combine."""
     disp = LocalDispatcher(8)
     experts.zero_grad(set_to_none=True)
@@ -106,9 +109,9 @@ def case03_pass(experts, idx, x, w, gy, alignment, capacity, fold):
 @pytest.mark.parametrize("gemm", ["torch", "loop"])
 @pytest.mark.parametrize("alignment, capacity", [(1, 2304), (128, 3072)])
 @pytest.mark.parametrize("fold", [False, True])
-def test_case03_padding_rows_never_leak(gemm, alignment, capacity, fold, ref_moe, close):
+def test_padding_rows_never_leak(gemm, alignment, capacity, fold, ref_moe, close):
     dtype = DTYPE[gemm]
-    idx, x, w, gy = case03_inputs(dtype)
+    idx, x, w, gy = padding_leak_inputs(dtype)
     experts = make_experts(8, gemm)
     # float64 reference and its gradients
     xr = x.detach().double().clone().requires_grad_(True)
@@ -122,7 +125,7 @@ def test_case03_padding_rows_never_leak(gemm, alignment, capacity, fold, ref_moe
     tol = TOL_EXPERTS[gemm]
     runs = []
     for _ in range(2):   # the second pass runs in memory the first one freed
-        out, grads = case03_pass(experts, idx, x, w, gy, alignment, capacity, fold)
+        out, grads = padding_leak_pass(experts, idx, x, w, gy, alignment, capacity, fold)
         close(out, yr, tol, "output")
         assert torch.isfinite(out[0]).all()      # token 0: where leaked padding rows were added
         for n in want:
@@ -133,17 +136,17 @@ def test_case03_padding_rows_never_leak(gemm, alignment, capacity, fold, ref_moe
     assert torch.equal(o1, o2) and all(torch.equal(g1[n], g2[n]) for n in g1)
 
 
-def test_case03_capacity_too_small_for_alignment_raises():
+def test_capacity_too_small_for_alignment_raises():
     """With A = 128 these rows need 2590 rows: capacity 2304 is refused, never silently dropped."""
     seg = py_segments(ROWS03, 128)
     assert seg[-1][1] == 2590
-    idx, x, w, _ = case03_inputs(torch.float32)
+    idx, x, w, _ = padding_leak_inputs(torch.float32)
     with pytest.raises(RuntimeError, match="overflow the buffer capacity M"):
         LocalDispatcher(8).dispatch(x, idx, w, alignment=128, capacity=2304)
 
 
-# ----------------------------------------------------------------- case-04
-def case04_owner():
+# ----------------------------------------------------------------- a tile spans two experts
+def tile_span_owner():
     seg = py_segments(ROWS04, 64)
     assert seg == [(0, 128), (128, 258), (320, 385)]
     owner = [-1] * 385
@@ -155,8 +158,8 @@ def case04_owner():
 
 @pytest.mark.parametrize("gemm, dtype, tol", [("torch", torch.float32, 1e-5), ("torch", torch.bfloat16, 1e-2),
                                               ("loop", torch.float64, 1e-12)])
-def test_case04_every_row_uses_its_own_expert(gemm, dtype, tol, close):
-    seg, owner = case04_owner()
+def test_every_row_uses_its_own_expert(gemm, dtype, tol, close):
+    seg, owner = tile_span_owner()
     lay = ExpertLayout.from_counts(torch.tensor(ROWS04), alignment=64, capacity=385)
     g = torch.Generator().manual_seed(4)
     x = torch.randn(385, H, generator=g).to(dtype)
@@ -169,8 +172,8 @@ def test_case04_every_row_uses_its_own_expert(gemm, dtype, tol, close):
 
 
 @pytest.mark.parametrize("gemm", ["torch", "loop"])
-def test_case04_swiglu_experts_row_by_row(gemm, close):
-    seg, owner = case04_owner()
+def test_swiglu_experts_row_by_row_across_tiles(gemm, close):
+    seg, owner = tile_span_owner()
     lay = ExpertLayout.from_counts(torch.tensor(ROWS04), alignment=64, capacity=385)
     ex = make_experts(3, gemm, seed=4)
     g = torch.Generator().manual_seed(5)
@@ -183,9 +186,9 @@ def test_case04_swiglu_experts_row_by_row(gemm, close):
             close(y[r], want, TOL_EXPERTS[gemm], f"row {r} (expert {e})")
 
 
-def test_case04_tile_schedule():
+def test_tile_schedule_never_mixes_experts():
     """A kernel tiling rows by 128 through ExpertLayout.tiles(128) uses each row's own expert."""
-    seg, owner = case04_owner()
+    seg, owner = tile_span_owner()
     lay = ExpertLayout.from_counts(torch.tensor(ROWS04), alignment=64, capacity=385)
     g = torch.Generator().manual_seed(6)
     x = torch.randn(385, H, dtype=torch.float64, generator=g)
@@ -207,14 +210,14 @@ def test_case04_tile_schedule():
     got = tile_kernel(tile_expert.tolist(), tile_row.tolist(), lay.end.tolist())
     live = torch.tensor([o >= 0 for o in owner])
     torch.testing.assert_close(got[live], want[live], rtol=0, atol=0)
-    # the fault of case-04: tiles on multiples of 128 taking the expert of their first row
+    # the fault of this class: tiles on multiples of 128 taking the expert of their first row
     naive_rows = list(range(0, 385, 128))
     naive = tile_kernel([owner[r] for r in naive_rows], naive_rows, [385] * 3)
     wrong = [r for r in range(385) if live[r] and not torch.equal(naive[r], want[r])]
     assert wrong == list(range(320, 384))
 
 
-# ----------------------------------------------------------------- case-08
+# ----------------------------------------------------------------- everything to one expert
 def one_expert_layer(e, target, gemm, A, t, norm, seed=0):
     """Top-1 layer whose router weight makes every (positive) token prefer expert ``target``."""
     args = ModelArgs(hidden_size=H, moe_intermediate_size=I, n_routed_experts=e, num_experts_per_tok=1,
@@ -270,13 +273,13 @@ def run_one_expert(m, x, gy, reference_fn, close, e, target):
 @pytest.mark.parametrize("gemm", ["torch", "loop"])
 @pytest.mark.parametrize("A", [1, 128])
 @pytest.mark.parametrize("norm", [True, False])
-def test_case08_five_tokens_one_expert(gemm, A, norm, close):
+def test_five_tokens_one_expert(gemm, A, norm, close):
     m, x, gy = one_expert_layer(4, 0, gemm, A, 5, norm)
     run_one_expert(m, x, gy, reference_moe, close, 4, 0)
 
 
 @pytest.mark.parametrize("gemm", ["torch", "loop"])
 @pytest.mark.parametrize("A", [1, 128])
-def test_case08_4096_tokens_one_expert(gemm, A, ref_moe, close):
+def test_4096_tokens_one_expert(gemm, A, ref_moe, close):
     m, x, gy = one_expert_layer(8, 5, gemm, A, 4096, norm=False, seed=8)
     run_one_expert(m, x, gy, ref_moe, close, 8, 5)

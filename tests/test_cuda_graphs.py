@@ -1,4 +1,4 @@
-"""CUDA graphs over the live-row path (issue 13 item 4; DESIGN.md rule 1). GPU only.
+"""CUDA graphs over the live-row path (issue 13 item 4; docs/design.md#the-live-row-contract, rule 1). GPU only.
 
 Captured once at a fixed capacity ``M``, replayed with other device-side counts:
 

@@ -9,7 +9,7 @@
   equals a float64 loop (it feeds DeepEP's unweighted combine).
 * :func:`layout_from_v2_psum`: DeepEP V2's expanded-dispatch ``psum_num_recv_tokens_per_expert``
   (documented as ``psum[i] = align(psum[i-1], A) + count[i]``), built here by a loop, converts
-  to the same layout as ``ExpertLayout.from_counts``; DESIGN.md's example
+  to the same layout as ``ExpertLayout.from_counts``; the example of docs/design.md#the-live-row-contract
   (A = 128, counts [96, 0, 129, 1] -> end [96, 128, 257, 385]).
 * Without ``deep_ep``, configuring ``deepep`` raises a ConfigError that says how to install it.
 The adapter class itself needs deep_ep and Hopper GPUs and cannot run here. Runtime < 2 s.
@@ -26,7 +26,13 @@ from hypothesis import strategies as st
 
 from dropless.config import ConfigError, ModelArgs
 from dropless.dispatch import build_dispatcher
-from dropless.dispatch.deepep import expand_received, layout_from_v2_psum, reduce_to_received, v2_slots_to_dest
+from dropless.dispatch.deepep import (
+    _combine_with_bias,
+    expand_received,
+    layout_from_v2_psum,
+    reduce_to_received,
+    v2_slots_to_dest,
+)
 from dropless.layout import ExpertLayout
 from tests.conftest import py_layout
 
@@ -183,3 +189,24 @@ def test_deepep_without_deep_ep_says_how_to_install():
         build_dispatcher("deepep", ModelArgs())
     msg = str(ei.value)
     assert "deep_ep" in msg and "setup.py install" in msg and "NVSHMEM" in msg and "Hopper" in msg
+
+
+def test_combine_bias_joins_deep_eps_sum_or_is_added_after_with_a_warning():
+    """The shared experts' output goes to DeepEP's combine as its ``bias`` (added before the one
+    rounding); a DeepEP whose combine has no ``bias`` argument gets it added after, with a warning."""
+    x = torch.randn(5, 8).to(torch.bfloat16)
+    bias = torch.randn(5, 8).to(torch.bfloat16)
+    seen = {}
+
+    def with_bias(x, handle=None, topk_weights=None, bias=None):  # sums in fp32, rounds once
+        seen["bias"] = bias
+        return (x.float() + bias.float()).to(x.dtype), None, None
+
+    def without_bias(x, handle=None, topk_weights=None):
+        return x.clone(), None, None
+
+    out = _combine_with_bias(with_bias, x, bias, handle="h")
+    assert seen["bias"] is bias and torch.equal(out, (x.float() + bias.float()).to(torch.bfloat16))
+    with pytest.warns(UserWarning, match="bias"):
+        assert torch.equal(_combine_with_bias(without_bias, x, bias, handle="h"), out)
+    assert torch.equal(_combine_with_bias(without_bias, x, None, handle="h"), x)

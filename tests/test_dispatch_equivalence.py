@@ -16,7 +16,7 @@ layer's two-phase dispatch/combine with several chunks in flight; also with reco
 weights and, for fsdp, recompute_gather on top), and a router biased so that every
 token picks rank 0's experts — the other ranks land no row at all and must still run
 forward and backward (no hang) with equal values. The byte counters are checked against
-DESIGN.md's formulas. Runtime: one 2-rank and one 4-rank spawn for the module, ≈ 25 s.
+the formulas of docs/design.md#dispatchers. Runtime: one 2-rank and one 4-rank spawn for the module, ≈ 25 s.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def test_agrs_check_catches_local_only_input_gradient(world_results):
         assert_scaled(res[r][MUTANT["name"]]["y"], ref["y"][sl], TOL, "mutant y")
 
 
-# ------------------------------------------------------------------ bytes vs DESIGN.md
+# ------------------------------------------------------------------ bytes vs docs/design.md#dispatchers
 def _rows_out_in(res, world, key, r):
     """Rows of rank r's (token, choice) pairs whose expert lives elsewhere, and rows it receives."""
     e = 8 // world

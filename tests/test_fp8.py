@@ -37,10 +37,22 @@ from dropless.ops.fp8_quant import (
     quant_weight,
     swiglu_quant_rows,
 )
+from dropless.ops.ue8m0 import pow2_ceil
 from tests.conftest import py_layout
+from tests.ue8m0_sweep import (
+    amax_sweep,
+    case_quant_expert_columns,
+    case_quant_rows,
+    case_quant_token_blocks,
+    case_quant_weight,
+    case_quant_weight_blocks,
+    case_swiglu_quant,
+    case_swiglu_quant_rows,
+    check_scales,
+)
 
 NAN = float("nan")
-CASE01 = [162, 0, 2577, 446, 0, 83]
+EMPTY_EXPERT_COUNTS = [162, 0, 2577, 446, 0, 83]
 FP8_GEMM_TOL = 0.06
 FP8_MLP_TOL = 0.1  # FC1 -> SwiGLU -> FC2: four quantised operands, sqrt(4) · 2^-4 / sqrt(3) ≈ 0.07
 
@@ -136,7 +148,7 @@ def reference(x, w, seg, dy):
 def test_grouped_mm_fp8_emulated_live_rows(a):
     """Forward and dX in FP8 (bounded error vs fp64, NaN padding never reaches them), dW in fp32, empty dW == 0."""
     be = Fp8Backend(emulate=True)
-    lay, x, w, seg, live, g = make(CASE01, a, k_dim=64, n_dim=32)
+    lay, x, w, seg, live, g = make(EMPTY_EXPERT_COUNTS, a, k_dim=64, n_dim=32)
     x.requires_grad_(True)
     w.requires_grad_(True)
     out = grouped_mm(x, w, lay, be)
@@ -149,7 +161,7 @@ def test_grouped_mm_fp8_emulated_live_rows(a):
         assert 0.005 < e < FP8_GEMM_TOL, (what, e)
     assert torch.isfinite(w.grad).all()
     assert rel(w.grad, ref_dw) < 1e-5  # the weight gradient is not FP8
-    for i, c in enumerate(CASE01):
+    for i, c in enumerate(EMPTY_EXPERT_COUNTS):
         if c == 0:
             assert torch.equal(w.grad[i], torch.zeros_like(w.grad[i]))
     # the emulation is exactly "dequantised FP8 operands, fp32 GEMM": rebuild it here
@@ -167,12 +179,12 @@ def test_quant_token_blocks_and_expert_columns_bound_live_rows_only():
     expert; within one e4m3 step of x on live rows (the module docstring's bound); the rows past an
     expert's end inside its last block are zero codes; NaN padding never reaches a scale; a NaN in a live row raises; an
     alignment that is not a multiple of 128 is refused, naming model.expert_alignment."""
-    lay, x, _, seg, live, _ = make(CASE01, a=128, k_dim=64)
+    lay, x, _, seg, live, _ = make(EMPTY_EXPERT_COUNTS, a=128, k_dim=64)
     x[live] *= torch.logspace(-2, 2, 64).unsqueeze(0)  # columns of very different magnitude
     m = x.shape[0]
     mp = -(-m // 128) * 128
     rex = lay.row_expert()
-    for quant, n_scales in ((quant_token_blocks, mp // 128), (quant_expert_columns, len(CASE01))):
+    for quant, n_scales in ((quant_token_blocks, mp // 128), (quant_expert_columns, len(EMPTY_EXPERT_COUNTS))):
         q, s = quant(x, lay)
         assert q.shape == (64, mp) and q.dtype == torch.float8_e4m3fn and s.shape == (n_scales, 64)
         assert torch.isfinite(s).all()
@@ -209,12 +221,12 @@ def test_fp8_weight_gradient_emulated(mode):
     the FP8 GEMM bound of fp64 (and not exact: FP8 ran), exactly the dequantised codes' product, exact 0
     for an empty expert, NaN padding rows ignored; the accumulating form adds onto dw; a layout whose
     alignment is not a multiple of 128 is refused (ValueError) and so is the config (ConfigError)."""
-    lay, x, _, seg, live, g = make(CASE01, a=128, k_dim=64)
+    lay, x, _, seg, live, g = make(EMPTY_EXPERT_COUNTS, a=128, k_dim=64)
     dy = torch.randn(x.shape[0], 32, generator=g)
     dy[~live] = NAN
     be = Fp8Backend(emulate=True, wgrad=mode)
     dw = be.gmm_wgrad(x, dy, lay)
-    assert dw.shape == (len(CASE01), 64, 32) and dw.dtype == x.dtype
+    assert dw.shape == (len(EMPTY_EXPERT_COUNTS), 64, 32) and dw.dtype == x.dtype
     quant = quant_token_blocks if mode == "fp8" else quant_expert_columns
     (aq, a_s), (bq, b_s) = quant(x, lay), quant(dy, lay)
     a, b = be._dequant_cols(aq, a_s, lay).double(), be._dequant_cols(bq, b_s, lay).double()
@@ -432,3 +444,41 @@ def test_trainer_refuses_gemm_fp8_without_fp8_gpu(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "gemm=fp8 needs" in err and "compute capability >= 8.9" in err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# ----------------------------------------------------------------- power-of-two (UE8M0) scales
+SWEEP = amax_sweep(-40, 100)  # 448·2^k and its fp32 neighbours; amax >= 1e-10 (every op's floor)
+UE8M0_CASES = {
+    "quant_rows": lambda a: case_quant_rows(a, "cpu"),
+    "quant_rows_1x128": lambda a: case_quant_rows(a, "cpu", group=128),
+    "swiglu_quant_rows": lambda a: case_swiglu_quant_rows(a, "cpu"),
+    "swiglu_quant_rows_1x128": lambda a: case_swiglu_quant_rows(a, "cpu", group=128),
+    "swiglu_quant": lambda a: case_swiglu_quant(a, "cpu"),
+    "quant_token_blocks": lambda a: case_quant_token_blocks(a, "cpu"),
+    "quant_expert_columns": lambda a: case_quant_expert_columns(a, "cpu"),
+    "quant_weight": lambda a: case_quant_weight(a, "cpu", 1),
+    "quant_weight_contract2": lambda a: case_quant_weight(a, "cpu", 2),
+    "quant_weight_blocks": lambda a: case_quant_weight_blocks(a[::4], "cpu"),
+}
+
+
+@pytest.mark.parametrize("name", list(UE8M0_CASES))
+def test_ue8m0_scale_is_the_exact_power_of_two_ceiling(name):
+    """Every torch quantiser: at, one fp32 step below and one above 448·2^k, the scale is the smallest
+    power of two with amax / scale <= 448, DeepGEMM's bit for bit (fp32 log2 rounds 2^k·(1 + 2^-23)
+    down to k, which gave 2^k there: the largest element clipped)."""
+    scale, amax = UE8M0_CASES[name](SWEEP)
+    check_scales(amax, scale, name)
+
+
+def test_pow2_ceil_matches_the_bit_rule_on_every_exponent():
+    """:func:`pow2_ceil` on every fp32 exponent (subnormals too), at, below and above each power of two."""
+    p = torch.ldexp(torch.ones(277), torch.arange(-149, 128))
+    s = torch.cat([p, torch.nextafter(p, torch.zeros_like(p)), torch.nextafter(p, torch.full_like(p, float("inf")))])
+    s = s[(s > 0) & torch.isfinite(s)]
+    got = pow2_ceil(s)
+    m, e = torch.frexp(s.double())
+    want = torch.ldexp(torch.ones_like(s, dtype=torch.float64), e - (m == 0.5).long())
+    assert torch.equal(got, want.float())  # 2^128 overflows to inf
+    assert torch.equal(pow2_ceil(torch.tensor([float("inf"), 3e38])), torch.tensor([float("inf"), float("inf")]))
+    assert pow2_ceil(torch.tensor([float("nan")])).isnan().all()

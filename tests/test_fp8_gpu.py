@@ -166,7 +166,7 @@ def test_scaled_grouped_mm_vs_emulation_and_fp64(a, fast_accum):
 
 @pytest.mark.parametrize("fast_accum", [False, True])
 def test_long_contraction_accuracy(fast_accum):
-    """K = 7168 (the seed's FC1): the kernel against fp64 of the same FP8 operands."""
+    """K = 7168 (DeepSeek-V3's FC1): the kernel against fp64 of the same FP8 operands."""
     lay, x, w, live, _ = make([2048, 1024], 1, 7168, 1024)
     be = Fp8Backend(fast_accum=fast_accum)
     xq, xs = quant_rows(x, lay)

@@ -85,7 +85,7 @@ def test_no_host_sync_in_forward_backward(kw):
 
 
 def test_cuda_graph_replay_with_other_counts():
-    """Capture the experts at a fixed M, replay with other counts (DESIGN.md rule 1)."""
+    """Capture the experts at a fixed M, replay with other counts (docs/design.md#the-live-row-contract, rule 1)."""
     from dropless.experts import GroupedExperts
 
     torch.manual_seed(0)

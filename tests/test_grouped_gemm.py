@@ -2,7 +2,7 @@
 
 Reference: a float64 per-expert loop, ``out[s:t] = x[s:t] @ w[i]``,
 ``dX[s:t] = dY[s:t] @ w[i]^T``, ``dW[i] = x[s:t]^T @ dY[s:t]`` with ``[s, t)`` the
-expert's live rows from DESIGN.md's recurrence. Padding rows of ``x`` and of the
+expert's live rows from the recurrence of docs/design.md#the-live-row-contract. Padding rows of ``x`` and of the
 upstream gradient hold NaN: they must reach no live output row, no ``dX`` live row
 and no ``dW`` (rule 2); an empty expert's ``dW`` is exactly 0 (rule 4).
 
@@ -23,7 +23,7 @@ from tests.conftest import py_layout
 NAN = float("nan")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float64: 1e-12}
 BACKENDS = [("torch", torch.float32), ("torch", torch.bfloat16), ("loop", torch.float64)]
-CASE01 = [162, 0, 2577, 446, 0, 83]
+EMPTY_EXPERT_COUNTS = [162, 0, 2577, 446, 0, 83]
 
 
 def py_segments(counts, a):
@@ -98,12 +98,12 @@ def run(counts, backend, dtype, a=1, extra=0, upstream="random", k_dim=64, n_dim
     return lay, out, x.grad, w.grad
 
 
-# ----------------------------------------------------------------- case-01
+# ----------------------------------------------------------------- empty experts (pytorch/pytorch#172439)
 @pytest.mark.parametrize("backend, dtype", BACKENDS)
 @pytest.mark.parametrize("upstream", ["sum", "random", "noncontig"])
-def test_case01_empty_experts_weight_grad(backend, dtype, upstream):
-    """case-01: live rows [162, 0, 2577, 446, 0, 83], K=64, N=32: dW[1], dW[4] exactly 0."""
-    _, _, _, dw = run(CASE01, backend, dtype, upstream=upstream)
+def test_empty_experts_weight_grad_is_exactly_zero(backend, dtype, upstream):
+    """Empty experts (pytorch/pytorch#172439): rows [162, 0, 2577, 446, 0, 83], K=64, N=32: dW[1], dW[4] are 0."""
+    _, _, _, dw = run(EMPTY_EXPERT_COUNTS, backend, dtype, upstream=upstream)
     assert torch.equal(dw[1], torch.zeros_like(dw[1]))
     assert torch.equal(dw[4], torch.zeros_like(dw[4]))
     assert (dw[[0, 2, 3, 5]].abs().amax(dim=(1, 2)) > 0).all()
@@ -111,18 +111,18 @@ def test_case01_empty_experts_weight_grad(backend, dtype, upstream):
 
 @pytest.mark.parametrize("backend, dtype", BACKENDS)
 @pytest.mark.parametrize("a, extra", [(8, 0), (128, 0), (128, 300)])
-def test_case01_with_nan_padding(backend, dtype, a, extra):
+def test_empty_experts_with_nan_padding(backend, dtype, a, extra):
     """The same counts with aligned starts and a capacity larger than needed; padding is NaN."""
-    lay, out, dx, dw = run(CASE01, backend, dtype, a=a, extra=extra, seed=1)
+    lay, out, dx, dw = run(EMPTY_EXPERT_COUNTS, backend, dtype, a=a, extra=extra, seed=1)
     assert int(lay.start[2]) % a == 0
     assert torch.equal(dw[1], torch.zeros_like(dw[1])) and torch.equal(dw[4], torch.zeros_like(dw[4]))
 
 
-# ----------------------------------------------------------------- case-02
+# ----------------------------------------------------------------- an empty group in backward
 @pytest.mark.parametrize("backend, dtype", BACKENDS)
 @pytest.mark.parametrize("a", [1, 128])
-def test_case02_backward_with_empty_group_completes(backend, dtype, a):
-    """case-02: rows [16, 0, 16, 16]: forward and backward finish and dW[1] == 0."""
+def test_backward_with_an_empty_group_completes(backend, dtype, a):
+    """An empty group (NVIDIA/TransformerEngine#3019), rows [16, 0, 16, 16]: backward finishes, dW[1] == 0."""
     _, _, _, dw = run([16, 0, 16, 16], backend, dtype, a=a, extra=5, upstream="random", seed=2)
     assert torch.equal(dw[1], torch.zeros_like(dw[1]))
 
@@ -145,8 +145,8 @@ def test_single_expert_and_row_counts_one(backend, dtype):
 
 def test_bf16_close_to_fp32():
     """Both torch dtypes agree on the live rows (bf16 tolerance)."""
-    _, out32, dx32, dw32 = run(CASE01, "torch", torch.float32, a=8, seed=5)
-    _, out16, dx16, dw16 = run(CASE01, "torch", torch.bfloat16, a=8, seed=5)
+    _, out32, dx32, dw32 = run(EMPTY_EXPERT_COUNTS, "torch", torch.float32, a=8, seed=5)
+    _, out16, dx16, dw16 = run(EMPTY_EXPERT_COUNTS, "torch", torch.bfloat16, a=8, seed=5)
     # same inputs up to the bf16 rounding of x and w: compare dW
     assert_close_scaled(dw16, dw32.double(), 3e-2, "bf16 vs fp32 dW")
 
@@ -181,8 +181,8 @@ def test_errors_are_clear():
 
 @pytest.mark.parametrize("backend,dtype", [("torch", torch.float32), ("loop", torch.float64)])
 @pytest.mark.parametrize("a", [1, 8])
-def test_case01_wgrad_accumulator_over_chunks(backend, dtype, a):
-    """case-01 through :class:`WgradAccumulator` (num_token_chunks): the experts' gradient summed
+def test_empty_experts_wgrad_accumulator_over_chunks(backend, dtype, a):
+    """Empty experts through :class:`WgradAccumulator` (num_token_chunks): the experts' gradient summed
     over three chunks with the case's counts and NaN padding: dW[1], dW[4] exactly 0, the others
     the float64 sum of the chunks' references."""
     from dropless.ops.grouped_gemm import WgradAccumulator
@@ -194,7 +194,7 @@ def test_case01_wgrad_accumulator_over_chunks(backend, dtype, a):
     want = torch.zeros(w.shape, dtype=torch.float64)
     total = 0
     for seed in (1, 2, 3):
-        lay, x, _, seg, _, g = make(CASE01, a, extra=5, dtype=dtype, seed=seed)
+        lay, x, _, seg, _, g = make(EMPTY_EXPERT_COUNTS, a, extra=5, dtype=dtype, seed=seed)
         dy = torch.randn(x.shape[0], 32, generator=g).to(dtype)
         total = total + (grouped_mm(x, w_c, lay, backend, wgrad=(acc, "w")) * dy).nan_to_num().sum()
         want += reference(x.nan_to_num(), w.detach(), seg, dy)[2]

@@ -1,10 +1,10 @@
-"""Tests of dropless.layout: the live-row ExpertLayout (DESIGN.md "The live-row contract").
+"""Tests of dropless.layout: the live-row ExpertLayout (docs/design.md#the-live-row-contract).
 
-References are plain-Python recurrences of DESIGN.md's rules::
+References are plain-Python recurrences of the rules of docs/design.md#the-live-row-contract::
 
     start[0] = 0;  start[e] = align_up(end[e-1], A);  end[e] = start[e] + counts[e]
 
-plus DESIGN.md's worked example and the seed's per-rank numbers.
+plus the example of docs/design.md#the-live-row-contract and the numbers of docs/design.md#a-worked-rank.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def test_design_example():
 
 
 def test_seed_numbers_per_rank():
-    """DESIGN.md "Numbers": counts [21733, 15004, 17982, 10817] align (A = 128) to 65,792 rows (+0.39 %)."""
+    """docs/design.md#a-worked-rank: counts [21733, 15004, 17982, 10817] align (A = 128) to 65,792 rows (+0.39 %)."""
     counts = [21733, 15004, 17982, 10817]
     lay = ExpertLayout.from_counts(torch.tensor(counts), alignment=128, num_rows=sum(counts))
     start, end = py_layout(counts, 128)
@@ -114,7 +114,7 @@ def test_aligned_capacity_is_a_tight_bound(e, a, r):
         assert int(lay.total_rows()) == bound == lay.capacity
 
 
-# ----------------------------------------------------------------- tiles (case-04)
+# ----------------------------------------------------------------- tiles (docs/design.md#failure-classes)
 def check_tiles(counts: list[int], a: int, block_m: int, capacity: int | None = None):
     start, end = py_layout(counts, a)
     m = capacity if capacity is not None else end[-1]
@@ -139,8 +139,8 @@ def check_tiles(counts: list[int], a: int, block_m: int, capacity: int | None = 
     return tile_expert, tile_row
 
 
-def test_tiles_case04():
-    """case-04: rows [128, 130, 65] aligned to 64, kernel tiles of 128: no tile mixes experts."""
+def test_tiles_never_mix_experts():
+    """No tile spans two experts (docs/design.md#failure-classes): rows [128, 130, 65], A = 64, tiles of 128."""
     counts = [128, 130, 65]
     start, end = py_layout(counts, 64)
     assert start == [0, 128, 320] and end == [128, 258, 385]
@@ -149,7 +149,7 @@ def test_tiles_case04():
     assert list(zip(tile_expert[valid].tolist(), tile_row[valid].tolist())) == [
         (0, 0), (1, 128), (1, 256), (2, 320)]
     # a naive tiling by 128 from row 0 would put rows 256..257 (expert 1) and 320..383
-    # (expert 2) in the tile starting at 256 -- the fault case-04 describes
+    # (expert 2) in the tile starting at 256 -- the fault of that class
     owner = py_row_expert(counts, 64, 385)
     assert {owner[r] for r in range(256, 385)} - {-1} == {1, 2}
 

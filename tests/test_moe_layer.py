@@ -9,7 +9,7 @@ expert's w1, w3, w2.
 Tolerances, ``max|got − ref| / max|ref|`` per tensor:
 * ``gemm=torch`` fp32: 1e-5 (fp32 GEMMs; observed ~1e-6).
 * ``gemm=loop`` fp64: 1e-6. The router computes its logits, scores and combine
-  weights in fp32 by design (DESIGN.md "Router": "sigmoid scores in fp32"), so the
+  weights in fp32 by design (docs/design.md#the-router: scores in fp32), so the
   fp64 layer agrees with the all-fp64 reference to fp32 precision only (observed ~1e-7).
 """
 
@@ -21,8 +21,13 @@ import pytest
 import torch
 
 from dropless import ConfigError, ModelArgs
+from dropless.dispatch import LocalDispatcher
+from dropless.dispatch.a2a import A2ADispatcher
+from dropless.dispatch.agrs import AGRSDispatcher
+from dropless.dispatch.fsdp import FSDPDispatcher
 from dropless.experts import GroupedExperts
 from dropless.moe import MoE, capacity_drop
+from tests.once_rounded import bf16_ulp
 
 try:
     from tests.moe_reference import reference_moe
@@ -228,7 +233,7 @@ def test_capacity_drop_known_counts():
 
 
 def test_capacity_drop_seed_numbers():
-    """DESIGN.md: counts [21733, 15004, 17982, 10817], capacity factor 1.0 drops 6,947 rows and pads 6,947."""
+    """docs/design.md#a-worked-rank: counts [21733, 15004, 17982, 10817], cf 1.0 drops 6,947 rows, pads 6,947."""
     counts = [21733, 15004, 17982, 10817]
     labels = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])
     g = torch.Generator().manual_seed(0)
@@ -337,3 +342,75 @@ def test_zero_tokens(kw):
     y.sum().backward()
     assert x.grad.shape == (0, 64)
     assert m.experts.w13.grad is None or not m.experts.w13.grad.any()
+
+
+# ----------------------------------------------------------------- bf16 output: one rounding
+def _cancelling_bf16_layer(dispatcher: str, **kw) -> MoE:
+    """A bf16 layer whose routed experts are the shared expert with ``w2`` negated and scaled by
+    0.93 … 1.07: the routed sum and the shared output nearly cancel on every token."""
+    e = 8
+    disp = {"local": LocalDispatcher(e), "fsdp": FSDPDispatcher(e), "a2a": A2ADispatcher(e, None),
+            "agrs": AGRSDispatcher(e, None)}[dispatcher]
+    fields = dict(hidden_size=H, moe_intermediate_size=I, n_routed_experts=e, num_experts_per_tok=2, n_group=4,
+                  topk_group=2, aux_loss_alpha=0.0, routed_scaling_factor=1.0, expert_alignment=8,
+                  n_shared_experts=1)
+    fields.update(kw)
+    m = MoE(ModelArgs(**fields), layer_id=0, dispatcher=disp)
+    m.init_weights(5)
+    sh = m.shared_experts
+    with torch.no_grad():
+        for i in range(e):
+            m.experts.w13[i].copy_(torch.cat([sh.w1.weight.t(), sh.w3.weight.t()], dim=1))
+            m.experts.w2[i].copy_(-sh.w2.weight.t() * (0.93 + 0.02 * i))
+    return m.to(torch.bfloat16)
+
+
+ONCE_PATHS = [("local", {}), ("fsdp", {}), ("a2a", {}), ("agrs", {}),
+              ("local", dict(num_token_chunks=3)), ("a2a", dict(num_token_chunks=3)),
+              ("agrs", dict(num_token_chunks=2)), ("local", dict(fold_routing_weights=True)),
+              ("local", dict(recompute_fc1=True, recompute_swiglu=True)),
+              ("local", dict(recompute_gather=True, num_token_chunks=2)),
+              ("fsdp", dict(recompute_fc1=True, recompute_gather=True, fold_routing_weights=True))]
+
+
+@pytest.mark.parametrize("dispatcher, kw", ONCE_PATHS, ids=[f"{d}-{'-'.join(k) or 'plain'}" for d, k in ONCE_PATHS])
+def test_bf16_output_is_the_float64_sum_rounded_once(dispatcher, kw):
+    """bf16 routed and shared outputs that nearly cancel: the layer's output is their float64 sum
+    rounded once to bf16, up to the fp32 accumulation's own error (every dispatcher, chunked,
+    folded, recomputed).
+
+    The reference: each chunk's expert outputs ``y_MH`` (bf16, as the experts gave them) combined
+    by the dispatcher in float64 (rows in fp64: an fp64 accumulator), plus the shared experts'
+    bf16 output, in float64. Bound per element: half a bf16 ulp of the result plus
+    ``(2k + 2)·2^-24·Σ|terms|`` (fp32 products and sums). A routed sum rounded to bf16 before the
+    shared output joins it misses by up to half a bf16 ulp of the routed sum, which is far larger
+    where they cancel.
+    """
+    m = _cancelling_bf16_layer(dispatcher, **kw)
+    disp = m.dispatcher
+    real = disp.combine_async
+    routed64, abs64, shared = [], [], []
+
+    def spy(y_MH, handle, *rest):
+        with torch.no_grad():
+            routed64.append(real(y_MH.detach().double(), handle).wait())
+            abs64.append(real(y_MH.detach().double().abs(), handle).wait())
+        return real(y_MH, handle, *rest)
+
+    disp.combine_async = spy
+    hook = m.shared_experts.register_forward_hook(lambda mod, inp, out: shared.append(out.detach().double()))
+    x = torch.randn(48, H, generator=torch.Generator().manual_seed(11)).to(torch.bfloat16).requires_grad_()
+    try:
+        y = m(x)
+    finally:
+        hook.remove()
+    y.float().sum().backward()  # backward runs on every path (recompute, re-gather)
+    exact = torch.cat(routed64) + shared[0]
+    terms = torch.cat(abs64) + shared[0].abs()
+    k = m.args.num_experts_per_tok
+    bound = 0.5 * bf16_ulp(exact.abs() + terms * 2.0 ** -20) + (2 * k + 2) * 2.0 ** -24 * terms
+    err = (y.double() - exact).abs()
+    assert y.dtype == torch.bfloat16 and x.grad is not None
+    assert (err <= bound).all(), f"{int((err > bound).sum())} of {err.numel()} outputs off by up to " \
+                                 f"{float((err / bf16_ulp(exact)).max()):.1f} ulp"
+    assert (exact.abs() < 2.0 ** -4 * terms).float().mean() > 0.5  # most outputs do nearly cancel

@@ -17,7 +17,7 @@ recompute_fc1 + fold   b·M·H + b·(M+1) + 16·T·k rows, row weights (one scra
 =====================  =========================================================
 
 The routing weights themselves are the router's output (an input here) and not counted.
-The last line is DESIGN.md's bound: one copy of the landed rows plus indices.
+The last line is the bound of docs/design.md#memory: one copy of the landed rows plus indices.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def _layer_saved(autocast: bool = False, **kw):
 
 
 def test_whole_layer_with_recompute_saves_less_than_one_copy_of_the_rows():
-    """DESIGN.md's bound for the whole layer: router, shared expert and all, below R·H·b bytes.
+    """the bound of docs/design.md#memory for the whole layer: router, shared expert and all, below R·H·b bytes.
 
     With recompute_fc1 + fold + recompute_gather nothing of size R·H or T·I is saved: the
     router's fp32 gate saves the layer input itself, not an fp32 copy; the shared expert

@@ -1,4 +1,4 @@
-"""Tests of dropless.permute: sort_by_expert, permute_rows, combine_rows (DESIGN.md "Memory", rule 2).
+"""Tests of dropless.permute: sort_by_expert, permute_rows, combine_rows (docs/design.md#memory).
 
 References: a plain-Python stable sort of the (token, choice) pairs by expert, and
 float64 loops for the gather / weighted sum and their gradients;
@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from dropless.permute import combine_rows, gather_sum, permute_rows, sort_by_expert
 from tests.conftest import py_layout
+from tests.once_rounded import near_cancelling
 
 NAN = float("nan")
 
@@ -207,6 +208,59 @@ def test_combine_rows_fp32_accumulate_fixed_order(dtype):
     # and close to the float64 sum
     torch.testing.assert_close(out.double(), ref_gather_sum(y, dest, w.double()),
                                rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("addend_at", ["all", "slice"])
+def test_combine_rows_adds_the_addend_before_its_one_rounding(weighted, addend_at):
+    """routed + shared, nearly cancelling, in bf16: the float64 sum rounded once, bit for bit.
+
+    Rounding the routed sum to bf16 before adding the addend (two roundings) misses by up to
+    hundreds of ulp here. ``slice``: the addend covers rows 9 … 20 only (an agrs rank's own tokens).
+    """
+    n, k = 29, 3
+    row0, rows_a = (0, None) if addend_at == "all" else (9, 12)
+    y, dest, w, addend, want = near_cancelling(n, k, 120, 64, seed=3, weighted=weighted, addend_rows=rows_a,
+                                               addend_row0=row0)
+    out = combine_rows(y, dest, w, addend, row0)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, want)
+    twice = combine_rows(y, dest, w).float()
+    twice[row0:row0 + addend.shape[0]] += addend.float()
+    assert not torch.equal(twice.to(torch.bfloat16), want)  # the inputs do tell one rounding from two
+    # backward: the addend's gradient is the output's on its rows; the rest is the routed combine's
+    yl, wl, al = y.clone().requires_grad_(), (w.clone().requires_grad_() if weighted else None), \
+        addend.clone().requires_grad_()
+    gout = torch.randn(n, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    combine_rows(yl.nan_to_num(), dest, wl, al, row0).backward(gout)
+    assert torch.equal(al.grad, gout[row0:row0 + addend.shape[0]])
+    yr, wr = y.clone().nan_to_num().requires_grad_(), (w.clone().requires_grad_() if weighted else None)
+    combine_rows(yr, dest, wr).backward(gout)
+    used = dest[dest >= 0]  # padding rows of the rows' gradient are unwritten by contract
+    assert torch.equal(yl.grad[used], yr.grad[used])
+    if weighted:
+        assert torch.equal(wl.grad, wr.grad)
+
+
+def test_combine_rows_addend_gradcheck_fp64():
+    idx, layout, dest, src, live, _, g = setup(a=8)
+    live_idx = live.nonzero().squeeze(1)
+    y_live = torch.randn(live_idx.numel(), 4, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.rand(dest.shape, dtype=torch.float64, generator=g, requires_grad=True)
+    a = torch.randn(4, 4, dtype=torch.float64, generator=g, requires_grad=True)
+
+    def f(y_l, w, a):
+        buf = torch.full((layout.capacity, 4), NAN, dtype=torch.float64).index_put((live_idx,), y_l)
+        return combine_rows(buf, dest, w, a, 2)
+
+    assert torch.autograd.gradcheck(f, (y_live, w, a))
+
+
+def test_combine_rows_bad_addend_names_it():
+    y, dest, w, addend, _ = near_cancelling(6, 2, 20, 8, seed=0)
+    for bad, row0 in ((addend[:, :4], 0), (addend, 1), (addend, -1)):
+        with pytest.raises(ValueError, match="addend"):
+            combine_rows(y, dest, w, bad, row0)
 
 
 def test_permute_then_combine_round_trip():

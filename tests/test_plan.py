@@ -1,6 +1,6 @@
-"""The planner reproduces seed 003's per-rank figures, to the precision the seed states.
+"""The planner reproduces per-rank figures of docs/design.md#a-worked-rank, to the precision given there.
 
-Reference rank (seed §1): DeepSeek-V3, H = 7168, I = 2048, E = 256, k = 8,
+Reference rank (docs/design.md#a-worked-rank): DeepSeek-V3, H = 7168, I = 2048, E = 256, k = 8,
 EP = 64 (4 local experts), 8,192 tokens per rank, counts
 [21733, 15004, 17982, 10817], alignment 128.
 """
@@ -24,18 +24,18 @@ def pct(x: float, nd: int = 2) -> float:
     return round(100 * x, nd)
 
 
-# --------------------------------------------------------------------------- §1, §3 rows
+# --------------------------------------------------------------------------- rows
 def test_routed_rows_per_rank():
     e = P.local_experts(E, EP)
     assert e == 4
-    assert P.routed_rows(T, K) == 65_536                      # §1
-    assert P.mean_rows_per_expert(T, K, e) == 16_384          # §1 "记住 16,384"
-    assert sum(COUNTS) == 65_536                              # the seed's table sums to the mean
+    assert P.routed_rows(T, K) == 65_536
+    assert P.mean_rows_per_expert(T, K, e) == 16_384
+    assert sum(COUNTS) == 65_536                              # the reference counts sum to the mean
 
 
 def test_alignment_rows_and_bound():
     al = P.aligned_rows(COUNTS, 128)
-    assert al == 65_792                                       # §3
+    assert al == 65_792
     assert [P.align_up(c, 128) - c for c in COUNTS] == [27, 100, 66, 63]
     assert pct((al - 65_536) / 65_536) == 0.39                # +0.39 %
     bound = P.alignment_bound_rows(4, 128)
@@ -44,7 +44,7 @@ def test_alignment_rows_and_bound():
     assert P.aligned_rows(COUNTS, 1) == 65_536                # A = 1: no padding
 
 
-# --------------------------------------------------------------------------- §4 FLOPs
+# --------------------------------------------------------------------------- FLOPs
 def test_flops_per_row_per_expert():
     f = P.flops_per_row_per_expert(H, I)
     assert f == 2 * 3 * 7168 * 2048
@@ -66,19 +66,19 @@ def test_layer_flops_four_ways():
     assert round(ungrouped / aligned, 2) == 4.00                # 4.00x
 
 
-# --------------------------------------------------------------------------- §2, §6 capacity factor
+# --------------------------------------------------------------------------- capacity factor
 def test_capacity_factor_table():
     rows = P.capacity_table(COUNTS, T, K, 4, [1.0, 1.5], alignment=128)
     cf1, cf15, dropless = rows
     assert cf1.capacity_per_expert == 16_384
     assert cf1.computed_rows == 65_536
-    assert cf1.dropped_rows == 5_349 + 1_598 == 6_947           # §2 step ③
+    assert cf1.dropped_rows == 5_349 + 1_598 == 6_947
     assert cf1.padded_rows == 1_380 + 5_567 == 6_947
-    assert round(100 * cf1.padded_fraction, 1) == 10.6          # §6 "6,947 (10.6%)"
+    assert round(100 * cf1.padded_fraction, 1) == 10.6
     assert cf15.capacity_per_expert == 24_576
-    assert cf15.computed_rows == 98_304                         # §2 "24,576 × 4 = 98,304"
+    assert cf15.computed_rows == 98_304
     assert cf15.dropped_rows == 0
-    assert cf15.padded_rows == 32_768                           # §6 "32,768 (多算 50%)"
+    assert cf15.padded_rows == 32_768
     assert cf15.extra_compute == pytest.approx(0.5)
     assert dropless.capacity_factor is None
     assert dropless.computed_rows == 65_792 and dropless.dropped_rows == 0
@@ -91,7 +91,7 @@ def test_capacity_without_counts_knows_only_computed_rows():
     assert cf1.dropped_rows is None and cf1.padded_rows is None
 
 
-# --------------------------------------------------------------------------- §4 activations
+# --------------------------------------------------------------------------- activations
 def test_activation_bytes_deepseek_v3_rank():
     ab = P.activation_bytes(T, 65_792, H, I)
     assert round(ab.x / GiB, 2) == 0.11
@@ -111,11 +111,11 @@ def test_activation_bytes_295b_config():
     assert ab.landed_rows / GiB == 3.00                         # sort buffer, "正好三个 G"
     assert ab.gate_up / GiB == 2.25
     assert ab.x / GiB == 0.375
-    # the seed's pitfall: the V3 hidden size instead of 4,096 gives 1.75x the bytes
+    # a common slip: the V3 hidden size instead of 4,096 gives 1.75x the bytes
     assert P.activation_bytes(tokens, 131_072, 7168, 1536).landed_rows / GiB == 1.75
 
 
-# --------------------------------------------------------------------------- §14 communication
+# --------------------------------------------------------------------------- communication
 def test_a2a_bytes():
     c = P.a2a_bytes(T, K, H, dispatch_bytes=1, combine_bytes=2)
     assert c.out_bytes == 448 * MiB                             # dispatch, fp8
@@ -154,7 +154,7 @@ def test_crossovers():
     assert round(P.fsdp_bytes(E, H, I).total / P.a2a_bytes(32_768, K, H).total) == 4
 
 
-# --------------------------------------------------------------------------- §10 decode
+# --------------------------------------------------------------------------- decode
 def test_decode_alignment_cost():
     d = P.decode_alignment_cost(16, EP, K, E, 128)
     assert d.rows_per_expert == 32                              # 2B at B = 16
@@ -163,10 +163,10 @@ def test_decode_alignment_cost():
     assert P.decode_alignment_cost(64, EP, K, E, 128).work_factor == 1.0
     big = P.decode_alignment_cost(512, EP, K, E, 128)
     assert (big.rows_per_expert, big.work_factor) == (1024, 1.0)
-    assert P.decode_alignment_cost(8192, EP, K, E, 128).rows_per_expert == 16_384  # §10 self-check
+    assert P.decode_alignment_cost(8192, EP, K, E, 128).rows_per_expert == 16_384
 
 
-# --------------------------------------------------------------------------- §11, §14 tiles
+# --------------------------------------------------------------------------- tiles
 def test_unpadded_tiles_megablox():
     t = P.tile_visits(COUNTS, 128)
     assert t.tiles_min == 512
@@ -201,7 +201,7 @@ def test_param_counts_deepseek_v3():
     assert round(pc.activated / 1e9) == 37
     assert abs(pc.activated / 37e9 - 1) < 0.015
     # pieces checked against independent hand arithmetic
-    assert pc.routed_experts == 58 * 11_274_289_152             # seed §14, 58 MoE layers
+    assert pc.routed_experts == 58 * 11_274_289_152
     assert pc.embedding == pc.head == 129_280 * 7168
     assert pc.router == 58 * 256 * 7168
     assert pc.shared_experts == 58 * 3 * 7168 * 2048
@@ -315,7 +315,7 @@ def _run_json(capsys, argv):
     return json.loads(capsys.readouterr().out)
 
 
-def test_cli_json_holds_the_seed_figures(capsys):
+def test_cli_json_holds_the_reference_rank_figures(capsys):
     d = _run_json(capsys, ["--model", "deepseek_v3_671b", "--json", "--counts",
                            "21733,15004,17982,10817", "--alignment", "128",
                            "--capacity-factor", "1.0,1.5", "--tile", "128", "--fp8-dispatch"])
@@ -438,8 +438,8 @@ def test_cli_hydra_overrides(capsys):
     assert d["rank"]["hidden_size"] == 2 * args.hidden_size
 
 
-def test_saved_bytes_by_setting_at_the_seed_rank():
-    """Seed §4's rank (R = 65,792 aligned rows, H 7168, I 2048, bf16): the default keeps the
+def test_saved_bytes_by_setting_at_the_reference_rank():
+    """The reference rank (R = 65,792 aligned rows, H 7168, I 2048, bf16): the default keeps the
     landed rows, gate||up, SwiGLU and FC2 output (0.88 + 0.50 + 0.25 + 0.88 GiB); recompute_fc1
     with folded weights one copy of the rows; with recompute_gather nothing."""
     from dropless.plan import MEMORY_SETTINGS, saved_bytes
@@ -447,7 +447,7 @@ def test_saved_bytes_by_setting_at_the_seed_rank():
     R, H, I = 65_792, 7168, 2048
     got = {m: saved_bytes(R, H, I, m) for m in MEMORY_SETTINGS}
     assert got["default"] == R * (2 * H + 3 * I) * 2
-    assert round(got["default"] / 2**30, 2) == 2.51  # = 0.88 + 0.50 + 0.25 + 0.88, the seed's four buffers
+    assert round(got["default"] / 2**30, 2) == 2.51  # = 0.88 + 0.50 + 0.25 + 0.88, the four large buffers
     assert got["recompute_fc1+fold"] == R * H * 2  # the landed rows, 0.88 GiB
     assert got["recompute_fc1+fold+gather"] == 0
     assert list(got.values()) == sorted(got.values(), reverse=True)

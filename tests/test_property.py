@@ -35,7 +35,7 @@ SETTINGS = settings(max_examples=45, deadline=None, derandomize=True, database=N
 
 
 def expect_valid(E, n_group, topk_group, k) -> str | None:
-    """The field a correct validator must reject, or None (the rules of DESIGN.md "Router")."""
+    """The field a correct validator must reject, or None (the rules of docs/design.md#the-router)."""
     if E % n_group:
         return "n_group"
     if topk_group > n_group:
@@ -137,7 +137,7 @@ def test_moe_layer_matches_float64_reference_or_rejects_the_config(case):
     close(x.grad, xr.grad, "grad x")
     for n, p in leaves.items():
         close(p.grad, ref[n].grad, f"grad {n}")
-    # experts that got no row: exact zero weight gradient (DESIGN.md rule 4)
+    # experts that got no row: exact zero weight gradient (docs/design.md#the-live-row-contract, rule 4)
     used = torch.zeros(E, dtype=torch.bool)
     used[idx.reshape(-1)] = True
     for e in torch.nonzero(~used).flatten().tolist():

@@ -1,7 +1,7 @@
 """Tests of dropless.routing: the DeepSeek-V3 router, its balancing and its aux loss.
 
-References are plain-Python float64 loops of the rules in DESIGN.md "Router
-(DeepSeek-V3)" and DeepSeek-V3 report eq. 12-20; cases 05-07 of CASES.md.
+References are plain-Python float64 loops of the rules in docs/design.md#the-router
+and DeepSeek-V3 report eq. 12-20; the router's failure classes of docs/design.md#failure-classes.
 """
 
 from __future__ import annotations
@@ -244,8 +244,8 @@ def test_gradients_reach_gate_weight_and_input():
     assert x.grad.abs().sum() > 0
 
 
-# ------------------------------------------------------------------ case-05
-def test_case05_aux_loss_depends_on_router_and_matches_paper():
+# ------------------------------------------------------------------ the balancing loss depends on the router
+def test_aux_loss_depends_on_router_and_matches_paper():
     E, k, alpha = 4, 2, 0.1
     g = torch.Generator().manual_seed(7)
     losses = []
@@ -326,14 +326,14 @@ def test_account_later_equals_account_in_forward():
     assert torch.equal(part.topk_weight_Tk, full.topk_weight_Tk)
 
 
-# ------------------------------------------------------------------ case-06
+# ------------------------------------------------------------------ balance statistics per layer
 class TwoLayers(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.layers = nn.ModuleList([Router(args, layer_id=1), Router(args, layer_id=2)])
 
 
-def test_case06_balance_stats_are_per_layer():
+def test_balance_stats_are_per_layer():
     E, alpha, T = 4, 1e-2, 10
     args = ModelArgs(hidden_size=4, n_routed_experts=E, num_experts_per_tok=1, n_group=1,
                      topk_group=1, aux_loss_alpha=alpha)
@@ -375,7 +375,7 @@ def test_duplicate_layer_ids_rejected():
         update_router_biases(m)
 
 
-# ------------------------------------------------------------------ case-07
+# ------------------------------------------------------------------ counts once per step
 class CkptBlock(nn.Module):
     """A linear layer feeding the router, optionally under activation checkpointing."""
 
@@ -401,7 +401,7 @@ class CkptBlock(nn.Module):
 
 
 @pytest.mark.parametrize("mode", ["none", "nonreentrant", "reentrant"])
-def test_case07_counts_once_per_step_under_recompute(mode):
+def test_counts_once_per_step_under_recompute(mode):
     args = small_args(bias_update_speed=0.125)
     torch.manual_seed(0)
     block = CkptBlock(args, mode)

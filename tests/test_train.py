@@ -117,21 +117,30 @@ def test_rows_dropped_is_the_sum_over_layers_and_micro_batches(tmp_path):
 
 
 def test_resume_repeats_the_uninterrupted_run_bitwise(tmp_path):
+    """The conditions of a bitwise resume, all explicit here: one process, the same ``num_threads`` (2;
+    both trainers are checked to have run with it), the same torch build and CPU, synchronous saves.
+    The machine's load is not one of them (the CPU kernels' work split depends on the thread count,
+    which ``num_threads`` fixes, not on how busy the cores are); on a mismatch the message gives the
+    thread counts and the load average, to tell a changed condition from a changed computation."""
     a, b = tmp_path / "a", tmp_path / "b"
     common = ["train.steps=6", "train.val_every=3", "train.ckpt_every=3", "train.ckpt_keep=0", "logging.mode=disabled",
-              "train.grad_accum=2"]
-    run([f"run_dir={a}"] + common)
+              "train.grad_accum=2", "train.ckpt_async=false"]
+    _, tr_a = run([f"run_dir={a}"] + common)
+    threads_a = torch.get_num_threads()
     assert (a / "checkpoints" / "step_00000003" / ".metadata").is_file()
     (b / "checkpoints").mkdir(parents=True)
     shutil.copytree(a / "checkpoints" / "step_00000003", b / "checkpoints" / "step_00000003")
     summary, tr = run([f"run_dir={b}", "resume=true"] + common)
+    threads_b = torch.get_num_threads()
+    assert threads_a == threads_b == 2 and tr_a.env.world_size == tr.env.world_size == 1
     assert tr.resumed_from == 3 and summary["steps"] == 6
     ra = {r["step"]: r for r in records(a)}
     rb = {r["step"]: r for r in records(b)}
     assert sorted(rb) == [4, 5, 6]
     for s in (4, 5, 6):
         for k in ("loss", "grad_norm", "lr", "aux_loss"):
-            assert rb[s][k] == ra[s][k], (s, k, rb[s][k], ra[s][k])
+            assert rb[s][k] == ra[s][k], (s, k, rb[s][k], ra[s][k], f"threads {threads_a}/{threads_b}",
+                                          f"load average {os.getloadavg()}")
     assert rb[6]["val_loss"] == ra[6]["val_loss"]
     for i in tr.args.moe_layer_ids():
         assert rb[6][f"expert_load/layer{i}/max_over_mean"] == ra[6][f"expert_load/layer{i}/max_over_mean"]

@@ -60,7 +60,7 @@ def _pid_dir(run_dir: Path) -> Path:
 
 def _finish(p: subprocess.Popen, timeout: float, run_dir: Path) -> int | None:
     """torchrun's exit status, or None if it had to be killed after ``timeout`` s. Either way no
-    worker outlives the test: torchrun starts them in sessions of their own, so each worker that
+    worker outlives the test: torchrun detaches them (setsid), so each worker that
     wrote its pid (tests/fault_rank.py) and still runs is killed by that pid."""
     try:
         return p.wait(timeout=timeout)

@@ -182,7 +182,7 @@ def test_compile_aot_eager_equals_eager(tmp_path, moe):
 def test_compile_moe_is_one_graph_for_every_moe_layer_and_counts_once_per_step(tmp_path):
     """train.compile_moe (aot_eager), 1 dense + 4 MoE layers, 2 micro-batches: Dynamo compiles the block
     twice at most (dense, MoE: a per-layer constant read in the traced region, such as the router's
-    layer name was, would compile each layer again and past the limit raise here), and case-07: the
+    layer name was, would compile each layer again and past the limit raise here), and the counting rule: the
     counts behind the bias update are each layer's true routed rows of the whole step (T·k·2), once."""
     cfg = compose(QUICK + [f"run_dir={tmp_path}", "train.steps=1", "logging.mode=disabled", "train.val_every=0",
                            "model.num_hidden_layers=5", "train.micro_batch_size=2", "train.seq_len=32",
@@ -318,8 +318,8 @@ def test_logging_check_gives_every_rank_rank_0s_verdict(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["nonreentrant", "reentrant"])
-def test_case07_router_bias_update_counts_once_per_step(mode):
-    """case-07 on :class:`RouterBiasUpdate` itself: under activation recompute and 4
+def test_router_bias_update_counts_once_per_step(mode):
+    """The counting rule (docs/design.md#the-router) on :class:`RouterBiasUpdate`: under activation recompute and 4
     gradient-accumulation micro-batches, the counts it hands the bias update are the step's
     true routed rows (float64 reference selection), the hook moves the bias once by exactly
     ``γ·sign(mean − load)``, and a second optimizer step without forwards moves nothing."""

@@ -412,7 +412,7 @@ def test_out_of_gpu_memory_at_start_up_is_one_line(tmp_path, monkeypatch, capsys
     assert "dispatcher=fsdp" in err and "nothing was trained or saved" in err and "Including" not in err
 
 
-def test_config_error_under_torchrun_restarts_says_restarts_repeat_it(monkeypatch, capsys):
+def test_config_error_under_torchrun_restarts_says_restarts_repeat_it(monkeypatch, capsys, tmp_path):
     """torchrun --max-restarts 2 restarts the workers after an error: a config error comes back at
     every start, so the message says which start this is and that restarts cannot help."""
     from dropless.train.__main__ import main
@@ -422,7 +422,7 @@ def test_config_error_under_torchrun_restarts_says_restarts_repeat_it(monkeypatc
                               "(Ctrl-C) instead of waiting for the 2 restart(s) left]"),
                         ("2", "[torchrun start 3 of at most 3: a restart meets this error again]")):
         monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", count)
-        assert main(["run_dir=/tmp/x", "train.steps=-1"]) == 2
+        assert main([f"run_dir={tmp_path / 'x'}", "train.steps=-1"]) == 2
         err = capsys.readouterr().err
         assert "train.steps=-1: must be a positive integer" in err and err.rstrip().endswith(tail), err
     monkeypatch.delenv("TORCHELASTIC_MAX_RESTARTS")

@@ -18,6 +18,17 @@ from dropless.ops import rows as rw  # noqa: E402
 from dropless.ops import select  # noqa: E402
 from dropless.ops import swiglu as sw  # noqa: E402
 from dropless.ops import zero_fill as zf  # noqa: E402
+from tests.once_rounded import bf16_toward_zero, near_cancelling  # noqa: E402
+from tests.ue8m0_sweep import (  # noqa: E402
+    amax_sweep,
+    case_quant_expert_columns,
+    case_quant_rows,
+    case_quant_token_blocks,
+    case_quant_weight,
+    case_swiglu_quant,
+    case_swiglu_quant_rows,
+    check_scales,
+)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -131,6 +142,28 @@ def test_gather_sum_and_combine_bwd(weighted):
             exp = (g[ok].double() * r[d[ok]]).sum(-1)
             assert rel(gw[ok, j], exp) < TOL
             assert (gw[~ok, j] == 0).all()
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("addend_at", ["all", "slice"])
+def test_gather_sum_adds_the_addend_before_its_one_rounding(weighted, addend_at):
+    """The kernel's addend (the shared experts' output) joins the fp32 sum: bf16 routed and addend
+    nearly cancelling give the float64 sum rounded once, bit for bit (on a GPU also equal to the
+    torch path). Triton's interpreter casts fp32 to bf16 toward zero, a GPU to nearest even."""
+    n, k, h = 23, 4, 200  # h not a power of two: a masked column block
+    row0, rows_a = (0, None) if addend_at == "all" else (5, 11)
+    y, dest, w, addend, want = near_cancelling(n, k, 140, h, seed=7, weighted=weighted, addend_rows=rows_a,
+                                               addend_row0=row0, device=DEV, toward_zero=DEV == "cpu")
+    out = rw.gather_sum(y, dest, w, addend, row0)
+    assert torch.equal(out, want)
+    if DEV == "cuda":
+        assert torch.equal(out, rw.gather_sum_torch(y, dest, w, addend, row0))
+    # an fp32 addend is read as it is (no bf16 copy first)
+    assert torch.equal(rw.gather_sum(y, dest, w, addend.float(), row0), want)
+    # two roundings (the routed sum cast first, in the same cast mode) miss on these inputs
+    routed = rw.gather_sum(y, dest, w).double()
+    routed[row0:row0 + addend.shape[0]] += addend.double()
+    assert not torch.equal(bf16_toward_zero(routed) if DEV == "cpu" else routed.to(torch.bfloat16), want)
 
 
 def test_zero_empty_experts_touches_only_empty_ones():
@@ -453,3 +486,24 @@ def test_fp8_quant_token_blocks_kernel_live_rows_only(expert_scales, monkeypatch
         with pytest.raises(RuntimeError, match="NaN or Inf"):
             quant(x2, lay)
 
+
+UE8M0_KERNEL_CASES = {
+    "quant_rows": lambda a: case_quant_rows(a, DEV),
+    "quant_rows_1x128": lambda a: case_quant_rows(a, DEV, group=128),
+    "swiglu_quant_rows": lambda a: case_swiglu_quant_rows(a, DEV),
+    "swiglu_quant_rows_1x128": lambda a: case_swiglu_quant_rows(a, DEV, group=128),
+    "swiglu_quant": lambda a: case_swiglu_quant(a, DEV),
+    "quant_token_blocks": lambda a: case_quant_token_blocks(a, DEV),
+    "quant_expert_columns": lambda a: case_quant_expert_columns(a, DEV),
+    "quant_weight_columns": lambda a: case_quant_weight(a, DEV, 1),
+    "quant_weight_rows": lambda a: case_quant_weight(a, DEV, 2),
+}
+
+
+@pytest.mark.parametrize("name", list(UE8M0_KERNEL_CASES))
+def test_ue8m0_kernel_scale_is_the_exact_power_of_two_ceiling(name):
+    """Every quantising kernel (:func:`dropless.ops.ue8m0.pow2_ceil_bits`): at, one fp32 step below and
+    one above 448·2^k, the scale is the smallest power of two with amax / scale <= 448, DeepGEMM's
+    bit for bit."""
+    scale, amax = UE8M0_KERNEL_CASES[name](amax_sweep(-40, 100))
+    check_scales(amax, scale, name)

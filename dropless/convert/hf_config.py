@@ -1,14 +1,17 @@
 """Hugging Face DeepSeek-V3 ``config.json`` <-> :class:`~dropless.config.ModelArgs`.
 
-The model fields keep DeepSeek-V3's names (DESIGN.md), so most keys pass through. What the
+The model fields keep DeepSeek-V3's names (docs/design.md#shapes-and-names), so most keys pass through. What the
 translation adds:
 
 * ``q_lora_rank``: ``null`` in the file is 0 here (no query compression).
 * RoPE: ``rope_theta`` (and ``rope_scaling``) at the top level, as the released files and
   transformers 4 write them, or inside ``rope_parameters`` (transformers 5). A scaled RoPE
-  (``rope_scaling`` / a ``rope_type`` other than ``default``) is passed on when
+  (``rope_scaling`` / a ``type`` or ``rope_type`` other than ``default``) is passed on when
   :class:`ModelArgs` has a ``rope_scaling`` field; otherwise it is not applied and a
-  warning says so (the logits then differ from the reference model's).
+  warning says so (the logits then differ from the reference model's). However the block
+  is spelt (``type``, ``rope_type`` or both, integers or floats), it is read by the one
+  parser, :func:`dropless.config.parse_rope_scaling`, and checkpoints are compared on the
+  YaRN settings it gives (:func:`check_same_model`).
 * ``rope_interleave`` (transformers 5; absent means true, the released weights' layout):
   returned in :class:`HFFormat`; false means the checkpoint's rope rows pair feature ``j``
   with ``j + Dr/2`` and must be permuted (:mod:`dropless.convert.names`).
@@ -32,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from dropless.config import ConfigError, ModelArgs
+from dropless.config import ConfigError, ModelArgs, rope_scaling_kind, yarn_override
 
 __all__ = ["HFFormat", "MODEL_FIELDS", "args_from_hf_config", "hf_config_from_args", "read_hf_config",
            "check_same_model"]
@@ -89,11 +92,11 @@ def _rope(cfg: Mapping[str, Any]) -> tuple[float, dict | None]:
     params = cfg.get("rope_parameters")
     if isinstance(params, Mapping):
         theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        kind = params.get("rope_type", params.get("type", "default"))
-        scaling = None if kind == "default" else {k: v for k, v in params.items() if k != "rope_theta"}
+        scaling = None if rope_scaling_kind(params) == "default" else {k: v for k, v in params.items()
+                                                                        if k != "rope_theta"}
         return float(theta), scaling
     scaling = cfg.get("rope_scaling")
-    if isinstance(scaling, Mapping) and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+    if isinstance(scaling, Mapping) and rope_scaling_kind(scaling) == "default":
         scaling = None
     return float(cfg.get("rope_theta", 10000.0)), (dict(scaling) if scaling else None)
 
@@ -203,14 +206,20 @@ def check_same_model(model_args: ModelArgs, ckpt_args: ModelArgs, source: str) -
 
     Compares :data:`ARCH_FIELDS` (every field that changes the weights' shapes or the
     function they compute; not the training-only ``aux_loss_alpha``, ``seq_aux``,
-    ``max_position_embeddings``, ``initializer_range``). The message lists each field with
-    both values and the ``model.<field>=<value>`` overrides that match the checkpoint.
+    ``max_position_embeddings``, ``initializer_range``) and the YaRN settings that
+    ``rope_scaling`` parses to (:meth:`ModelArgs.yarn`: ``type`` or ``rope_type``, integers or
+    floats, written-out defaults are the same settings). The message lists each field with
+    both values and the ``dropless-train`` overrides, quoted for a shell, that match the
+    checkpoint.
     """
     a, b = dataclasses.asdict(model_args), dataclasses.asdict(ckpt_args)
-    fields = list(ARCH_FIELDS) + (["rope_scaling"] if "rope_scaling" in a else [])
-    diff = [f for f in fields if a[f] != b[f]]
-    if diff:
-        rows = "; ".join(f"{f}: model {a[f]!r}, checkpoint {b[f]!r}" for f in diff)
-        fix = " ".join(f"model.{f}={'null' if b[f] is None else b[f]}" for f in diff)
-        raise ConfigError(f"{source}: the checkpoint's config does not match the model ({rows}); build the model "
-                          f"from the checkpoint's config (dropless-train overrides: {fix})")
+    diff = [f for f in ARCH_FIELDS if a[f] != b[f]]
+    rows = [f"{f}: model {a[f]!r}, checkpoint {b[f]!r}" for f in diff]
+    fix = [f"model.{f}={'null' if b[f] is None else b[f]}" for f in diff]
+    yarn_model, yarn_ckpt = model_args.yarn(), ckpt_args.yarn()
+    if yarn_model != yarn_ckpt:
+        rows.append(f"rope_scaling: model {yarn_model}, checkpoint {yarn_ckpt}")
+        fix.append(yarn_override(yarn_ckpt))
+    if rows:
+        raise ConfigError(f"{source}: the checkpoint's config does not match the model ({'; '.join(rows)}); build "
+                          f"the model from the checkpoint's config (dropless-train overrides: {' '.join(fix)})")

@@ -1,6 +1,6 @@
 """Token dispatchers: how the rank's tokens reach their experts (``dispatcher=…``).
 
-DESIGN.md's dispatcher table: ``local``, ``a2a``, ``agrs``, ``fsdp``, ``deepep``. All land
+The dispatchers of docs/design.md#dispatchers: ``local``, ``a2a``, ``agrs``, ``fsdp``, ``deepep``. All land
 expert-sorted, aligned rows with an :class:`~dropless.layout.ExpertLayout` and give the same
 outputs and gradients as ``local`` on the same global batch.
 

@@ -2,7 +2,7 @@
 
 Expert ``g`` (global id) lives on EP rank ``g // e`` (``e = E / EP``), as local expert ``g % e``.
 
-One layer call, on each rank (DESIGN.md "The pipeline", dispatcher table)::
+One layer call, on each rank (docs/design.md#the-pipeline, #dispatchers)::
 
     sort the rank's (token, choice) pairs by global expert      -> send buffer [T·k, H]
       (rows grouped by destination rank, within it by expert; direct gather from x_TH)
@@ -13,7 +13,8 @@ One layer call, on each rank (DESIGN.md "The pipeline", dispatcher table)::
     ... experts ...
     gather each received row's output back into received order -> [R, H]
     all_to_all_single back (reversed splits)                    -> [n_send, H] in send order
-    weighted sum over k at the source, fp32, j = 0 … k-1          -> y_TH   (same formula as ``local``)
+    weighted sum over k at the source, fp32, j = 0 … k-1,
+      + the shared experts' output, rounded once                 -> y_TH   (same formula as ``local``)
 
 Host synchronisation: exactly one per :meth:`dispatch` — ``all_to_all_single`` takes its
 split sizes as host integers, so after the (device) count exchange the 2·EP row totals
@@ -127,7 +128,7 @@ class A2ADispatcher(Dispatcher):
         return Pending(finish)
 
     # ------------------------------------------------------------------- combine
-    def combine_async(self, y_MH, handle: A2AHandle) -> Pending:
+    def combine_async(self, y_MH, handle: A2AHandle, addend_TH=None) -> Pending:
         back_RH = combine_rows(y_MH, handle.recv_dest_R1, None)  # received order, live rows only
         op = CollOp("a2a", self.group, self._what("combine all-to-all"), handle.send_splits, handle.recv_splits,
                     self.comm)
@@ -135,6 +136,6 @@ class A2ADispatcher(Dispatcher):
 
         def finish() -> torch.Tensor:
             back_NH = wait(sent, op)
-            return combine_rows(back_NH, handle.send_dest_Tk, handle.weight_Tk)
+            return combine_rows(back_NH, handle.send_dest_Tk, handle.weight_Tk, addend_TH)
 
         return Pending(finish)

@@ -1,12 +1,13 @@
 """``agrs``: every token to every EP rank (all-gather), partial outputs back (reduce-scatter).
 
-One layer call, on each of the ``EP`` ranks of the group (DESIGN.md dispatcher table)::
+One layer call, on each of the ``EP`` ranks of the group (docs/design.md#dispatchers)::
 
     all_gather_into_tensor  x_TH, topk_idx_Tk, topk_weight_Tk  -> [EP·T, H], [EP·T, k], [EP·T, k]
     select the gathered choices whose expert is local (ids outside [offset, offset+e) are
       "not here"), sort them by local expert, aligned to A      -> rows_MH + ExpertLayout
     ... experts ...
-    partial[n] = Σ_{j local} w[n, j]·y[dest[n, j]]  (fp32, j = 0 … k-1) for ALL EP·T tokens
+    partial[n] = Σ_{j local} w[n, j]·y[dest[n, j]]  (fp32, j = 0 … k-1) for ALL EP·T tokens,
+      + the shared experts' output on this rank's own T rows (same fp32 sum, one rounding)
     reduce_scatter_tensor (SUM)                                  -> y_TH
 
 No host synchronisation and static shapes: ``M`` is the static bound
@@ -18,9 +19,10 @@ Backward: the all-gather's VJP is a reduce-scatter (SUM) of the gathered gradien
 rank's ``dx_TH`` is the sum over EVERY rank's experts — not only the gradient through its
 own experts — and likewise for the routing weights; the reduce-scatter's VJP is an all-gather.
 
-Precision: each rank sums its local choices in fp32 and rounds to ``y``'s dtype before the
-reduce-scatter, which then adds the EP partials in that dtype (exact match to ``local``
-within fp32 rounding for fp32; one extra rounding per rank for bf16).
+Precision: each rank sums its local choices (and, on its own tokens, the shared experts'
+output) in fp32 and rounds to ``y``'s dtype before the reduce-scatter, which then adds the
+EP partials in that dtype (exact match to ``local`` within fp32 rounding for fp32; one
+rounding at EP = 1 as ``local``, one extra rounding per further rank for bf16).
 
 Bytes counted per call (``self.comm``, forward + backward), with ``b`` the activation bytes:
 all-gather of ``x``: ``(EP-1)·T·H·b`` sent and received; of the routing: ``(EP-1)·T·k·(8 + 4)``;
@@ -91,8 +93,10 @@ class AGRSDispatcher(Dispatcher):
 
         return Pending(finish)
 
-    def combine_async(self, y_MH, handle: AGRSHandle) -> Pending:
-        partial_NH = combine_rows(y_MH, handle.dest_Nk, handle.weight_Nk)  # [EP·T, H], local choices only
+    def combine_async(self, y_MH, handle: AGRSHandle, addend_TH=None) -> Pending:
+        # [EP·T, H], local choices only; the addend joins this rank's own T rows in the fp32 sum
+        t = handle.dest_Nk.shape[0] // self.ep_size
+        partial_NH = combine_rows(y_MH, handle.dest_Nk, handle.weight_Nk, addend_TH, self.ep_rank * t)
         op = CollOp("rs", self.group, self._what("output reduce-scatter"), comm=self.comm)
         out = start(partial_NH, op)
         return Pending(lambda: wait(out, op))

@@ -2,7 +2,7 @@
 
 A dispatcher takes the rank's tokens and their routing and lands the rows
 for this rank's ``e`` local experts in one expert-sorted, aligned buffer with
-an :class:`~dropless.layout.ExpertLayout` (DESIGN.md "The pipeline"); after
+an :class:`~dropless.layout.ExpertLayout` (docs/design.md#the-pipeline); after
 the experts ran, ``combine`` brings their outputs back to the original token
 order as the weighted sum over ``k``.
 
@@ -149,9 +149,14 @@ class Dispatcher(ABC):
         """
 
     @abstractmethod
-    def combine_async(self, y_MH: torch.Tensor, handle: Any) -> Pending:
+    def combine_async(self, y_MH: torch.Tensor, handle: Any, addend_TH: torch.Tensor | None = None) -> Pending:
         """Issue the combine of ``[M, H]`` expert outputs; ``.wait()`` gives ``[T, H]`` in the
-        original token order (weighted sum over k, fp32 accumulation)."""
+        original token order (weighted sum over k, fp32 accumulation).
+
+        ``addend_TH``: ``[T, H]`` (the shared experts' output) added to the fp32 sum before its
+        rounding to ``y_MH``'s dtype, so that the layer's output is rounded once where the
+        dispatcher's own combine is (every dispatcher's docstring says where that is); its
+        gradient is the output's. None: the routed sum alone."""
 
     def dispatch(self, x_TH: torch.Tensor, topk_idx_Tk: torch.Tensor, topk_weight_Tk: torch.Tensor, *,
                  alignment: int = 1, capacity: int | None = None, fold_weights: bool = False) -> Dispatched:
@@ -159,9 +164,9 @@ class Dispatcher(ABC):
         return self.dispatch_async(x_TH, topk_idx_Tk, topk_weight_Tk, alignment=alignment, capacity=capacity,
                                    fold_weights=fold_weights).wait()
 
-    def combine(self, y_MH: torch.Tensor, handle: Any) -> torch.Tensor:
+    def combine(self, y_MH: torch.Tensor, handle: Any, addend_TH: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`combine_async` waited on at once: ``y_TH``."""
-        return self.combine_async(y_MH, handle).wait()
+        return self.combine_async(y_MH, handle, addend_TH).wait()
 
     def dispatch_source(self, x_TH: torch.Tensor, topk_idx_Tk: torch.Tensor, topk_weight_Tk: torch.Tensor, *,
                         alignment: int = 1, capacity: int | None = None, fold_weights: bool = False) -> Dispatched:

@@ -64,7 +64,7 @@ HOST_STAGED: set[str] = set()
 class CommStats:
     """Bytes this rank sent and received in collectives since the last :meth:`reset` (host ints).
 
-    Counted from the shapes handed to the collectives (payload bytes, as DESIGN.md's cost
+    Counted from the shapes handed to the collectives (payload bytes, as docs/design.md#dispatchers's cost
     table counts them), forward and backward together.
     """
 

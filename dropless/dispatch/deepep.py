@@ -28,6 +28,8 @@ received buffers.
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,11 +177,44 @@ class _V1Dispatch(torch.autograd.Function):
         return gx, gw, None, None, None
 
 
+def _bias(addend_TH: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
+    """The addend as DeepEP's combine ``bias``: ``[T, H]`` in the rows' dtype, contiguous."""
+    return None if addend_TH is None else addend_TH.to(like.dtype).contiguous()
+
+
+def _combine_with_bias(combine, x: torch.Tensor, bias: torch.Tensor | None, **kw) -> torch.Tensor:
+    """DeepEP's ``combine(x, ..., bias=bias)``: the bias added to the fp32 sum before its one rounding.
+
+    A DeepEP without the ``bias`` argument (older releases) gets the plain combine and the bias
+    added after it, in fp32 and rounded again (two roundings), with a warning saying so.
+    """
+    if bias is None:
+        return combine(x, **kw)[0]
+    try:
+        takes_bias = "bias" in inspect.signature(combine).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: assume a current DeepEP
+        takes_bias = True
+    if takes_bias:
+        return combine(x, bias=bias, **kw)[0]
+    warnings.warn("dispatcher=deepep: this deep_ep's combine has no 'bias' argument, so the shared experts' "
+                  "output is added after it (the bf16 output is rounded twice); update DeepEP for one rounding",
+                  stacklevel=2)
+    out = combine(x, **kw)[0]
+    return (out.float() + bias.float()).to(out.dtype)
+
+
+def _bias_grad(ctx, g: torch.Tensor) -> torch.Tensor | None:
+    """The gradient of the combine's ``bias`` input: the output's, in the addend's dtype."""
+    return g.to(ctx.addend_dtype) if ctx.addend_dtype is not None and ctx.needs_input_grad[3] else None
+
+
 class _V1Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, partial_NH, disp, handle):
+    def forward(ctx, partial_NH, disp, handle, addend_TH):
         ctx.disp, ctx.handle = disp, handle
-        out, _w, _ev = disp._v1.combine(partial_NH.contiguous(), handle)
+        ctx.addend_dtype = None if addend_TH is None else addend_TH.dtype
+        out = _combine_with_bias(disp._v1.combine, partial_NH.contiguous(), _bias(addend_TH, partial_NH),
+                                 handle=handle)
         disp._count(partial_NH)
         return out
 
@@ -187,7 +222,7 @@ class _V1Combine(torch.autograd.Function):
     def backward(ctx, g):
         gx, *_ = ctx.disp._v1.dispatch(g.contiguous(), handle=ctx.handle)
         ctx.disp._count(gx)
-        return gx, None, None
+        return gx, None, None, _bias_grad(ctx, g)
 
 
 class _V2Dispatch(torch.autograd.Function):
@@ -211,9 +246,10 @@ class _V2Dispatch(torch.autograd.Function):
 
 class _V2Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y_MH, disp, handle):
+    def forward(ctx, y_MH, disp, handle, addend_TH):
         ctx.disp, ctx.handle = disp, handle
-        out, _w, _ev = disp._v2.combine(y_MH.contiguous(), handle=handle)
+        ctx.addend_dtype = None if addend_TH is None else addend_TH.dtype
+        out = _combine_with_bias(disp._v2.combine, y_MH.contiguous(), _bias(addend_TH, y_MH), handle=handle)
         disp._count(y_MH)
         return out
 
@@ -221,7 +257,7 @@ class _V2Combine(torch.autograd.Function):
     def backward(ctx, g):
         gx, *_ = ctx.disp._v2.dispatch(g.contiguous(), handle=ctx.handle)
         ctx.disp._count(gx)
-        return gx, None, None
+        return gx, None, None, _bias_grad(ctx, g)
 
 
 class DeepEPDispatcher(Dispatcher):
@@ -311,14 +347,16 @@ class DeepEPDispatcher(Dispatcher):
             return Dispatched(recv_x, layout, recv_w, DeepEPHandle(2, handle, None, None))
         return Dispatched(recv_x, layout, None, DeepEPHandle(2, handle, None, recv_w))
 
-    def combine_async(self, y_MH, handle: DeepEPHandle) -> Pending:
-        return Pending(value=self._combine(y_MH, handle))
+    def combine_async(self, y_MH, handle: DeepEPHandle, addend_TH=None) -> Pending:
+        return Pending(value=self._combine(y_MH, handle, addend_TH))
 
-    def _combine(self, y_MH, handle: DeepEPHandle) -> torch.Tensor:
+    def _combine(self, y_MH, handle: DeepEPHandle, addend_TH) -> torch.Tensor:
+        # the addend (shared experts' output) is DeepEP's combine ``bias``: its kernel adds it to
+        # the fp32 sum over the ranks before the one rounding of the output
         if handle.version == 1:
             partial = reduce_to_received(y_MH, handle.dest_Nk, handle.weight)
-            return _V1Combine.apply(partial, self, handle.handle)
+            return _V1Combine.apply(partial, self, handle.handle, addend_TH)
         y = y_MH
         if handle.weight is not None:  # DeepEP's combine adds slots without weights
             y = (y_MH.float() * handle.weight.float().unsqueeze(1)).to(y_MH.dtype)
-        return _V2Combine.apply(y, self, handle.handle)
+        return _V2Combine.apply(y, self, handle.handle, addend_TH)

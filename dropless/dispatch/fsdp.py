@@ -12,7 +12,7 @@ layer's experts are prefetched while this one computes (forward: explicit
 
 Needs torch >= 2.6 (FSDP2); runs on CPU with gloo and on GPU with NCCL.
 
-Bytes (DESIGN.md: "all expert weights of the layer; independent of T"): counted
+Bytes (docs/design.md#dispatchers: every expert weight of the layer, independent of T): counted
 analytically from the sharded parameters, since FSDP2 issues the collectives itself. Per
 layer call, with ``P`` the bytes of one rank's shard of the layer's expert weights (in the
 all-gather dtype: ``mp_policy.param_dtype`` or the parameter's) and ``G`` of its gradient

@@ -72,5 +72,5 @@ class LocalDispatcher(Dispatcher):
         return Dispatched(rows_MH, layout, row_w, LocalHandle(dest_Tk, None if fold_weights else topk_weight_Tk),
                           RowSource(x_TH, src_M, dest_Tk))
 
-    def combine_async(self, y_MH, handle: LocalHandle) -> Pending:
-        return Pending(value=combine_rows(y_MH, handle.dest_Tk, handle.weight_Tk))
+    def combine_async(self, y_MH, handle: LocalHandle, addend_TH=None) -> Pending:
+        return Pending(value=combine_rows(y_MH, handle.dest_Tk, handle.weight_Tk, addend_TH))

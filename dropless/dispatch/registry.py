@@ -27,7 +27,7 @@ DISPATCHER_CLASSES: dict[str, type[Dispatcher]] = {
     "local": LocalDispatcher, "a2a": A2ADispatcher, "agrs": AGRSDispatcher, "fsdp": FSDPDispatcher,
     "deepep": DeepEPDispatcher,
 }
-#: the names, in the README's order
+#: the names, in the order of docs/design.md#dispatchers
 DISPATCHERS = tuple(DISPATCHER_CLASSES)
 
 _OPTIONS = {"deepep": ("version", "num_max_tokens_per_rank")}  # constructor keywords beyond (E, group)

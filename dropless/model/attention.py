@@ -41,10 +41,9 @@ class _SplitLast(torch.autograd.Function):
     Autograd's own split backward concatenates the part gradients with ``CatArrayBatchedCopy``;
     here one ``copy_`` per part into an uninitialised buffer (:func:`_join_last`). A part with no
     gradient gets zeros. Forward returns views of ``x``, as ``split`` does. MLA uses it for
-    ``wkv_a``'s output ``[c | k_pe]``; with the copies that then built the keys
-    (:func:`~dropless.ops.keys_values.keys_values`) it removed the 7.8 ms of ``CatArrayBatchedCopy``
-    over MLA's parts from an eager ``h200_single`` step on the H200
-    (``benchmarks/results/h200_train_step_s14.jsonl``).
+    ``wkv_a``'s output ``[c | k_pe]``; with the copies that then build the keys
+    (:func:`~dropless.ops.keys_values.keys_values`) no ``CatArrayBatchedCopy`` over MLA's parts is
+    left in an eager step.
     """
 
     @staticmethod

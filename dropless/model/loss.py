@@ -5,7 +5,7 @@ most one chunk's logits ``[rows, V]`` exist at once, in the compute dtype (the h
 output); :func:`dropless.ops.softmax_ce.softmax_ce_grad_` computes the chunk's loss and
 gradient from them in fp32 (float64 for float64 inputs) and writes the gradient over the
 logits (one Triton kernel on CUDA: the chunk read twice, written once). The full ``[T, V]``
-fp32 logits of ``recipe=h200_single`` would be 17 GB (32,768 × 129,280 × 4 B). DESIGN.md
+fp32 logits of ``recipe=h200_single`` would be 17 GB (32,768 × 129,280 × 4 B). docs/design.md
 "Precision": the loss never materialises fp32 logits for the whole batch.
 
 Gradients are computed in the forward, chunk by chunk (the approach of Liger-Kernel's fused

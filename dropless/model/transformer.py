@@ -185,7 +185,7 @@ class Transformer(nn.Module):
         """The loss to backpropagate: mean next-token cross-entropy + Σ of the MoE layers' aux losses.
 
         Every factor the caller puts on ``.loss`` (``1/grad_accum``, a loss scale) scales the
-        aux losses' gradients too (DESIGN.md "Router": the effective α does not depend on
+        aux losses' gradients too (docs/design.md#the-router: the effective α does not depend on
         how a step is split). Runs through ``self(...)``, so FSDP2 and other module
         wrappers see the call.
 
@@ -354,7 +354,7 @@ class Transformer(nn.Module):
                 f"activation_checkpointing={self.activation_checkpointing}")
 
 
-# ---------------------------------------------------------------------- helpers
+# ---------------------------------------------------------------------- seeds
 def derive_seed(seed: int, name: str) -> int:
     """A 63-bit seed from a base seed and a name (CRC32 of the name; stable
     across processes and Python versions, unlike ``hash``)."""

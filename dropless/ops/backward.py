@@ -1,4 +1,4 @@
-"""Helpers for the custom autograd backward passes of the routed-expert path.
+"""Functions shared by the custom autograd backward passes of the routed-expert path.
 
 * :func:`first_order_only` — the backward passes of the MoE path's custom Functions are not
   differentiable (Triton kernels, inputs rebuilt by recompute, in-place accumulators), so a

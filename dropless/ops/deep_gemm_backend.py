@@ -6,7 +6,7 @@ are ``[align(end[i-1], A), end[i])`` with ``A`` DeepGEMM's M alignment
 (``get_mk_alignment_for_contiguous_layout()``, 128), and its ``grouped_layout`` argument is
 the int32 ``end[]`` on the device. So ``model.expert_alignment`` must equal that alignment
 (:meth:`DeepGemmBackend.check_alignment`, a configuration error otherwise); rows in the gaps
-and the tail are neither read as live rows nor promised in the output (DESIGN.md rules 2-3).
+and the tail are neither read as live rows nor promised in the output (docs/design.md#the-live-row-contract, rule 2-3).
 
 Operands (sm90 "1D2D" recipe): the left operand e4m3 with one fp32 scale per row per 128
 columns (:func:`~dropless.ops.fp8_quant.quant_rows` ``group=128``, live rows only; the FC2
@@ -23,7 +23,7 @@ raises a configuration error naming it. ``H`` and ``I`` must be multiples of 128
 
 Tested on CPU against a stand-in module with DeepGEMM's calling convention
 (``tests/fake_deep_gemm.py``) and, where the package imports, on the GPU against the stand-in
-(``tests/test_fp8_gpu.py::test_deep_gemm_backend_vs_its_cpu_stand_in``); README.md (FP8 experts)
+(``tests/test_fp8_gpu.py::test_deep_gemm_backend_vs_its_cpu_stand_in``); docs/performance.md (FP8 experts)
 names the DeepGEMM version this ran with.
 """
 
@@ -53,7 +53,7 @@ def import_deep_gemm() -> ModuleType:
     except ImportError as e:
         raise ConfigError(
             "gemm=deep_gemm needs the deep_gemm package (DeepSeek's DeepGEMM, github.com/deepseek-ai/DeepGEMM, "
-            f"built from source for this CUDA and torch: README.md, FP8 experts) and a CUDA GPU of compute "
+            f"built from source for this CUDA and torch: docs/performance.md, FP8 experts) and a CUDA GPU of compute "
             f"capability >= 9.0; the package does not import here ({e}); install it, or use gemm=fp8 (torch's "
             "FP8 grouped GEMM, on a GPU of compute capability >= 8.9) or gemm=torch (any device)") from e
     missing = [f for f in (GEMM_FN, ALIGN_FN) if not hasattr(deep_gemm, f)]

@@ -9,9 +9,9 @@ expert's segment, rows follow their flat index. That is the order the combine's 
 dispatcher's tests rely on, and both paths give it exactly (integers only, nothing rounds).
 
 The Triton path is three launches and no host sync. It replaces the reference's sort, binary
-search, prefix sums and scatters, about forty small operators whose host-side cost, not their GPU
-time, made each MoE layer's dispatch about 1 ms of an eager step in which the GPU waited
-(``benchmarks/results/h200_host_timeline_s19.json``):
+search, prefix sums and scatters, about forty small operators whose host-side launch cost, not their GPU
+time, kept the GPU waiting in an eager step
+(``benchmarks/results/host_timeline_h200_2026-12-03.json``):
 
 1. ``_hist_kernel``: each program counts the choices of its ``BLOCK`` consecutive flat entries per
    expert, ``hist[i, b]``;

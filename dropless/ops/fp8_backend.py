@@ -13,8 +13,8 @@ rules and the accumulating Triton kernel are that backend's); ``wgrad="fp8"`` /
 ``"fp8_expert"`` runs it in FP8 instead: both operands quantised along the rows (the
 contracted dimension) with scales per 128-row block or per expert, then
 :func:`dropless.ops.triton_wgrad.fp8_grouped_wgrad_` (needs an expert alignment that is a
-multiple of 128). Not the default: at the seed's shape it is no faster than bf16 yet (the
-separate quantisation passes cost what the FP8 GEMM saves; README "FP8 experts").
+multiple of 128). Not the default: at DeepSeek-V3's per-rank shape it is no faster than bf16 yet (the
+separate quantisation passes cost what the FP8 GEMM saves; docs/performance.md#fp8-experts).
 
 Weight copies are cached: :meth:`Fp8Backend.weight` keys on the tensor that owns the
 weight's storage (a view's ``_base``; or the parameter registered with :meth:`Fp8Backend.alias`

@@ -19,11 +19,12 @@ Ops (each picks its Triton kernel or its torch reference in one place, :func:`dr
   ``scale [e, N/128, K/128]`` (DeepGEMM's weight operand).
 
 Scales: ``scale = max(amax, 1e-12) / 448`` (448 = largest finite e4m3), so ``|q| <= 448``;
-with ``ue8m0`` the power-of-two ceiling of that (exactly representable in UE8M0).
+with ``ue8m0`` the power-of-two ceiling of that (exactly representable in UE8M0), read from the
+fp32 scale's bits (:mod:`dropless.ops.ue8m0`: DeepGEMM's scales bit for bit, ``amax / scale <= 448``).
 With a layout, the Triton kernels walk rows ``[start[i], end[i])`` of each expert only
 (program ``(p, i)`` takes blocks ``p, p + P, …`` of expert ``i``'s rows; a block is ``BLOCK_M``
 whole rows with one scale per row, ``BLOCK_M`` rows × up to 1,024 columns with ``group=128``):
-padding rows of ``q`` and ``scale`` stay unwritten and cost nothing (DESIGN.md rules 2-3).
+padding rows of ``q`` and ``scale`` stay unwritten and cost nothing (docs/design.md#the-live-row-contract, rule 2-3).
 The torch references compute every row.
 
 Non-finite input: a live row holding NaN or ±Inf has no usable scale. Every op here counts
@@ -39,6 +40,7 @@ import torch
 from dropless.layout import ExpertLayout
 from dropless.ops import select
 from dropless.ops.swiglu import FP8_MAX  # the one definition (448, largest finite e4m3)
+from dropless.ops.ue8m0 import pow2_ceil
 
 FP8_DTYPE = torch.float8_e4m3fn
 SCALE_EPS = 1e-12  # floor of amax, so an all-zero row gets a finite scale
@@ -49,6 +51,8 @@ NONFINITE_MSG = ("dropless gemm=fp8: a live row holds NaN or Inf, so its FP8 sca
 if select.HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from dropless.ops.ue8m0 import pow2_ceil_bits
 
     @triton.jit
     def _quant_block(x_ptr, q_ptr, s_ptr, flag_ptr, r0, hi, c0, K, stride_x, stride_q, stride_s,
@@ -72,17 +76,17 @@ if select.HAS_TRITON:
         bad = tl.sum(tl.sum(tl.where(mask & ~(tl.abs(a) <= 3.4028234663852886e38), 1, 0), axis=1), axis=0)
         if GROUP == 0:  # one scale per row
             amax = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-12)
-            scale = amax / 448.0
+            scale = tl.math.div_rn(amax, 448.0)
             if UE8M0:
-                scale = tl.exp2(tl.ceil(tl.log2(scale)))
+                scale = pow2_ceil_bits(scale)
             q = tl.clamp(tl.math.div_rn(a, scale[:, None]), -448.0, 448.0)
             tl.store(s_ptr + rows, scale, mask=rmask)
         else:  # one scale per row per GROUP columns (K a multiple of GROUP; BLOCK_K of them)
             a3 = tl.reshape(a, (BLOCK_M, BLOCK_K // GROUP, GROUP))
             amax = tl.maximum(tl.max(tl.abs(a3), axis=2), 1e-12)
-            scale = amax / 448.0
+            scale = tl.math.div_rn(amax, 448.0)
             if UE8M0:
-                scale = tl.exp2(tl.ceil(tl.log2(scale)))
+                scale = pow2_ceil_bits(scale)
             q = tl.reshape(tl.clamp(tl.math.div_rn(a3, scale[:, :, None]), -448.0, 448.0), (BLOCK_M, BLOCK_K))
             grp = c0 // GROUP + tl.arange(0, BLOCK_K // GROUP)[None, :]
             tl.store(s_ptr + r64 * stride_s + grp, scale, mask=rmask[:, None] & (grp * GROUP < K))
@@ -137,9 +141,9 @@ if select.HAS_TRITON:
             amax = tl.maximum(amax, tl.max(tl.abs(a), axis=0))
             bad += tl.sum(tl.where(m & ~(tl.abs(a) <= 3.4028234663852886e38), 1, 0), axis=0)
         amax = tl.maximum(amax, 1e-12)
-        scale = amax / 448.0  # the expressions of _quant_block: equal scales and codes bit for bit
+        scale = tl.math.div_rn(amax, 448.0)  # _quant_block's expressions: equal scales and codes bit for bit
         if UE8M0:
-            scale = tl.exp2(tl.ceil(tl.log2(scale)))
+            scale = pow2_ceil_bits(scale)
         scale = tl.where(bad > 0, float("nan"), scale)
         tl.store(s_ptr + ex * N + cols, scale, mask=cmask)
         qbase = q_ptr + ex * N * K + cols[:, None].to(tl.int64) * K
@@ -194,9 +198,9 @@ if select.HAS_TRITON:
             else:
                 if PASS == 0:
                     amax = tl.maximum(tl.max(tl.abs(a), axis=0), 1e-12)
-                    scale = amax / 448.0  # the expressions of _quant_block
+                    scale = tl.math.div_rn(amax, 448.0)  # the expressions of _quant_block
                     if UE8M0:
-                        scale = tl.exp2(tl.ceil(tl.log2(scale)))
+                        scale = pow2_ceil_bits(scale)
                     tl.store(s_ptr + b.to(tl.int64) * K + cols, scale, mask=cmask)
                 else:
                     scale = tl.load(s_ptr + ex.to(tl.int64) * K + cols, mask=cmask, other=1.0)
@@ -220,9 +224,9 @@ def _launch(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, flag: torch.Tenso
         block_k = min(block_k, triton.next_power_of_2(k))
     else:  # one scale per row: a block holds whole rows
         block_k = triton.next_power_of_2(k)
-        if block_k <= 1024 and layout is not None:  # measured on an H200 at K = 512 / 1024 over 64 experts
-            block_m, num_warps, per_sm = 4, 4, 32    # (h200_fp8_quant_s8.jsonl); the dense path is slower with it
-        elif layout is not None:  # K 2,048-7,168 over the seed's 4 experts (h200_fp8_quant_s9.jsonl)
+        if block_k <= 1024 and layout is not None:  # the best at K = 512 / 1024 over 64 experts
+            block_m, num_warps, per_sm = 4, 4, 32    # (benchmarks/results/fp8_kernels.jsonl); dense: slower
+        elif layout is not None:  # K 2,048-7,168 over the per-rank shape's 4 experts (fp8_kernels.jsonl)
             block_m, num_warps, per_sm = 1, 8, 32
         else:  # 8-16 KiB of input per block
             block_m = max(1, min(16, 8192 // block_k))
@@ -251,7 +255,7 @@ def _quant_torch(a: torch.Tensor, ue8m0: bool, group: int = 0) -> tuple[torch.Te
     a3 = a.view(m, 1, k) if group == 0 else a.view(m, k // group, group)
     scale = a3.abs().amax(-1).clamp_min(SCALE_EPS) / FP8_MAX
     if ue8m0:
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+        scale = pow2_ceil(scale)
     q = (a3 / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(m, k)
     return q, (scale.view(m) if group == 0 else scale), bad
 
@@ -335,7 +339,7 @@ def swiglu_quant_rows(h13_MI2: torch.Tensor, layout: ExpertLayout | None = None,
 
 TOKEN_BLOCK = 128  # rows per scale block of quant_token_blocks (the FP8 weight gradient's contracted dim)
 TOKEN_COLS, TOKEN_WARPS = 64, 4  # columns per program and warps of the token-block kernels (the best of 5
-#                                   launches on an H200 at K 7,168 / 4,096: h200_fp8_wgrad_s10.jsonl)
+#                                   launches at K 7,168 / 4,096: benchmarks/results/moe_layer.jsonl)
 
 
 def _token_shape(name: str, x_MK: torch.Tensor, layout: ExpertLayout) -> tuple[int, int, int, int]:
@@ -395,7 +399,7 @@ def quant_token_blocks(x_MK: torch.Tensor, layout: ExpertLayout, ue8m0: bool = F
         a = torch.cat([a, a.new_zeros(mp - m, k)]).view(nblk, TOKEN_BLOCK, k)
         s = a.abs().amax(1).clamp_min(SCALE_EPS) / FP8_MAX
         if ue8m0:
-            s = torch.exp2(torch.ceil(torch.log2(s)))
+            s = pow2_ceil(s)
         q = (a / s.unsqueeze(1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(mp, k).t().contiguous()
     if check_finite:
         torch._assert_async(bad == 0, NONFINITE_MSG)
@@ -436,7 +440,7 @@ def quant_expert_columns(x_MK: torch.Tensor, layout: ExpertLayout, ue8m0: bool =
                                     PASS=1, **args)
         s = amax.clamp_min(SCALE_EPS) / FP8_MAX
         if ue8m0:
-            s = torch.exp2(torch.ceil(torch.log2(s)))
+            s = pow2_ceil(s)
         if nblk and k and e:
             _quant_tok_kernel[grid](x, q, s, flag, layout.start, layout.end, e, k, x.stride(0), q.stride(0),
                                     PASS=2, **args)
@@ -450,7 +454,7 @@ def quant_expert_columns(x_MK: torch.Tensor, layout: ExpertLayout, ue8m0: bool =
         amax.scatter_reduce_(0, rex[live].unsqueeze(1).expand(-1, k), a[live].abs(), reduce="amax")
         s = amax.clamp_min(SCALE_EPS) / FP8_MAX
         if ue8m0:
-            s = torch.exp2(torch.ceil(torch.log2(s)))
+            s = pow2_ceil(s)
         q = (a / s[rex]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         q = torch.cat([q, q.new_zeros(mp - m, k)]).t().contiguous()
     if check_finite:
@@ -531,7 +535,7 @@ def quant_weight_blocks(w_eKN: torch.Tensor, contract_dim: int = 1, ue8m0: bool 
     blocks = blocks.view(e, n // BLOCK, BLOCK, k // BLOCK, BLOCK)
     scale = blocks.abs().amax(dim=(2, 4)).clamp_min(SCALE_EPS) / FP8_MAX
     if ue8m0:
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+        scale = pow2_ceil(scale)
     q = (blocks / scale[:, :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).reshape(e, n, k)
     torch._assert_async(torch.isfinite(scale).all(), "dropless gemm=deep_gemm: an expert weight holds NaN or Inf")
     return q, scale

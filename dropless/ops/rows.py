@@ -12,9 +12,10 @@ Ops (each picks its Triton kernel or its torch reference in one place, :func:`dr
 * :func:`regather_rows` — a backward's re-gather (``recompute_gather``): :func:`gather_rows`
   that ``torch.compile`` keeps in the backward (an opaque op taking a tensor of the backward).
 * :func:`gather_sum` — ``out[n] = Σ_j w[n, j] · rows[dest[n, j]]``, ``j = 0 … k-1`` in this
-  fixed order, accumulated in fp32 (fp64 for fp64 rows): the combine's forward (with
-  weights) and the permutation's backward (without). A choice with ``dest < 0`` is never
-  read (``0 · NaN = NaN``).
+  fixed order, accumulated in fp32 (fp64 for fp64 rows), plus an optional addend row added
+  to the same accumulator, rounded once: the combine's forward (with weights, and the
+  shared experts' output as the addend) and the permutation's backward (without). A
+  choice with ``dest < 0`` is never read (``0 · NaN = NaN``).
 * :func:`combine_bwd` — for each choice ``grad_rows[dest] = w · grad_out`` (padding rows of
   ``grad_rows`` unwritten) and ``grad_w[n, j] = <grad_out[n], rows[dest[n, j]]>`` in fp32.
 
@@ -50,8 +51,9 @@ if select.HAS_TRITON:
                 tl.store(out_ptr + tl.maximum(d, 0).to(tl.int64) * stride_o + cols, v, mask=cmask & ok)
 
     @triton.jit
-    def _gather_sum_kernel(rows_ptr, dest_ptr, w_ptr, out_ptr, H, stride_r, stride_o, K: tl.constexpr,
-                           HAS_W: tl.constexpr, NUM_HB: tl.constexpr, BLOCK_H: tl.constexpr):
+    def _gather_sum_kernel(rows_ptr, dest_ptr, w_ptr, add_ptr, out_ptr, H, stride_r, stride_a, stride_o, add_row0,
+                           add_rows, K: tl.constexpr, HAS_W: tl.constexpr, HAS_ADD: tl.constexpr,
+                           NUM_HB: tl.constexpr, BLOCK_H: tl.constexpr):
         n = tl.program_id(0)
         for hb in tl.static_range(NUM_HB):
             cols = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -65,6 +67,11 @@ if select.HAS_TRITON:
                 if HAS_W:
                     r = r * tl.load(w_ptr + n * K + j).to(tl.float32)
                 acc += r
+            if HAS_ADD:  # the addend's row, added to the fp32 sum before the one rounding
+                a = n - add_row0
+                mine = ((cols * 0 + a) >= 0) & ((cols * 0 + a) < add_rows)
+                acc += tl.load(add_ptr + tl.maximum(a, 0).to(tl.int64) * stride_a + cols, mask=cmask & mine,
+                               other=0.0).to(tl.float32)
             tl.store(out_ptr + n.to(tl.int64) * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
     @triton.jit
@@ -107,7 +114,7 @@ class RowSource:
     as ``Σ_j grad_rows[dest_Nk[n, j]]``. Dispatchers that land rows by a local gather
     (``local``, ``fsdp``) can return this, so that the experts save ``x_NH`` (which the
     router keeps anyway) and re-gather in backward instead of saving ``[M, H]``
-    (``recompute_gather``; seed 003 §4: the buffer is ``k``× the layer input).
+    (``recompute_gather``; docs/design.md#memory: the buffer is ``k``× the layer input).
 
     Attributes:
         x_NH: ``[N, H]`` source rows. src_M: int64 ``[M]`` (``-1`` on padding).
@@ -134,14 +141,17 @@ def _scatter_launch(x: torch.Tensor, dest: torch.Tensor, out: torch.Tensor, bloc
                                BLOCK_H=bh, num_warps=num_warps)
 
 
-def _gather_sum_launch(rows: torch.Tensor, dest: torch.Tensor, weight: torch.Tensor | None, out: torch.Tensor,
-                   block_h: int, num_warps: int) -> None:
+def _gather_sum_launch(rows: torch.Tensor, dest: torch.Tensor, weight: torch.Tensor | None,
+                       addend: torch.Tensor | None, addend_row0: int, out: torch.Tensor, block_h: int,
+                       num_warps: int) -> None:
     n, k = dest.shape
     h = rows.shape[1]
     bh = _block_h(h, block_h)
-    _gather_sum_kernel[(n,)](rows, dest, weight if weight is not None else dest, out, h, rows.stride(0),
-                             out.stride(0), K=k, HAS_W=weight is not None, NUM_HB=-(-h // bh), BLOCK_H=bh,
-                             num_warps=num_warps)
+    add = addend if addend is not None else out
+    _gather_sum_kernel[(n,)](rows, dest, weight if weight is not None else dest, add, out, h, rows.stride(0),
+                             add.stride(0), out.stride(0), addend_row0, addend.shape[0] if addend is not None else 0,
+                             K=k, HAS_W=weight is not None, HAS_ADD=addend is not None, NUM_HB=-(-h // bh),
+                             BLOCK_H=bh, num_warps=num_warps)
 
 
 def _combine_bwd_launch(grad: torch.Tensor, y: torch.Tensor | None, dest: torch.Tensor, weight: torch.Tensor | None,
@@ -193,8 +203,9 @@ def scatter_rows_torch(x_NH: torch.Tensor, dest_Nk: torch.Tensor, num_rows_M: in
     return out[:num_rows_M]
 
 
-def gather_sum_torch(rows_MH: torch.Tensor, dest_Nk: torch.Tensor, weight_Nk: torch.Tensor | None) -> torch.Tensor:
-    """Reference of :func:`gather_sum`: the same fixed ``j`` order, fp32 (fp64) accumulator."""
+def gather_sum_torch(rows_MH: torch.Tensor, dest_Nk: torch.Tensor, weight_Nk: torch.Tensor | None,
+                     addend_AH: torch.Tensor | None = None, addend_row0: int = 0) -> torch.Tensor:
+    """Reference of :func:`gather_sum`: the same fixed ``j`` order, fp32 (fp64) accumulator, the addend last."""
     n, k = dest_Nk.shape
     acc_dt = torch.promote_types(rows_MH.dtype, torch.float32)
     acc = torch.zeros(n, rows_MH.shape[1], dtype=acc_dt, device=rows_MH.device)
@@ -206,6 +217,10 @@ def gather_sum_torch(rows_MH: torch.Tensor, dest_Nk: torch.Tensor, weight_Nk: to
             r = r * weight_Nk[:, j : j + 1].to(acc_dt)
         # out of place, and no no-op .to(): it is a custom Function's output (rule in dropless.ops.backward)
         acc = acc + torch.where(live, r, torch.zeros((), device=r.device))
+    if addend_AH is not None:
+        lo, hi = addend_row0, addend_row0 + addend_AH.shape[0]
+        acc = torch.cat([acc[:lo], acc[lo:hi] + addend_AH.to(acc_dt), acc[hi:]]) if (lo, hi) != (0, n) \
+            else acc + addend_AH.to(acc_dt)
     return acc if acc.dtype == rows_MH.dtype else acc.to(rows_MH.dtype)
 
 
@@ -307,36 +322,53 @@ def regather_rows(x_NH: torch.Tensor, src_M: torch.Tensor, after: torch.Tensor) 
     return gather_rows(x_NH, src_M)
 
 
-def gather_sum(rows_MH: torch.Tensor, dest_Nk: torch.Tensor, weight_Nk: torch.Tensor | None) -> torch.Tensor:
-    """``out[n] = Σ_j w[n, j] · rows[dest[n, j]]`` over ``j = 0 … k-1`` in fp32 (fp64 for fp64 rows), fixed order.
+def gather_sum(rows_MH: torch.Tensor, dest_Nk: torch.Tensor, weight_Nk: torch.Tensor | None,
+               addend_AH: torch.Tensor | None = None, addend_row0: int = 0) -> torch.Tensor:
+    """``out[n] = Σ_j w[n, j] · rows[dest[n, j]] (+ addend[n - row0])`` in fp32 (fp64 for fp64 rows), rounded once.
+
+    The sum runs over ``j = 0 … k-1`` in this fixed order, then the addend's row (if any) is
+    added to the same fp32 accumulator, and the result is rounded to ``rows_MH``'s dtype once
+    (the MoE layer's shared-expert output joins the routed combine here, so a bf16 output is
+    not rounded twice). The addend costs one read of its rows, no extra pass.
 
     Args:
         rows_MH: ``[M, H]``; only rows named by ``dest_Nk`` are read.
         dest_Nk: int64 ``[N, k]``; a choice with ``dest < 0`` contributes nothing and its
             row is not read (a masked load, since ``0 · NaN = NaN``).
         weight_Nk: ``[N, k]`` weights (any float dtype), or None for a plain sum.
+        addend_AH: ``[A, H]`` (any float dtype; columns contiguous on the Triton path) added to
+            output rows ``addend_row0 … addend_row0 + A - 1``, or None.
+        addend_row0: first output row the addend covers (``0 <= row0``, ``row0 + A <= N``).
     Returns:
         ``[N, H]`` in ``rows_MH``'s dtype.
     Raises:
-        ValueError: wrong shapes or dtypes, strided columns on the Triton path.
+        ValueError: wrong shapes or dtypes, strided columns on the Triton path, an addend
+            outside the output rows.
     """
     kernel = select.use_triton(rows_MH) and rows_MH.dtype != torch.float64
     _check_rows("gather_sum", "rows", rows_MH, kernel)
     _check_dest("gather_sum", dest_Nk)
     if weight_Nk is not None and tuple(weight_Nk.shape) != tuple(dest_Nk.shape):
         raise ValueError(f"gather_sum: weight must be {list(dest_Nk.shape)} like dest, got {list(weight_Nk.shape)}")
-    if not kernel:
-        return gather_sum_torch(rows_MH, dest_Nk, weight_Nk)
     n, k = dest_Nk.shape
     h = rows_MH.shape[1]
+    if addend_AH is not None:
+        _check_rows("gather_sum", "addend", addend_AH, kernel)
+        if (addend_AH.shape[1] != h or not addend_AH.dtype.is_floating_point or addend_row0 < 0
+                or addend_row0 + addend_AH.shape[0] > n):
+            raise ValueError(f"gather_sum: addend must be a float [A, H={h}] tensor over output rows "
+                             f"row0 … row0 + A - 1 within [0, N={n}); got {tuple(addend_AH.shape)} "
+                             f"{addend_AH.dtype} at row0={addend_row0}")
+    if not kernel:
+        return gather_sum_torch(rows_MH, dest_Nk, weight_Nk, addend_AH, addend_row0)
+    if k == 0:  # nothing to gather: zeros plus the addend
+        return gather_sum_torch(rows_MH, dest_Nk, weight_Nk, addend_AH, addend_row0)
     out = rows_MH.new_empty(n, h)
     if n == 0:
         return out
-    if k == 0:
-        return rows_MH.new_zeros(n, h)
     launch = _gather_sum_op if torch.compiler.is_compiling() else _gather_sum_launch
-    launch(rows_MH, dest_Nk.contiguous(), weight_Nk.contiguous() if weight_Nk is not None else None, out, BLOCK_H,
-           NUM_WARPS)
+    launch(rows_MH, dest_Nk.contiguous(), weight_Nk.contiguous() if weight_Nk is not None else None, addend_AH,
+           addend_row0, out, BLOCK_H, NUM_WARPS)
     return out
 
 

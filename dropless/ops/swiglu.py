@@ -11,7 +11,7 @@ Ops (each picks its Triton kernel or its torch reference in one place, :func:`dr
   blockwise FP8 GEMMs), ``scale = amax / 448`` or its power-of-two ceiling (``ue8m0``).
 * :func:`swiglu` — the autograd op over :func:`swiglu_fwd` / :func:`swiglu_bwd` saving only ``h13``.
 
-The live-row contract (DESIGN.md rule 3, seed 000 §2-3): with a layout, each program of the
+The live-row contract (docs/design.md#the-live-row-contract, rule 3): with a layout, each program of the
 Triton kernel reads ``start``/``end`` on the device and walks live row blocks only in a
 grid-stride loop (:class:`LaunchConfig` says how the blocks are dealt out), so the work is
 bounded by live rows and padding rows of every output stay unwritten; there is no schedule
@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from dropless.layout import ExpertLayout
 from dropless.ops import select
 from dropless.ops.backward import first_order_only
+from dropless.ops.ue8m0 import pow2_ceil
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 QUANT_GROUP = 128  # columns per scale (1×128)
@@ -44,6 +45,8 @@ OP_FWD, OP_BWD, OP_QUANT = 0, 1, 2
 if select.HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from dropless.ops.ue8m0 import pow2_ceil_bits
 
     @triton.jit
     def _tile(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, dw_ptr, r0, hi, c0, I, stride_h, stride_do, stride_o, stride_s,
@@ -81,9 +84,9 @@ if select.HAS_TRITON:
         else:  # 1x128 e4m3: one scale per row per GROUP columns
             a = tl.reshape(g * s * u, (BLOCK_M, BLOCK_N // GROUP, GROUP))
             amax = tl.maximum(tl.max(tl.abs(a), axis=2), 1e-10)
-            scale = amax / 448.0
+            scale = tl.math.div_rn(amax, 448.0)
             if UE8M0:
-                scale = tl.exp2(tl.ceil(tl.log2(scale)))
+                scale = pow2_ceil_bits(scale)
             q = tl.reshape(tl.clamp(tl.math.div_rn(a, scale[:, :, None]), -448.0, 448.0), (BLOCK_M, BLOCK_N))
             tl.store(out_ptr + r64 * stride_o + cols[None, :],
                      q.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
@@ -174,7 +177,7 @@ class LaunchConfig:
             experts itself (``cumsum`` in registers) and takes tiles ``p, p + G, …``, so any
             split of the rows over the experts (one expert holding every row included) spreads
             over the whole GPU. ``"expert"``: a ``(P, e)`` grid; program ``(p, i)`` takes expert
-            ``i``'s tiles ``p, p + P, …`` (``program_id(1)`` picks the expert, as in seed 000).
+            ``i``'s tiles ``p, p + P, …`` (``program_id(1)`` picks the expert).
         block_m: rows per tile. block_n: columns per tile (a power of two; a multiple of 128
             for the quantisation). num_warps: warps per program.
         programs_per_sm: ``G`` (flat) or ``P·e`` (expert) is about this many programs per SM.
@@ -189,7 +192,7 @@ class LaunchConfig:
 
 #: Per op, the configs measured best on an H200 (benchmarks/live_rows.py --sweep): the full
 #: buffer's time first (what training sees), then 3,072 live of 28,672 rows, one expert holding
-#: every row not slower (benchmarks/results/h200_live_rows_*, h200_swiglu_ppm_s8.jsonl).
+#: every row not slower (benchmarks/results/live_rows.jsonl).
 DEFAULT_CONFIGS = {OP_FWD: LaunchConfig(programs_per_sm=64), OP_BWD: LaunchConfig(programs_per_sm=64),
                    OP_QUANT: LaunchConfig()}
 
@@ -326,7 +329,7 @@ def quant_fp8_torch(a_MI: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tens
     a = a_MI.float().view(m, i // QUANT_GROUP, QUANT_GROUP)
     scale = a.abs().amax(-1).clamp_min(1e-10) / FP8_MAX
     if ue8m0:
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+        scale = pow2_ceil(scale)
     q = (a / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.view(m, i), scale
 
@@ -476,7 +479,7 @@ def swiglu(h13_MI2: torch.Tensor, layout: ExpertLayout | None = None) -> torch.T
     """``silu(gate) * up`` on ``[M, 2I]`` (gate = first ``I`` columns) -> ``[M, I]``, same dtype, with autograd.
 
     Saves only ``h13`` for backward. With a ``layout`` on the Triton path only live rows are
-    computed (DESIGN.md rule 3) and padding rows of the result and of its gradient stay
+    computed (docs/design.md#the-live-row-contract, rule 3) and padding rows of the result and of its gradient stay
     unwritten; elsewhere every row is computed (padding rows give garbage, never read).
     Without a ``layout`` it is the plain torch expression (any rows, autograd of the torch ops).
     """

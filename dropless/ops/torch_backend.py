@@ -5,11 +5,11 @@ spans ``[end[i-1], end[i])``, i.e. the gap before expert ``i`` plus its live
 rows, so gap rows produce garbage only in gap rows of the output.
 
 The weight gradient must not see padding rows (a NaN there would poison
-``dw``; DESIGN.md rule 2). With ``A = 1`` there are no gaps and the ends are the
+``dw``; docs/design.md#the-live-row-contract, rule 2). With ``A = 1`` there are no gaps and the ends are the
 offsets. With ``A > 1`` the gap rows ``[end[i], start[i+1])`` of both operands
 are first overwritten with zeros (they are padding; :mod:`dropless.ops.zero_fill`),
 so the groups ``[end[i-1], end[i])`` add exact zeros for them. An empty expert
-is forced to an exact zero (case-01: some GPU kernels leave garbage for empty
+is forced to an exact zero (empty experts, docs/design.md#failure-classes: some GPU kernels leave garbage for empty
 groups). On CUDA, when one expert's weight-gradient tiles are fewer than the SMs,
 the weight gradient runs :func:`dropless.ops.triton_wgrad.grouped_wgrad` instead
 (largest experts first, live rows only; :func:`wgrad_by_triton` says why).
@@ -67,12 +67,9 @@ def wgrad_by_triton(x_MK: torch.Tensor, n: int) -> bool:
     On CUDA: when one expert's 128 x 128 output tiles are fewer than the GPU's SMs. ``grouped_mm``
     takes the experts in order, so there a large expert's long tiles run alone at the end;
     :func:`dropless.ops.triton_wgrad.grouped_wgrad_` starts the largest experts first and needs no
-    zero-fills. Measured on an H200 (``benchmarks/results/h200_wgrad_order_s17.jsonl``) at
-    h200_single's MoE shape (64 and 32 tiles per expert), FC1 + FC2 with the best tile config:
-    1.18 against 1.23 ms with balanced experts, 1.34 against 2.16 ms with one expert holding 36 %
-    of the rows; inside the step, 18.8 against 26 ms (``h200_train_step_s17.jsonl``). With
-    more tiles than SMs (the seed's FC1: 1,792 per expert) every SM gets tiles of every expert
-    and ``grouped_mm`` is faster (644 against 513 TFLOP/s, ``h200_fp8_wgrad_s10.jsonl``).
+    zero-fills. With more tiles than SMs (DeepSeek-V3's per-rank FC1: 1,792 per expert) every SM
+    gets tiles of every expert and ``grouped_mm`` is faster. The rule and its threshold come from
+    ``benchmarks/grouped_gemm.py`` (``benchmarks/results/grouped_gemm.jsonl``).
     Under Triton's interpreter (CPU tensors with ``select.FORCE_TRITON``): always."""
     if not select.use_triton(x_MK):
         return False

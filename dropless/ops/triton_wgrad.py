@@ -44,7 +44,7 @@ clone the whole ``dw`` on every timed run). Here the timed runs pass ``write=0``
 epilogue reads and writes every ``dw`` tile as a real run does but adds zero, so ``dw``
 keeps its values and no scratch ``dw`` is needed. The epilogue must be in the timing: at
 ~512 rows per expert it is a third of the kernel's time, and the config fastest without
-it is not the fastest with it (measured on an H200: 2.71 against 2.40 ms). The configs of
+it is not the fastest with it. The configs of
 one input dtype share ``BLOCK_R``, so the rows are summed in the same chunks whichever
 wins. Under ``TRITON_INTERPRET=1`` one small config is used and nothing is timed.
 """
@@ -243,9 +243,8 @@ def largest_first(counts_e: torch.Tensor) -> torch.Tensor:
 
     Why: a weight-gradient tile's time grows with its expert's rows. When an expert's tiles are
     fewer than the SMs, a schedule in expert order leaves the largest expert's long tiles to run
-    alone at the end (an H200 at h200_single's shape, one expert with 36 % of the rows: 1.09 ms
-    for ``grouped_mm``'s FC1 weight gradient against 0.65 balanced); started first, they overlap
-    the short tiles (0.81 ms; ``benchmarks/results/h200_wgrad_order_s17.jsonl``)."""
+    alone at the end ; started first, they overlap the short tiles
+    (``benchmarks/grouped_gemm.py`` measures both orders)."""
     return torch.argsort(counts_e, descending=True, stable=True).to(torch.int32)
 
 

@@ -4,7 +4,7 @@
   (at most ``(e-1)·(A-1)`` padding rows), so that a grouped weight-gradient GEMM over the
   unaligned ends ``[end[i-1], end[i])`` adds exact zeros for them instead of what they held.
 * :func:`zero_empty_experts_` — exact zeros into ``dW[i]`` of every expert with
-  ``counts[i] == 0`` (case-01: some grouped GEMMs leave garbage for empty groups).
+  ``counts[i] == 0`` (empty experts, docs/design.md#failure-classes: some grouped GEMMs leave garbage for empty groups).
 
 Both write in place, touch nothing else, and pick the Triton kernel or the torch
 reference in one place (:func:`dropless.ops.select.use_triton`). No host sync.

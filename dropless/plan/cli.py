@@ -18,7 +18,7 @@ __all__ = ["main"]
 
 # --------------------------------------------------------------------------- CLI
 _MODELS = {"deepseek_v3_671b": ModelArgs.deepseek_v3_671b}
-# The seed's reference rank (§1): 64-way EP (V3 paper), 8,192 tokens per rank (DeepEP's setting).
+# The reference rank of docs/design.md#a-worked-rank: 64-way EP (V3 paper), 8,192 tokens per rank (DeepEP's setting).
 _MODEL_DEFAULTS = {"deepseek_v3_671b": {"ep": 64, "tokens_per_rank": 8192, "seq_len": 4096}}
 
 

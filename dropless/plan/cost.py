@@ -1,9 +1,8 @@
 """The planner's cost model: rows, FLOPs, bytes and tiles of one MoE layer on one rank.
 
 Plain Python arithmetic on ints and floats, one function per formula.
-The formulas and the reference figures come from the seed
-``seeds/003_…`` ("Dropless 与分组矩阵乘"); each function names its section.
-The seed's reference rank (§1): DeepSeek-V3, H = 7168, I = 2048, E = 256,
+The reference rank of docs/design.md#a-worked-rank (the formulas of its byte counts:
+docs/design.md#dispatchers): DeepSeek-V3, H = 7168, I = 2048, E = 256,
 k = 8, EP = 64 (4 local experts), 8,192 tokens per rank, alignment A = 128,
 counts ``[21733, 15004, 17982, 10817]``. Figures reproduced (tests/test_plan.py):
 
@@ -22,12 +21,12 @@ EP ≈ 7, ≈ 131,000 tokens per rank            :func:`a2a_agrs_crossover_ep`,
 +199 %, +37 % (mean ≈ +19 %)                 :func:`tile_overhead_bound`
 32 rows per expert, 4× at A = 128            :func:`decode_alignment_cost`
 3.00 / 2.25 / 0.375 GiB (295B config)        :func:`activation_bytes`
-saved-for-backward by memory option          :func:`saved_bytes` (not a seed figure)
+saved-for-backward by memory option          :func:`saved_bytes` (not a reference-rank figure)
 671B total, 37B activated                    :func:`dropless.model.params.param_counts`
 ==========================================  ==============================
 
 Units: rows and tokens are counts; FLOPs are plain floating-point operations
-(a multiply-add is 2); bytes are bytes (MiB = 2**20, GiB = 2**30, as the seed
+(a multiply-add is 2); bytes are bytes (MiB = 2**20, GiB = 2**30, as docs/design.md#a-worked-rank
 uses them); "TFLOP" in the printed table is 1e12 FLOPs.
 
 Errors: bad input raises :class:`ValueError` naming the argument and the fix.
@@ -65,18 +64,18 @@ def positive_int(name: str, value: Any, fix: str = "") -> int:
 
 
 def cf_key(cf: float) -> str:
-    """``1.0`` -> ``"1.0"``, ``1.25`` -> ``"1.25"`` (the seed writes cf = 1.0, 1.5)."""
+    """``1.0`` -> ``"1.0"``, ``1.25`` -> ``"1.25"`` (as cf = 1.0, 1.5 are written)."""
     return repr(float(cf))
 
 
 def align_up(n: int, a: int) -> int:
-    """Round the row count ``n`` up to a multiple of ``a`` (``a >= 1``). Seed §3."""
+    """Round the row count ``n`` up to a multiple of ``a`` (``a >= 1``)."""
     positive_int("alignment", a, "use 1 (no alignment) or a tile height such as 128")
     return -(-n // a) * a
 
 
 def local_experts(n_routed_experts: int, ep_size: int) -> int:
-    """``e = E / EP``, the routed experts that live on one rank (seed §1: 256 / 64 = 4).
+    """``e = E / EP``, the routed experts that live on one rank (reference rank: 256 / 64 = 4).
 
     The rule is :func:`dropless.dispatch.mesh.local_expert_count`'s, named as the planner's
     arguments are.
@@ -110,14 +109,14 @@ def check_counts(counts: Iterable[int], n_local: int) -> list[int]:
     return out
 
 
-# --------------------------------------------------------------------------- rows (§1, §3)
+# --------------------------------------------------------------------------- rows
 def routed_rows(tokens_per_rank: int, k: int) -> int:
-    """Mean routed rows landed per rank per MoE layer, ``T·k``. Seed §1.
+    """Mean routed rows landed per rank per MoE layer, ``T·k``.
 
     The rows a rank *sends* are exactly ``T·k``; the rows it *receives* are data
     (they depend on every rank's routing) and equal ``T·k`` only on average
-    (seed §1: 8,192 × 8 = 65,536). Shared experts are not counted: they read
-    ``x_TH`` directly (seed §1, "第 9 个").
+    (reference rank: 8,192 × 8 = 65,536). Shared experts are not counted: they read
+    ``x_TH`` directly.
     """
     positive_int("tokens_per_rank", tokens_per_rank)
     positive_int("num_experts_per_tok", k)
@@ -125,7 +124,7 @@ def routed_rows(tokens_per_rank: int, k: int) -> int:
 
 
 def mean_rows_per_expert(tokens_per_rank: int, k: int, n_local: int) -> float:
-    """Mean rows per local expert, ``T·k / e`` (= ``T·EP·k / E``). Seed §1: 16,384."""
+    """Mean rows per local expert, ``T·k / e`` (= ``T·EP·k / E``). Reference rank: 16,384."""
     positive_int("n_local", n_local)
     return routed_rows(tokens_per_rank, k) / n_local
 
@@ -133,8 +132,8 @@ def mean_rows_per_expert(tokens_per_rank: int, k: int, n_local: int) -> float:
 def aligned_rows(counts: Sequence[int], alignment: int) -> int:
     """Rows computed when each expert's segment is padded to a multiple of ``A``: ``Σ align_up(c, A)``.
 
-    Seed §3: ``[21733, 15004, 17982, 10817]`` at A = 128 → 65,792 (+256 rows, +0.39 %).
-    Like the seed, this pads every segment, the last one included (the
+    Reference rank: ``[21733, 15004, 17982, 10817]`` at A = 128 → 65,792 (+256 rows, +0.39 %).
+    Like docs/design.md#a-worked-rank, this pads every segment, the last one included (the
     ExpertLayout's ``end[e-1]`` leaves the last segment unpadded, so it can be
     up to ``A - 1`` rows smaller).
     """
@@ -142,18 +141,18 @@ def aligned_rows(counts: Sequence[int], alignment: int) -> int:
 
 
 def alignment_bound_rows(n_local: int, alignment: int) -> int:
-    """Most padding rows alignment can add on one rank, ``e·(A - 1)``. Seed §3: 4 × 127 = 508 (0.78 %)."""
+    """Most padding rows alignment can add on one rank, ``e·(A - 1)``. Reference rank: 4 × 127 = 508 (0.78 %)."""
     positive_int("n_local", n_local)
     positive_int("alignment", alignment)
     return n_local * (alignment - 1)
 
 
-# --------------------------------------------------------------------------- FLOPs (§4)
+# --------------------------------------------------------------------------- FLOPs
 def flops_per_row_per_expert(hidden_size: int, moe_intermediate_size: int) -> int:
-    """Forward FLOPs of one row through one SwiGLU expert, ``2·3·H·I``. Seed §4.
+    """Forward FLOPs of one row through one SwiGLU expert, ``2·3·H·I``.
 
     Three matmuls (gate, up: H→I; down: I→H), 2 FLOPs per multiply-add; the
-    SwiGLU's elementwise work is not counted (as in the seed).
+    SwiGLU's elementwise work is not counted (as in docs/design.md#a-worked-rank).
     DeepSeek-V3: 2 × 7,168 × 2,048 × 3 = 88,080,384 ≈ 88.08 MFLOP.
     """
     positive_int("hidden_size", hidden_size)
@@ -163,9 +162,9 @@ def flops_per_row_per_expert(hidden_size: int, moe_intermediate_size: int) -> in
 
 def expert_flops(rows: float, hidden_size: int, moe_intermediate_size: int,
                  experts_per_row: int = 1) -> float:
-    """Forward FLOPs of the routed experts of one MoE layer on one rank. Seed §4.
+    """Forward FLOPs of the routed experts of one MoE layer on one rank.
 
-    ``rows · experts_per_row · 2·3·H·I``. The seed's four ways of counting
+    ``rows · experts_per_row · 2·3·H·I``. The four ways of counting
     (DeepSeek-V3 rank): live rows 65,536 → 5.772 TFLOP; aligned rows 65,792 →
     5.795; capacity factor 1.5, 98,304 rows → 8.659; ungrouped (every aligned
     row against all ``e`` = 4 local experts, ``experts_per_row = 4``) → 23.180.
@@ -176,11 +175,11 @@ def expert_flops(rows: float, hidden_size: int, moe_intermediate_size: int,
     return rows * experts_per_row * flops_per_row_per_expert(hidden_size, moe_intermediate_size)
 
 
-# --------------------------------------------------------------------------- capacity factor (§2, §6)
+# --------------------------------------------------------------------------- capacity factor
 def capacity_per_expert(tokens_per_rank: int, k: int, n_local: int, capacity_factor: float) -> int:
-    """Rows of the per-expert box of the old token-dropping scheme, ``ceil(cf · T·k / e)``. Seed §2.
+    """Rows of the per-expert box of the old token-dropping scheme, ``ceil(cf · T·k / e)``.
 
-    The box is a multiple of the *mean* rows per expert (seed §2: cf 1.0 → 16,384,
+    The box is a multiple of the *mean* rows per expert (reference rank: cf 1.0 → 16,384,
     cf 1.5 → 24,576). Rounded up to a whole row.
 
     Raises:
@@ -196,7 +195,7 @@ def capacity_per_expert(tokens_per_rank: int, k: int, n_local: int, capacity_fac
 
 @dataclass(frozen=True)
 class CapacityRow:
-    """One line of the seed's §6 trade-off table (per rank, per MoE layer).
+    """One line of the capacity-factor trade-off table (per rank, per MoE layer).
 
     Attributes:
         scheme: ``"cf=1.0"``, ``"cf=1.5"``, ... or ``"dropless A=128"``.
@@ -206,7 +205,7 @@ class CapacityRow:
         dropped_rows: live rows that do not fit their box (None without counts).
         padded_rows: zero/padding rows computed (None without counts).
         extra_compute: ``computed_rows / live_rows - 1`` (None without counts).
-        padded_fraction: ``padded_rows / live_rows``, the seed's "白算" column
+        padded_fraction: ``padded_rows / live_rows``, the share of the rows computed for nothing
             (cf 1.0: 10.6 %, cf 1.5: 50 %, dropless: 0.39 %; None without counts).
     """
 
@@ -222,12 +221,12 @@ class CapacityRow:
 
 def capacity_table(counts: Sequence[int] | None, tokens_per_rank: int, k: int, n_local: int,
                    capacity_factors: Sequence[float], alignment: int = 128) -> list[CapacityRow]:
-    """The capacity-factor rows beside the dropless one, for one count vector. Seed §2, §3, §6.
+    """The capacity-factor rows beside the dropless one, for one count vector.
 
     For capacity factor ``cf`` the box is :func:`capacity_per_expert`; a rank
     computes ``e·box`` rows, drops ``Σ max(c - box, 0)`` and pads
     ``Σ max(box - c, 0)``. Dropless (last row) drops nothing and pads
-    ``Σ align_up(c, A) - Σ c``. Seed §6 for the reference rank: cf 1.0 computes
+    ``Σ align_up(c, A) - Σ c``. For the reference rank: cf 1.0 computes
     65,536, drops 6,947, pads 6,947 (10.6 %); cf 1.5 computes 98,304, drops 0,
     pads 32,768 (+50 %); dropless A = 128 computes 65,792, pads 256 (+0.39 %).
 
@@ -258,10 +257,10 @@ def capacity_table(counts: Sequence[int] | None, tokens_per_rank: int, k: int, n
     return rows
 
 
-# --------------------------------------------------------------------------- activations (§4)
+# --------------------------------------------------------------------------- activations
 @dataclass(frozen=True)
 class ActivationBytes:
-    """Bytes of the large per-layer activations of one rank. Seed §4 ("那这一步占多少显存").
+    """Bytes of the large per-layer activations of one rank.
 
     Attributes:
         x: the layer input ``[T, H]``.
@@ -282,7 +281,7 @@ def activation_bytes(tokens: int, rows: int, hidden_size: int, moe_intermediate_
                      bytes_per_element: int = 2) -> ActivationBytes:
     """Per-layer activation bytes of one rank; ``rows`` are the landed rows (aligned where the layout pads).
 
-    Seed §4, bf16 (2 B): DeepSeek-V3 rank, T = 8,192, R = 65,792: x 0.11 GiB,
+    Reference rank, bf16 (2 B): DeepSeek-V3 rank, T = 8,192, R = 65,792: x 0.11 GiB,
     landed 0.88 GiB, gate‖up 0.50 GiB, SwiGLU 0.25 GiB, FC2 0.88 GiB.
     The 295B config (H 4,096, I 1,536, T = 49,152, R = 393,216, no alignment):
     x 0.375 GiB, sort buffer 3.00 GiB, gate‖up 2.25 GiB.
@@ -313,7 +312,7 @@ def saved_bytes(rows: int, hidden_size: int, moe_intermediate_size: int, setting
     * ``recompute_swiglu``: ``b·M·(2H + 2I)`` — no SwiGLU output;
     * ``recompute_fc1``: ``b·M·2H`` — no gate‖up either;
     * ``recompute_fc1+fold``: ``b·M·H`` — weights folded before FC2, so the FC2 output is
-      not kept: one copy of the landed rows (DESIGN.md's bound);
+      not kept: one copy of the landed rows (the bound of docs/design.md#memory);
     * ``recompute_fc1+fold+gather``: ``0`` — the rows are re-gathered from ``x`` (EP = 1).
 
     On top come the int64 indices (``16·T·k`` bytes and ``8·M`` with ``recompute_gather``) and
@@ -335,10 +334,10 @@ def saved_bytes(rows: int, hidden_size: int, moe_intermediate_size: int, setting
     return b * rows * per_row
 
 
-# --------------------------------------------------------------------------- communication (§14)
+# --------------------------------------------------------------------------- communication
 @dataclass(frozen=True)
 class CommBytes:
-    """Bytes one rank sends for one MoE layer's forward pass. Seed §14.
+    """Bytes one rank sends for one MoE layer's forward pass.
 
     Attributes:
         dispatcher: ``a2a``, ``agrs`` or ``fsdp``.
@@ -358,9 +357,9 @@ class CommBytes:
 
 def a2a_bytes(tokens_per_rank: int, k: int, hidden_size: int, dispatch_bytes: int = 1,
               combine_bytes: int = 2) -> CommBytes:
-    """All-to-all: ``T·k·H·dispatch_bytes`` out, ``T·k·H·combine_bytes`` back. Seed §14 ①.
+    """All-to-all: ``T·k·H·dispatch_bytes`` out, ``T·k·H·combine_bytes`` back.
 
-    As the seed counts it: every one of the ``T·k`` rows crosses the network
+    As docs/design.md#dispatchers counts it: every one of the ``T·k`` rows crosses the network
     once each way (no discount for rows whose expert is local, no node-level
     de-duplication). Independent of EP. DeepSeek-V3 rank: dispatch (fp8)
     448 MiB, combine (bf16) 896 MiB, 1.3125 GiB ≈ 1.31 GiB.
@@ -371,7 +370,7 @@ def a2a_bytes(tokens_per_rank: int, k: int, hidden_size: int, dispatch_bytes: in
 
 def agrs_bytes(tokens_per_rank: int, hidden_size: int, ep_size: int,
                bytes_per_element: int = 2) -> CommBytes:
-    """All-gather + reduce-scatter: ``(EP - 1)·T·H·2 B`` each way. Seed §14 ②.
+    """All-gather + reduce-scatter: ``(EP - 1)·T·H·2 B`` each way.
 
     Every token goes to every other EP rank (bf16), partial outputs come back by
     reduce-scatter (bf16). Grows with EP. DeepSeek-V3 rank, EP = 64:
@@ -385,7 +384,7 @@ def agrs_bytes(tokens_per_rank: int, hidden_size: int, ep_size: int,
 
 def expert_weight_bytes(n_experts: int, hidden_size: int, moe_intermediate_size: int,
                         bytes_per_element: int = 2) -> int:
-    """Bytes of ``n_experts`` SwiGLU experts, ``n·3·H·I·bytes``. Seed §14.
+    """Bytes of ``n_experts`` SwiGLU experts, ``n·3·H·I·bytes``.
 
     DeepSeek-V3: 256 experts = 11,274,289,152 params ("112.7 亿") = 21.0 GiB bf16;
     the 4 experts an EP = 64 rank keeps = 336 MiB.
@@ -397,9 +396,9 @@ def expert_weight_bytes(n_experts: int, hidden_size: int, moe_intermediate_size:
 
 def fsdp_bytes(n_routed_experts: int, hidden_size: int, moe_intermediate_size: int,
                bytes_per_element: int = 2) -> CommBytes:
-    """EP = 1 + FSDP: all of the layer's expert weights are all-gathered. Seed §14 ③.
+    """EP = 1 + FSDP: all of the layer's expert weights are all-gathered.
 
-    As the seed counts it: the full layer's expert weights in bf16 (not the
+    As docs/design.md#dispatchers counts it: the full layer's expert weights in bf16 (not the
     ``(W-1)/W`` share a ring all-gather moves), forward only (backward adds a
     re-gather and a gradient reduce-scatter). Independent of T.
     DeepSeek-V3: 21.0 GiB per layer per rank.
@@ -410,7 +409,7 @@ def fsdp_bytes(n_routed_experts: int, hidden_size: int, moe_intermediate_size: i
 
 def a2a_agrs_crossover_ep(k: int, dispatch_bytes: int = 1, combine_bytes: int = 2,
                           agrs_bytes_per_element: int = 2) -> float:
-    """EP at which a2a and agrs send the same bytes. Seed §14.
+    """EP at which a2a and agrs send the same bytes.
 
     ``T·k·H·(d + c) = 2·(EP - 1)·T·H·b`` ⇒ ``EP = 1 + k·(d + c) / (2·b)``.
     fp8 dispatch, bf16 combine, k = 8: 8 × 3 = 4 × (EP − 1) ⇒ EP = 7.
@@ -423,7 +422,7 @@ def a2a_agrs_crossover_ep(k: int, dispatch_bytes: int = 1, combine_bytes: int = 
 def fsdp_a2a_breakeven_tokens(n_routed_experts: int, hidden_size: int, moe_intermediate_size: int,
                               k: int, dispatch_bytes: int = 1, combine_bytes: int = 2,
                               weight_bytes: int = 2) -> float:
-    """Tokens per rank at which fsdp's weight all-gather equals a2a's bytes. Seed §14.
+    """Tokens per rank at which fsdp's weight all-gather equals a2a's bytes.
 
     ``T·k·H·(d + c) = P·w`` with ``P = E·3·H·I`` ⇒ ``T = P·w / (k·H·(d + c))``.
     DeepSeek-V3: 2 × 11,274,289,152 / (3 × 8 × 7,168) = 131,072 ≈ 131,000
@@ -434,17 +433,17 @@ def fsdp_a2a_breakeven_tokens(n_routed_experts: int, hidden_size: int, moe_inter
     return P * weight_bytes / (k * hidden_size * (dispatch_bytes + combine_bytes))
 
 
-# --------------------------------------------------------------------------- decode (§10)
+# --------------------------------------------------------------------------- decode
 @dataclass(frozen=True)
 class DecodeCost:
-    """Cost of a per-expert granularity at decode batch sizes. Seed §10.
+    """Cost of a per-expert granularity at decode batch sizes.
 
     Attributes:
         sequences_per_rank: B, decode sequences per rank (one token each per step).
         rows_per_expert: mean rows per expert, ``B·k/e`` (= ``B·EP·k/E``).
         granularity: the alignment / tile height each expert's rows round up to.
         computed_rows_per_expert: ``ceil(rows / granularity)·granularity``.
-        work_factor: computed / live rows (seed: 4× at B = 16, A = 128).
+        work_factor: computed / live rows (reference: 4× at B = 16, A = 128).
     """
 
     sequences_per_rank: int
@@ -456,7 +455,7 @@ class DecodeCost:
 
 def decode_alignment_cost(sequences_per_rank: int, ep_size: int, k: int, n_routed_experts: int,
                           granularity: int = 128) -> DecodeCost:
-    """Work of padding each expert to ``granularity`` rows at decode. Seed §10.
+    """Work of padding each expert to ``granularity`` rows at decode.
 
     DeepSeek-V3, EP = 64: rows per expert = B × 64 × 8 / 256 = 2B; B = 16 → 32
     rows, padded to 128 → 4× the work; B = 4 → 16×; B = 64 and 512 → 1×.
@@ -468,10 +467,10 @@ def decode_alignment_cost(sequences_per_rank: int, ep_size: int, k: int, n_route
     return DecodeCost(sequences_per_rank, rows, granularity, computed, computed / rows)
 
 
-# --------------------------------------------------------------------------- tiles (§11, §14)
+# --------------------------------------------------------------------------- tiles
 @dataclass(frozen=True)
 class TileCost:
-    """Tile visits of an unpadded (megablox-style) grouped GEMM. Seed §11.
+    """Tile visits of an unpadded (megablox-style) grouped GEMM.
 
     Attributes:
         tile: tile height (rows).
@@ -493,12 +492,12 @@ class TileCost:
 
 
 def tile_visits(counts: Sequence[int], tile: int) -> TileCost:
-    """Tiles a megablox-style kernel executes for unpadded segments. Seed §11.
+    """Tiles a megablox-style kernel executes for unpadded segments.
 
     Segments lie back to back (``offsets = prefix sums of counts``); a non-empty
     segment ``[s, t)`` visits ``ceil(t / tile) - floor(s / tile)`` tiles, an
     empty one none. ``tiles_min ≤ tiles ≤ tiles_min + (segments − 1)``.
-    Seed: ``[21733, 15004, 17982, 10817]``, tile 128 → 515 tiles (512 + 3),
+    Reference rank: ``[21733, 15004, 17982, 10817]``, tile 128 → 515 tiles (512 + 3),
     equivalent to 65,920 rows, +0.59 %.
     """
     positive_int("tile", tile)
@@ -518,12 +517,12 @@ def tile_visits(counts: Sequence[int], tile: int) -> TileCost:
 
 @dataclass(frozen=True)
 class TileBound:
-    """Bound on the tile-boundary overhead for ``segments`` segments. Seed §14 ("EP ＝ 1 会把段数顶上去").
+    """Bound on the tile-boundary overhead for ``segments`` segments.
 
     Attributes:
         tiles_min: ``ceil(rows / tile)``.
         worst: ``(segments − 1) / tiles_min``: every boundary splits a tile.
-        mean: the seed's "均值", half the worst case (see :func:`tile_overhead_bound`).
+        mean: the typical estimate, half the worst case (see :func:`tile_overhead_bound`).
     """
 
     tiles_min: int
@@ -532,13 +531,13 @@ class TileBound:
 
 
 def tile_overhead_bound(rows: int, segments: int, tile: int) -> TileBound:
-    """Worst and typical boundary overhead of unpadded tiles over ``segments`` experts. Seed §14.
+    """Worst and typical boundary overhead of unpadded tiles over ``segments`` experts.
 
-    Worst: ``(segments − 1) / (rows / tile)``. Seed: 65,536 rows (8,192 tokens,
+    Worst: ``(segments − 1) / (rows / tile)``. Reference rank: 65,536 rows (8,192 tokens,
     top-8), 256 experts, tile 512 → 255 / 128 = +199 %; 262,144 rows (32,768
     tokens), 192 experts → 191 / 512 = +37 %.
 
-    Mean: the seed states "均值约 +19 %" for the second case without a
+    Mean: the typical estimate is about +19 % for the second case without a
     derivation; it is half the worst case, ``(segments − 1)·½ / tiles_min``
     (= 18.65 %), i.e. each boundary costing half a tile on average, which is
     what padding each segment to the tile costs in expectation. This function

@@ -105,7 +105,7 @@ def plan(shape: RankShape, counts: Sequence[int] | None = None,
         tile: tile height for the unpadded-tile overhead and the decode granularity.
         fp8_dispatch: a2a dispatch in fp8 (1 B, DeepSeek-V3's) rather than bf16 (2 B, what dropless's
             dispatchers move); combine is bf16.
-        decode_sequences: decode batch sizes for the §10 table.
+        decode_sequences: decode batch sizes for the decode table.
         args: the full model, for the totals (parameters, FLOPs per token).
         seq_len: sequence length for FLOPs per token (needs ``args``).
     Returns: nested dict; bytes in bytes, FLOPs in FLOPs, fractions as fractions.

@@ -126,6 +126,7 @@ def _main(argv: list[str]) -> int:
     from dropless.routing import NONFINITE_LOGITS
     from dropless.train.config import compose
     from dropless.train.dist import collective_failure, elastic_restart
+    from dropless.train.report import report_error
 
     rank = int(os.environ.get("RANK", "0"))
     try:
@@ -146,8 +147,7 @@ def _main(argv: list[str]) -> int:
             for note in trainer.warnings:  # printed above the config as they came; again where they are seen
                 print(f"[dropless] warning (repeated from start-up): {note}", flush=True)
     except ConfigError as e:
-        print(f"dropless-train: error: {e}{_restarts_note()}", file=sys.stderr, flush=True)
-        return 2
+        return report_error(f"{e}{_restarts_note()}", rank, 2)  # once: rank 0 prints it
     except torch.OutOfMemoryError as e:
         print(f"dropless-train: error: {_out_of_memory(cfg, 'during start-up', e)}{_restarts_note()}",
               file=sys.stderr, flush=True)

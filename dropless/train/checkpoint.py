@@ -233,7 +233,7 @@ def _publish(partial: Path, path: Path, step: int, env: Any) -> None:
 
 def _writer(partial: Path, threads: int) -> dcp.FileSystemWriter:
     """DCP's file writer into ``partial`` with ``threads`` writing threads (each writes its own file;
-    one thread wrote about 0.8 GB/s, see the README's checkpoint section)."""
+    one thread wrote about 0.8 GB/s, see docs/performance.md#checkpoints)."""
     if int(threads) < 1:
         raise ValueError(f"threads={threads}: a checkpoint needs at least one writing thread")
     return dcp.FileSystemWriter(str(partial), thread_count=int(threads))

@@ -173,7 +173,7 @@ def default_num_threads(local_world_size: int) -> int:
     Deterministic (no dependence on the machine's load), so that a resumed run uses the same
     thread count, hence the same arithmetic, as the run it continues. On a machine that other
     processes keep busy, set ``num_threads=1``: intra-op threads that wait for each other stall
-    when the cores are taken (README, "Two commands").
+    when the cores are taken (docs/usage.md, "The CPU default run").
 
     Args:
         local_world_size: processes on this node.

@@ -23,8 +23,7 @@ until the first's :meth:`~GradBuckets.remove`. By kind of parameter:
   fp32, autograd gets a placeholder, and the hook drops it and only counts (between
   :meth:`GradBuckets.start` and :meth:`GradBuckets.finish`; outside, autograd gets the gradient
   as usual). No bf16 gradient
-  of the weight is made, rounded or copied (the hook's copies were 5.5 ms of an ``h200_single``
-  step, most of it the experts').
+  of the weight is made, rounded or copied.
 
 On the step's last micro-batch (:meth:`GradBuckets.start` with ``sync=True``) a bucket whose
 parameters all got their gradient is all-reduced asynchronously (SUM) while backward goes
@@ -226,8 +225,7 @@ class GradBuckets:
                     b.views[k].add_(p.grad)
                 else:
                     # the multi-tensor copy: a bf16 -> fp32 copy_ runs torch's unrolled (not
-                    # vectorised) cast kernel; on an H200 2.0 against 3.0 TB/s, the step's hook
-                    # copies 6.2 -> 5.5 ms (benchmarks/results/h200_train_step_s15.jsonl)
+                    # vectorised) cast kernel, _foreach_copy_ the vectorised one
                     torch._foreach_copy_([b.views[k]], [p.grad])
                     self._written.add(id(p))
                 if sink is not None:

@@ -1,12 +1,11 @@
 """CUDA graphs of a training step's micro-batches (``train.cuda_graph=true``).
 
-Why: at ``recipe=h200_single`` the GPU waited for the host for 16 ms of a 284 ms eager step (24 ms
-compiled, under the profiler) while Python launched a few thousand kernels
-(``benchmarks/train_step.py``'s ``gpu_idle_ms_per_step``). A CUDA graph launches one micro-batch's
-forward, loss and backward as one call, so the GPU runs back to back: about 3 ms idle a step.
-Measured on an H200 (session 12): +1.7 % tokens/s eager, +0.6–0.9 % compiled, as the pipelined
-steps (``Trainer.iter_steps``) had hidden most of the launch time already; a model with less work
-per launch gains more.
+Why: an eager step launches a few thousand kernels from Python, and the GPU waits whenever the host
+falls behind (``benchmarks/train_step.py`` reports it as ``gpu_idle_ms_per_step``). A CUDA graph
+launches one micro-batch's forward, loss and backward as one call, so the GPU runs back to back.
+The pipelined steps (``Trainer.iter_steps``) already hide most of the launch time, so the gain is
+small at ``recipe=h200_single`` (docs/performance.md#the-training-step) and larger for a model
+with less work per launch.
 
 What is captured, per *kind* of micro-batch (``"first"``: the step's first micro-batch, whose
 gradients are copied into the fp32 main-gradient buckets; ``"rest"``: later ones, which add into

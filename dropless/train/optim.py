@@ -3,7 +3,7 @@
 Mixed precision (:class:`MasterWeights`, ``train.dtype=bf16``): the model's parameters are the
 bf16 *compute copy*; the optimizer owns fp32 master copies (and fp32 AdamW moments). After each
 optimizer step the compute copy is refreshed from the masters once (one ``_foreach_copy_``), so
-no per-use cast happens in forward. What DESIGN.md keeps fp32 stays fp32: the router's buffers
+no per-use cast happens in forward. What docs/design.md#precision keeps fp32 stays fp32: the router's buffers
 (the expert bias and the counts; :class:`~dropless.routing.Router` keeps them fp32), the router
 logits and scores (computed in fp32 inside the router), the norms' statistics (RMSNorm computes
 in fp32) and the combine's accumulation. Parameters that FSDP2 manages (``dispatcher=fsdp``

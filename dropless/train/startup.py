@@ -263,6 +263,23 @@ def threads_note(cfg: DictConfig, env: DistEnv, cores: int | None = None) -> str
             f"set num_threads=null (the cores shared out: {max(1, cores // env.local_world_size)} each) or fewer")
 
 
+def dispatcher_note(cfg: DictConfig, env: DistEnv) -> str | None:
+    """A warning when an expert-parallel dispatcher (a2a, agrs, deepep) runs at EP = 1: every expert
+    stays on this process and no row is sent, so the MoE layers train as ``dispatcher=local`` would
+    (valid, rarely meant: one process started without torchrun, or ``dispatcher.ep_size=1``). Else None."""
+    name = str(cfg.dispatcher.name)
+    if env.ep_size > 1 or not dispatcher_class(name).expert_parallel:
+        return None
+    if env.world_size == 1:
+        how = (f"one process runs EP = 1; for expert parallelism start several: torchrun --nproc_per_node N "
+               f"-m dropless.train dispatcher={name}")
+    else:
+        how = (f"dispatcher.ep_size=1 over {env.world_size} processes; for expert parallelism set "
+               "dispatcher.ep_size to more than 1 (or null: all processes)")
+    return (f"dispatcher={name}: {how}. At EP = 1 every expert is on every process and no row is sent: "
+            "the MoE layers train as dispatcher=local")
+
+
 def schedule_note(cfg: DictConfig) -> str | None:
     """A warning when ``optim.warmup_steps`` reaches ``train.steps``: the run ends inside the warm-up, so
     the learning rate never reaches ``optim.lr`` and never decays (valid, rarely meant). Else None."""

@@ -94,6 +94,7 @@ from dropless.train.startup import (
     check_train_config,
     compute_dtype,
     config_changes,
+    dispatcher_note,
     schedule_note,
     set_deterministic,
     threads_note,
@@ -196,7 +197,7 @@ class Trainer:
         #: which would otherwise scroll them off the terminal)
         self.warnings: list[str] = []
         for note in (alignment_note(self.args, self.batch * self.seq_len, env.ep_size), schedule_note(cfg),
-                     threads_note(cfg, env)):
+                     threads_note(cfg, env), dispatcher_note(cfg, env)):
             if note:
                 self._warn(note)
         self.param_counts = param_counts(self.args)
