@@ -31,7 +31,7 @@ from dropless.ops.backends import check_backend_device, check_backend_shapes, li
 from dropless.train.compile import check_compile, check_compile_moe
 from dropless.train.config import model_args
 from dropless.train.data import check_data_config
-from dropless.train.dist import DistEnv, check_device, resolve_ep_size, usable_cores
+from dropless.train.dist import DistEnv, check_device, check_dist_backend, resolve_ep_size, usable_cores
 from dropless.train.metrics import wandb_problem
 from dropless.train.schema import RunConfig, need
 from dropless.train.shard import apply_fsdp, shard_dense_params
@@ -54,6 +54,7 @@ def check_train_config(cfg: DictConfig) -> RunConfig:
     run.validate()
     t, name = run.train, run.dispatcher.name
     check_device(run.device)
+    check_dist_backend(t.dist_backend)
     if t.compile and t.compile_moe:
         check_compile_moe(name, t.activation_checkpointing)
     if t.cuda_graph:
