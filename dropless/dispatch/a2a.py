@@ -110,7 +110,7 @@ class A2ADispatcher(Dispatcher):
         if quant is None:
             send_NH = permute_rows(x_TH, send_src, send_dest_Tk)
         else:
-            codes_TH, scales_TG = quant(x_TH)
+            codes_TH, scales_TG, rowwise = quant(x_TH)
             send_NH = land_rows(codes_TH, send_src, send_dest_Tk)
             send_NG = land_rows(scales_TG, send_src, send_dest_Tk)
         send_w = scatter_row_weights(topk_weight_Tk, send_dest_Tk, send_src.numel()) if fold_weights else None
@@ -151,7 +151,7 @@ class A2ADispatcher(Dispatcher):
             if quant is None:
                 rows_MH = permute_rows(rows_in, src_M, recv_dest_R1)  # a rank that received 0 rows: all padding
             else:
-                fp8 = land_fp8(rows_in, wait(recv_RG, scales_op), src_M, recv_dest_R1)
+                fp8 = land_fp8(rows_in, wait(recv_RG, scales_op), src_M, recv_dest_R1, rowwise)
                 rows_MH = grad_port(x_TH, layout.capacity, quant.dtype, reverse)
             row_w = None
             if fold_weights:

@@ -87,7 +87,7 @@ class AGRSDispatcher(Dispatcher):
         if quant is None:
             xg = start(x_TH, x_op)
         else:  # FP8 dispatch: each token quantised once, its codes and scales gathered
-            codes_TH, scales_TG = quant(x_TH)
+            codes_TH, scales_TG, rowwise = quant(x_TH)
             s_op = CollOp("ag", self.group, self._what("scale all-gather"), comm=self.comm)
             xg, sg = start(codes_TH, x_op), start(scales_TG, s_op)
         ig = start(topk_idx_Tk.to(torch.int64), i_op)
@@ -112,7 +112,7 @@ class AGRSDispatcher(Dispatcher):
             if quant is None:
                 rows_MH = permute_rows(x_NH, src_M, dest_Nk)
             else:
-                fp8 = land_fp8(x_NH, wait(sg, s_op), src_M, dest_Nk)
+                fp8 = land_fp8(x_NH, wait(sg, s_op), src_M, dest_Nk, rowwise)
                 rows_MH = grad_port(x_TH, layout.capacity, quant.dtype, reverse)
             row_w = scatter_row_weights(w_Nk, dest_Nk, layout.capacity) if fold_weights else None
             return Dispatched(rows_MH, layout, row_w, AGRSHandle(dest_Nk, None if fold_weights else w_Nk),

@@ -62,19 +62,20 @@ class RowQuantiser:
     quant: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     dtype: torch.dtype
 
-    def __call__(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(codes uint8 [T, H], scales fp32 [T, G])`` of ``x_TH`` (``G`` = 1, or ``H/128``); no autograd."""
+    def __call__(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """``(codes uint8 [T, H], scales fp32 [T, G], rowwise)`` of ``x_TH``, no autograd: ``G`` = 1 and
+        ``rowwise`` True for one scale per row (``quant`` gave ``[T]``), else ``G = H/128``."""
         q, s = self.quant(x_TH.detach().to(self.dtype))
-        return q.view(torch.uint8), s.reshape(q.shape[0], -1)
+        return q.view(torch.uint8), s.reshape(q.shape[0], -1), s.dim() == 1
 
 
-def land_fp8(codes_NH: torch.Tensor, scales_NG: torch.Tensor, src_M: torch.Tensor, dest_Nk: torch.Tensor
-             ) -> Fp8Rows:
+def land_fp8(codes_NH: torch.Tensor, scales_NG: torch.Tensor, src_M: torch.Tensor, dest_Nk: torch.Tensor,
+             rowwise: bool) -> Fp8Rows:
     """Land received ``uint8`` codes ``[N, H]`` and scales ``[N, G]`` as :func:`~dropless.ops.rows.land_rows`
-    lands rows (``rows[m] = x[src_M[m]]``); a ``G = 1`` scale column becomes the ``[M]`` rowwise scales."""
+    lands rows (``rows[m] = x[src_M[m]]``); ``rowwise`` (from :class:`RowQuantiser`): the scales become ``[M]``."""
     codes = land_rows(codes_NH, src_M, dest_Nk).view(FP8_DTYPE)
     scales = land_rows(scales_NG, src_M, dest_Nk)
-    return Fp8Rows(codes, scales.squeeze(1) if scales.shape[1] == 1 else scales)
+    return Fp8Rows(codes, scales.squeeze(1) if rowwise else scales)
 
 
 class _GradPort(torch.autograd.Function):
