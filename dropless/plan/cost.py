@@ -434,15 +434,17 @@ def fsdp_bytes(n_routed_experts: int, hidden_size: int, moe_intermediate_size: i
 
 
 def a2a_agrs_crossover_ep(k: int, dispatch_bytes: int = 1, combine_bytes: int = 2,
-                          agrs_bytes_per_element: int = 2) -> float:
-    """EP at which a2a and agrs send the same bytes.
+                          agrs_bytes_per_element: int = 2, agrs_gather_bytes: int | None = None) -> float:
+    """EP at which a2a and agrs send the same bytes (FP8 scales neglected).
 
-    ``T·k·H·(d + c) = 2·(EP - 1)·T·H·b`` ⇒ ``EP = 1 + k·(d + c) / (2·b)``.
-    fp8 dispatch, bf16 combine, k = 8: 8 × 3 = 4 × (EP − 1) ⇒ EP = 7.
-    Above it a2a sends fewer bytes; with bf16 dispatch it is 9.
+    ``T·k·H·(d + c) = (EP - 1)·T·H·(g + b)`` ⇒ ``EP = 1 + k·(d + c) / (g + b)``, with ``g`` the
+    all-gather's bytes per element (default ``b``). fp8 a2a dispatch against bf16 agrs, k = 8:
+    8 × 3 = 4 × (EP − 1) ⇒ EP = 7. Both in bf16, or both dispatching FP8 (``gemm=fp8``:
+    8 × 3 = 3 × (EP − 1)): EP = 9. Above it a2a sends fewer bytes.
     """
     positive_int("num_experts_per_tok", k)
-    return 1 + k * (dispatch_bytes + combine_bytes) / (2 * agrs_bytes_per_element)
+    g = agrs_bytes_per_element if agrs_gather_bytes is None else agrs_gather_bytes
+    return 1 + k * (dispatch_bytes + combine_bytes) / (g + agrs_bytes_per_element)
 
 
 def fsdp_a2a_breakeven_tokens(n_routed_experts: int, hidden_size: int, moe_intermediate_size: int,
