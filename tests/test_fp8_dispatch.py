@@ -135,12 +135,14 @@ def _routing(t, k, e, g):
     return idx, torch.rand(t, k, generator=g)
 
 
+@pytest.mark.parametrize("ue8m0", [False, True], ids=["fp32-scales", "ue8m0"])
 @pytest.mark.parametrize("name", ["a2a", "agrs"])
-def test_dispatch_lands_the_codes_fc1_would_make(name):
+def test_dispatch_lands_the_codes_fc1_would_make(name, ue8m0):
     """The FP8-landed codes and scales equal FC1's quantisation of the compute-dtype landed rows, bit for
-    bit, on the live rows; the send side is 1-byte codes; ``rows_MH`` is a zero-stride port."""
+    bit, on the live rows (power-of-two scales too); the send side is 1-byte codes; ``rows_MH`` is a
+    zero-stride port."""
     g = torch.Generator().manual_seed(5)
-    be = Fp8Backend(emulate=True)
+    be = Fp8Backend(emulate=True, ue8m0=ue8m0)
     t, h, e, k = 10, 32, 4, 2
     x = torch.randn(t, h, generator=g) * torch.logspace(-3, 2, t).unsqueeze(1)  # rows of very different size
     idx, w = _routing(t, k, e, g)
