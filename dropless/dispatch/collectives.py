@@ -31,17 +31,33 @@ of ``[W·n, ...]``: ``(W-1)·n``-row chunks each way.
 Errors: a collective that fails or outlives the process group's timeout (a peer died or
 stopped taking part; gloo and NCCL honour ``init_process_group(timeout=...)``) raises
 :class:`CollectiveError` naming the dispatcher and the collective.
+
+CUDA tensors on a gloo group (several ranks on one GPU, ``train.dist_backend=gloo``): gloo
+takes them for all three collectives used here (torch's ``ProcessGroupGloo``: ``alltoall_base``,
+``_allgather_base`` and ``_reduce_scatter_base``, the last an all-reduce of a copy; each copies
+the tensors to pinned host memory on a side stream, runs on the host and copies back, so the
+order on the caller's stream is kept). A collective that gloo refuses for CUDA tensors when it is
+issued (an older torch) is then staged through the host by this module instead, for the rest of
+the process (a warning says which): the input copied to the host (a host sync), the collective on
+host tensors, the output copied back to the device buffer on :func:`wait`. :data:`HOST_STAGED`
+holds the kinds staged so.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["CollectiveError", "CollOp", "CommStats", "start", "wait", "group_size", "group_rank", "checked"]
+__all__ = ["CollectiveError", "CollOp", "CommStats", "HOST_STAGED", "start", "wait", "group_size", "group_rank",
+           "checked"]
+
+#: collective kinds (``"a2a"``, ``"ag"``, ``"rs"``) that CUDA tensors on a gloo group go through as
+#: host copies (filled when gloo refuses one for CUDA tensors; see the module docstring)
+HOST_STAGED: set[str] = set()
 
 
 @dataclass
@@ -133,6 +149,55 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def _issue(kind: str, out: torch.Tensor, x: torch.Tensor, group: Any, out_splits, in_splits):
+    """``out <- collective(x)`` issued with ``async_op=True``; returns its work."""
+    if kind == "a2a":
+        return dist.all_to_all_single(out, x, list(out_splits), list(in_splits), group=group, async_op=True)
+    if kind == "ag":
+        return _all_gather(out, x, group=group, async_op=True)
+    return _reduce_scatter(out, x, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+class _HostStagedWork:
+    """The work of a collective run on host copies; ``wait()`` copies the host output into the device one."""
+
+    def __init__(self, work: Any, out_host: torch.Tensor, out: torch.Tensor):
+        self.work, self.out_host, self.out = work, out_host, out
+
+    def wait(self) -> bool:
+        self.work.wait()
+        # pinned source: the copy is ordered on the current stream; the host allocator keeps the
+        # buffer until it is done
+        self.out.copy_(self.out_host, non_blocking=True)
+        return True
+
+
+def _issue_host_staged(kind: str, out: torch.Tensor, x: torch.Tensor, group: Any, out_splits, in_splits):
+    x_host = x.cpu()  # a host sync: the host needs the values
+    out_host = torch.empty(out.shape, dtype=out.dtype, pin_memory=out.is_cuda)
+    return _HostStagedWork(_issue(kind, out_host, x_host, group, out_splits, in_splits), out_host, out)
+
+
+def _gloo_cuda(x: torch.Tensor, group: Any) -> bool:
+    return x.is_cuda and dist.get_backend(group) == "gloo"
+
+
+def _issue_or_stage(kind: str, out: torch.Tensor, x: torch.Tensor, group: Any, out_splits, in_splits, what: str):
+    """:func:`_issue`, or its host-staged form for CUDA tensors on a gloo group that gloo refuses."""
+    if kind in HOST_STAGED and _gloo_cuda(x, group):
+        return _issue_host_staged(kind, out, x, group, out_splits, in_splits)
+    try:
+        return _issue(kind, out, x, group, out_splits, in_splits)
+    except (RuntimeError, NotImplementedError) as err:  # refused when issued: nothing was sent
+        if not _gloo_cuda(x, group):
+            raise
+        HOST_STAGED.add(kind)
+        warnings.warn(f"dropless: {what}: this torch's gloo backend does not take CUDA tensors for this "
+                      f"collective ({str(err).splitlines()[0][:200]}); it is staged through host memory from now "
+                      "on", stacklevel=2)
+        return _issue_host_staged(kind, out, x, group, out_splits, in_splits)
+
+
 def _launch(kind: str, x: torch.Tensor, group: Any, out_splits, in_splits, what: str, comm: CommStats | None):
     """Issue one collective asynchronously. Returns ``(out, work)``; counts its bytes."""
     x = x.contiguous()
@@ -141,13 +206,10 @@ def _launch(kind: str, x: torch.Tensor, group: Any, out_splits, in_splits, what:
     row_bytes = torch.Size(x.shape[1:]).numel() * x.element_size()
     if kind == "a2a":
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        work = checked(lambda: dist.all_to_all_single(out, x, list(out_splits), list(in_splits),
-                                                      group=group, async_op=True), what)
         sent = (sum(in_splits) - in_splits[me]) * row_bytes
         recv = (sum(out_splits) - out_splits[me]) * row_bytes
     elif kind == "ag":
         out = x.new_empty((w * x.shape[0], *x.shape[1:]))
-        work = checked(lambda: _all_gather(out, x, group=group, async_op=True), what)
         sent = recv = (w - 1) * x.shape[0] * row_bytes
     elif kind == "rs":
         if x.shape[0] % w:
@@ -155,11 +217,10 @@ def _launch(kind: str, x: torch.Tensor, group: Any, out_splits, in_splits, what:
                              f"must be a multiple of the group size; every EP rank must pass the same number "
                              f"of tokens T to the agrs dispatcher")
         out = x.new_empty((x.shape[0] // w, *x.shape[1:]))
-        work = checked(lambda: _reduce_scatter(out, x, op=dist.ReduceOp.SUM, group=group,
-                                              async_op=True), what)
         sent = recv = (w - 1) * out.shape[0] * row_bytes
     else:  # pragma: no cover - internal
         raise ValueError(kind)
+    work = checked(lambda: _issue_or_stage(kind, out, x, group, out_splits, in_splits, what), what)
     if comm is not None:
         comm.add(sent, recv)
     return out, work, x

@@ -24,11 +24,12 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dropless.config import ConfigError
 
-__all__ = ["build_mesh", "check_ep_size", "ep_group", "local_expert_count", "start_process_group"]
+__all__ = ["build_mesh", "check_ep_size", "check_same_device", "ep_group", "local_expert_count",
+           "start_process_group"]
 
 
 def start_process_group(device: str | torch.device | None = None, timeout_s: float | None = None, *,
-                        single_rank: bool = False) -> bool:
+                        single_rank: bool = False, backend: str | None = None) -> bool:
     """Start the default process group: THE place dropless calls ``init_process_group``.
 
     Under torchrun (``RANK`` and ``WORLD_SIZE`` set) the group comes from its environment;
@@ -43,6 +44,9 @@ def start_process_group(device: str | torch.device | None = None, timeout_s: flo
             at its default, which tears the job down on timeout). None: torch's default
             (10 min for NCCL, 30 for gloo).
         single_rank: without torchrun's environment, make a one-rank group instead of none.
+        backend: ``"nccl"`` or ``"gloo"``; None: ``nccl`` on CUDA, ``gloo`` on the CPU. ``gloo`` on CUDA
+            runs several ranks on one GPU (gloo moves CUDA tensors through host memory; NCCL refuses
+            two ranks on one GPU): :func:`dropless.train.dist.resolve_dist_backend` decides.
     Returns:
         True if this call started the group; False if one already existed, or there is no
         torchrun environment and ``single_rank`` is False (a single process needs no group).
@@ -52,24 +56,52 @@ def start_process_group(device: str | torch.device | None = None, timeout_s: flo
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
-    kw: dict[str, Any] = {"backend": "nccl" if device.type == "cuda" else "gloo"}
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    kw: dict[str, Any] = {"backend": backend}
     if timeout_s is not None:
         kw["timeout"] = datetime.timedelta(seconds=float(timeout_s))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        if device.type == "cuda" and device.index is not None:
+        if backend == "nccl" and device.type == "cuda" and device.index is not None:
             kw["device_id"] = device
         store, rank, world = next(dist.rendezvous("env://", **({"timeout": kw["timeout"]} if "timeout" in kw else {})))
         # torchrun keeps its store across the restarts of --max-restarts: without a prefix of the
         # start, a restarted rank can read a dead rank's address from the previous start and fail
         # to connect ("Gloo connectFullMesh failed ... Connection refused")
         start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group(store=dist.PrefixStore(f"dropless/start{start}/", store), rank=rank,
-                                world_size=world, **kw)
+        store = dist.PrefixStore(f"dropless/start{start}/", store)
+        check_same_device(store, rank, world, device, backend)
+        dist.init_process_group(store=store, rank=rank, world_size=world, **kw)
         return True
     if single_rank:
         dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kw)
         return True
     return False
+
+
+def check_same_device(store: Any, rank: int, world_size: int, device: torch.device, backend: str) -> None:
+    """Every rank's device type and backend, exchanged through the rendezvous store, must agree.
+
+    Runs before ``init_process_group``: ranks that would make their groups with different
+    backends (one on the CPU with gloo, one on CUDA with NCCL, e.g. ``device=auto`` where one
+    rank sees no GPU) would otherwise wait for each other until the timeout. Each rank writes
+    ``device/<rank>`` and reads every rank's (a read waits for the key, up to the store's
+    timeout), so every rank raises the same error.
+
+    Args:
+        store: the job's (prefixed) rendezvous store.
+        rank, world_size: this rank and the number of ranks.
+        device: this rank's device; backend: the backend it would start.
+    Raises:
+        ConfigError: the ranks disagree; the message lists each rank's device type and backend.
+    """
+    store.set(f"device/{rank}", f"{device.type}/{backend}")
+    seen = [store.get(f"device/{r}").decode() for r in range(world_size)]
+    if len(set(seen)) > 1:
+        listing = ", ".join(f"rank {r}: {s.replace('/', ' with ')}" for r, s in enumerate(seen))
+        raise ConfigError(f"the ranks disagree on their device or process-group backend ({listing}): every rank "
+                          "must run on the same kind of device with the same backend. Set device=cuda or "
+                          "device=cpu explicitly (device=auto follows what each process sees), and the same "
+                          "train.dist_backend, on every rank")
 
 
 def local_expert_count(n_routed_experts: int, ep_size: int, *, ep_name: str = "dispatcher.ep_size",

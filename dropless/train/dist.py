@@ -2,9 +2,12 @@
 
 One process (no ``torchrun`` environment): world size 1, no process group. Under
 ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` set):
-``init_process_group`` from the environment, ``gloo`` on CPU and ``nccl`` on CUDA (one
-GPU per local rank), with ``train.dist_timeout_s`` so a dead rank makes the others fail
-instead of hang.
+``init_process_group`` from the environment with the backend of ``train.dist_backend``
+(:func:`resolve_dist_backend`: ``auto`` is ``nccl`` on CUDA, one GPU per local rank, and
+``gloo`` on CPU; ``gloo`` with ``device=cuda`` runs several ranks on one GPU, local rank
+``r`` on GPU ``r % device_count``), with ``train.dist_timeout_s`` so a dead rank makes the
+others fail instead of hang. The ranks' device types and backends are compared before the
+group is made (:func:`dropless.dispatch.mesh.check_same_device`).
 
 The process group is started by :func:`dropless.dispatch.mesh.start_process_group` (the one
 starter). Mesh: ``ep = dispatcher.ep_size`` (null: the world size for ``a2a``/``agrs``/``deepep``,
@@ -14,7 +17,8 @@ different data (the EP ranks too), so data is sharded over all ``world`` ranks.
 
 Errors (:class:`~dropless.config.ConfigError`, before the model is built): the world size
 is not a multiple of ``ep_size``; ``n_routed_experts`` is not a multiple of ``ep_size``;
-``device=cuda`` without CUDA.
+``device=cuda`` without CUDA; ``nccl`` with more local ranks than GPUs, or on the CPU; ranks on
+different device types.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ from dropless.dispatch.collectives import CollectiveError
 from dropless.dispatch.mesh import build_mesh, check_ep_size, start_process_group
 from dropless.dispatch.registry import check_dispatcher_ep, default_ep_size
 
-__all__ = ["DEVICES", "check_device", "DistEnv", "resolve_ep_size", "check_mesh", "init_distributed",
+__all__ = ["DEVICES", "check_device", "DIST_BACKENDS", "check_dist_backend", "resolve_dist_backend",
+           "DistEnv", "resolve_ep_size", "check_mesh", "init_distributed",
            "default_num_threads", "usable_cores", "collective_failure", "elastic_restart"]
 
 #: the values ``device`` takes (``auto``: CUDA where torch sees a GPU, else the CPU)
@@ -42,6 +47,51 @@ def check_device(device_cfg: Any) -> None:
     """Raise ConfigError unless ``device`` is one of :data:`DEVICES`."""
     if str(device_cfg) not in DEVICES:
         raise ConfigError(f"device={str(device_cfg)!r}: must be {', '.join(DEVICES[:-1])} or {DEVICES[-1]}")
+
+
+#: the values ``train.dist_backend`` takes (``auto``: ``nccl`` on CUDA, ``gloo`` on the CPU)
+DIST_BACKENDS = ("auto", "nccl", "gloo")
+
+
+def check_dist_backend(value: Any) -> None:
+    """Raise ConfigError unless ``train.dist_backend`` is one of :data:`DIST_BACKENDS`."""
+    if str(value) not in DIST_BACKENDS:
+        raise ConfigError(f"train.dist_backend={str(value)!r}: must be {', '.join(DIST_BACKENDS[:-1])} or "
+                          f"{DIST_BACKENDS[-1]}")
+
+
+def resolve_dist_backend(want: Any, device: torch.device, local_world_size: int, gpus: int | None = None) -> str:
+    """The process-group backend of ``train.dist_backend`` on ``device``: ``"nccl"`` or ``"gloo"``.
+
+    ``auto``: ``nccl`` on CUDA, ``gloo`` on the CPU. ``gloo`` on CUDA is the several-ranks-per-GPU
+    mode (testing and debugging the distributed CUDA path on a workstation; slow: gloo copies every
+    CUDA tensor of a collective through host memory).
+
+    Args:
+        want: ``train.dist_backend``.
+        device: this rank's device.
+        local_world_size: processes on this node (torchrun's ``LOCAL_WORLD_SIZE``).
+        gpus: CUDA devices this process sees (None: ``torch.cuda.device_count()``).
+    Raises:
+        ConfigError: an unknown value; ``nccl`` on the CPU; ``nccl`` with more local processes
+            than GPUs (NCCL takes one GPU per rank; the message names ``train.dist_backend=gloo``).
+    """
+    check_dist_backend(want)
+    name = str(want)
+    if name == "auto":
+        name = "nccl" if device.type == "cuda" else "gloo"
+    if name == "nccl":
+        if device.type != "cuda":
+            raise ConfigError(f"train.dist_backend=nccl runs on CUDA devices only, but this run's device is "
+                              f"{device.type}: use train.dist_backend=auto (gloo on the CPU), or device=cuda")
+        gpus = torch.cuda.device_count() if gpus is None else int(gpus)
+        if local_world_size > gpus:
+            raise ConfigError(
+                f"{local_world_size} processes on this node but {gpus} GPU(s): NCCL needs one GPU per rank (it "
+                f"refuses two ranks on one GPU). Launch at most {gpus} per node (torchrun --nproc_per_node "
+                f"{gpus}), or set train.dist_backend=gloo to run several ranks per GPU (for testing and "
+                "debugging: gloo moves every collective through host memory, so it is slow)")
+    return name
 
 
 @dataclass
@@ -185,8 +235,9 @@ def init_distributed(cfg: Any, n_routed_experts: int) -> DistEnv:
     env = DistEnv(rank, world, local_rank, local_world, device, ep, dp)
     if world == 1:
         return env
+    backend = resolve_dist_backend(cfg.train.get("dist_backend", "auto"), device, local_world)
     timeout_s = float(cfg.train.get("dist_timeout_s", 600))
-    start_process_group(device, timeout_s)
+    start_process_group(device, timeout_s, backend=backend)
     env.mesh = build_mesh(world, ep, device.type, timeout_s=timeout_s)  # its dp/ep groups carry it too
     env.ep_group = env.mesh.get_group("ep") if ep > 1 else None
     env.dp_group = env.mesh.get_group("dp")

@@ -56,6 +56,7 @@ class TrainConfig:
     shard_dense: bool = MISSING
     dtype: str = MISSING
     dist_timeout_s: float = MISSING
+    dist_backend: str = MISSING
     loss_impl: str = MISSING
     nonfinite: str = MISSING
     compile: bool = MISSING
@@ -200,6 +201,9 @@ FIELD_DOCS: dict[type, dict[str, str]] = {
                  "and AdamW moments) | `fp32`",
         "dist_timeout_s": "seconds a collective may wait for a peer before the run fails (every process group "
                           "dropless creates)",
+        "dist_backend": "process-group backend under torchrun: `auto` (NCCL on CUDA, one GPU per rank; gloo on "
+                        "CPU) | `nccl` | `gloo` (with `device=cuda`: several ranks per GPU, rank r on GPU "
+                        "r % GPUs, for testing and debugging; slow, collectives go through host memory)",
         "loss_impl": "output head + cross-entropy: `auto` (Liger on CUDA where it imports, else torch) | `torch` "
                      "(chunked, never the whole batch's logits) | `liger`",
         "nonfinite": "a NaN/Inf loss or gradient norm: `error` (stop naming the step, exit 3) | `skip` (skip the "

@@ -16,8 +16,11 @@ the gradients are reduce-scattered, averaged over the world — what the trainer
 all-reduce did). The routed experts are left out (``ignored_params``): they stay as the
 dispatcher placed them (EP shards, or the ``fsdp`` dispatcher's own FSDP2 over dp).
 
-Needs torch >= 2.6 (FSDP2 ``fully_shard`` with ``ignored_params``); works on CPU with gloo
-and on GPU with NCCL. One process: a no-op.
+Needs torch >= 2.6 (FSDP2 ``fully_shard`` with ``ignored_params``); works on CPU with gloo,
+on GPU with NCCL, and on GPU with gloo (several ranks on one GPU, ``train.dist_backend=gloo``),
+where every FSDP2 module reduces with SUM and divides apart
+(``set_force_sum_reduction_for_comms``): FSDP2 would ask for AVG, which gloo's CUDA path is not
+sure to take. One process: a no-op.
 """
 
 from __future__ import annotations
@@ -80,7 +83,17 @@ def shard_dense_params(model: nn.Module, world_size: int, device_type: str,
         mine = {p for p in block.parameters() if id(p) in expert_ids}
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=mine, **kw)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=set(experts), **kw)
+    _sum_reductions_on_gloo_cuda([*model.layers.values(), model], mesh)
     return mesh
+
+
+def _sum_reductions_on_gloo_cuda(modules: list[nn.Module], mesh: DeviceMesh) -> None:
+    """Make FSDP2 reduce with SUM (and divide apart) on a gloo mesh of CUDA tensors."""
+    if mesh.device_type != "cuda" or dist.get_backend(mesh.get_group()) != "gloo":
+        return
+    for m in modules:
+        if isinstance(m, FSDPModule) and hasattr(m, "set_force_sum_reduction_for_comms"):
+            m.set_force_sum_reduction_for_comms(True)
 
 
 def _moe_layers(module: nn.Module) -> list[MoE]:
@@ -147,6 +160,7 @@ def apply_fsdp(module: nn.Module, mesh: Any, *, reshard_after_forward: bool = Tr
         expert_ids = {id(p) for ex in sharded for p in ex.parameters()}
         others = {p for p in module.parameters() if id(p) not in expert_ids}
         fully_shard(module, mesh=dp_mesh, ignored_params=others)
+    _sum_reductions_on_gloo_cuda([*sharded, module], dp_mesh)
     if prefetch and len(sharded) > 1:
         for i, ex in enumerate(sharded):
             if i + 1 < len(sharded):

@@ -33,7 +33,7 @@ from dropless.ops.backends import list_backends
 from dropless.train.compile import check_compile_moe
 from dropless.train.config import model_args
 from dropless.train.data import check_data_config
-from dropless.train.dist import DistEnv, check_device, resolve_ep_size, usable_cores
+from dropless.train.dist import DistEnv, check_device, check_dist_backend, resolve_ep_size, usable_cores
 from dropless.train.metrics import wandb_problem
 from dropless.train.shard import apply_fsdp, shard_dense_params
 
@@ -93,6 +93,7 @@ def check_train_config(cfg: DictConfig) -> None:
              "captured graph cannot hold; set one of them to false")
     need(isinstance(cfg.deterministic, bool), "deterministic", cfg.deterministic, "must be true or false")
     check_device(cfg.device)
+    check_dist_backend(t.get("dist_backend", "auto"))
     need(str(t.get("loss_impl", "auto")) in LOSS_IMPLS, "train.loss_impl", t.get("loss_impl"),
          f"must be one of {LOSS_IMPLS}")
     # a positive ep_size, and 1 for the dispatchers that keep every expert on every rank (torchrun's
