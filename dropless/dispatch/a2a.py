@@ -138,12 +138,13 @@ class A2ADispatcher(Dispatcher):
         weight_Tk = None if fold_weights else topk_weight_Tk
         handle = A2AHandle(send_dest_Tk, weight_Tk, recv_dest_R1, send_splits, recv_splits)
 
-        def reverse(grad_MH: torch.Tensor) -> torch.Tensor:
-            """FP8 dispatch's backward: the landed rows' gradient back to the tokens, ``[T, H]``."""
-            back_RH = gather_sum(grad_MH, recv_dest_R1, None)
+        def reverse(grad_MH: torch.Tensor):
+            """FP8 dispatch's backward: issue the landed rows' gradient (received order) back to the source
+            ranks; the returned ``finish()`` waits and sums each token's ``k`` rows, ``[T, H]``."""
             op = CollOp("a2a", self.group, self._what("row all-to-all (backward)"), send_splits, recv_splits,
                         self.comm)
-            return gather_sum(wait(start(back_RH, op), op), send_dest_Tk, None)
+            back = start(gather_sum(grad_MH, recv_dest_R1, None), op)
+            return lambda: gather_sum(wait(back, op), send_dest_Tk, None)
 
         def finish() -> Dispatched:
             rows_in = wait(recv_RH, rows_op)

@@ -100,10 +100,12 @@ class AGRSDispatcher(Dispatcher):
         layout, dest_Nk, src_M = sort_by_expert(local_Nk, e, alignment, capacity,
                                                 num_rows=self.ep_size * t * min(k, e))
 
-        def reverse(grad_MH: torch.Tensor) -> torch.Tensor:
-            """FP8 dispatch's backward: per gathered token the sum of its rows' gradients, reduce-scattered."""
+        def reverse(grad_MH: torch.Tensor):
+            """FP8 dispatch's backward: per gathered token the sum of its rows' gradients, reduce-scattered
+            (issued here; the returned ``finish()`` waits for this rank's ``[T, H]``)."""
             op = CollOp("rs", self.group, self._what("token all-gather (backward)"), comm=self.comm)
-            return wait(start(gather_sum(grad_MH, dest_Nk, None), op), op)
+            out = start(gather_sum(grad_MH, dest_Nk, None), op)
+            return lambda: wait(out, op)
 
         def finish() -> Dispatched:
             x_NH = wait(xg, x_op)

@@ -15,11 +15,11 @@ compute-dtype rows, and FC1 skips its own quantisation pass (docs/design.md#fp8-
   ``[N, H]`` codes, by the same indices that land compute-dtype rows.
 * :func:`grad_port` — the tensor that stands for the landed rows in autograd: a zero-stride
   ``[M, H]`` view of one zero (no memory). FC1 takes it as its input and returns the landed
-  rows' gradient for it; its backward hands that gradient to the dispatcher's reverse path
-  (``reverse``), which brings it back to the tokens in the compute dtype exactly as the
-  backward of a compute-dtype dispatch does. The quantisation is a straight-through op for the
-  input gradient, as in FC1 without FP8 dispatch (its data gradient ``dX = q(dY) @ q(Wᵀ)``
-  never reads the input).
+  rows' gradient for it; the port's backward hands that gradient to the dispatcher's reverse
+  path (``reverse``), which brings it back to the tokens in the compute dtype exactly as the
+  backward of a compute-dtype dispatch does (issued in one node, waited on in the next). The
+  quantisation is a straight-through op for the input gradient, as in FC1 without FP8 dispatch
+  (its data gradient ``dX = q(dY) @ q(Wᵀ)`` never reads the input).
 """
 
 from __future__ import annotations
@@ -78,29 +78,62 @@ def land_fp8(codes_NH: torch.Tensor, scales_NG: torch.Tensor, src_M: torch.Tenso
     return Fp8Rows(codes, scales.squeeze(1) if rowwise else scales)
 
 
-class _GradPort(torch.autograd.Function):
+class _PortState:
+    """What the two backward nodes of a gradient port share: the dispatcher's ``reverse`` and, between
+    the two, the ``finish`` it returned."""
+
+    def __init__(self, reverse: Callable[[torch.Tensor], Callable[[], torch.Tensor]]):
+        self.reverse = reverse
+        self.finish: Callable[[], torch.Tensor] | None = None
+
+
+class _PortWait(torch.autograd.Function):
+    """Nearest the tokens: its backward waits on the reverse transfer and returns the tokens' gradient."""
+
     @staticmethod
-    def forward(ctx, x_TH, num_rows, dtype, reverse):
-        ctx.reverse, ctx.x_dtype = reverse, x_TH.dtype
-        return x_TH.new_zeros((), dtype=dtype).expand(num_rows, x_TH.shape[1])
+    def forward(ctx, x_TH, state):
+        ctx.state, ctx.x_dtype = state, x_TH.dtype
+        return x_TH.new_zeros((), dtype=torch.float32)
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, _grad):
+        finish, ctx.state.finish = ctx.state.finish, None
+        return finish().to(ctx.x_dtype), None
+
+
+class _PortIssue(torch.autograd.Function):
+    """Nearest FC1: its backward issues the reverse transfer of the landed rows' gradient."""
+
+    @staticmethod
+    def forward(ctx, link, num_rows, hidden, dtype, state):
+        ctx.state = state
+        return link.new_zeros((), dtype=dtype).expand(num_rows, hidden)
 
     @staticmethod
     @first_order_only
     def backward(ctx, grad_MH):
-        return ctx.reverse(grad_MH.contiguous()).to(ctx.x_dtype), None, None, None
+        ctx.state.finish = ctx.state.reverse(grad_MH.contiguous())
+        return grad_MH.new_zeros((), dtype=torch.float32), None, None, None, None
 
 
 def grad_port(x_TH: torch.Tensor, num_rows: int, dtype: torch.dtype,
-              reverse: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+              reverse: Callable[[torch.Tensor], Callable[[], torch.Tensor]]) -> torch.Tensor:
     """The ``[num_rows, H]`` stand-in for FP8-landed rows (values 0, one element of memory).
+
+    Two autograd nodes, as a collective's start/wait pair (:mod:`dropless.dispatch.collectives`):
+    the one next to FC1 calls ``reverse(grad_MH)``, which issues the reverse transfer and returns
+    ``finish``; the one next to the tokens calls ``finish()`` for their gradient, so that the
+    autograd nodes run in between overlap the transfer.
 
     Args:
         x_TH: the dispatched tokens (the port's autograd input).
         num_rows: ``M``, the landed buffer's rows. dtype: the compute dtype.
-        reverse: ``grad_MH -> grad_TH``: the dispatcher's backward of landing the rows (live rows
-            only; run with autograd off).
+        reverse: ``grad_MH -> finish``, ``finish() -> grad_TH``: the dispatcher's backward of landing
+            the rows (live rows only; run with autograd off).
     Returns:
         ``[M, H]`` in ``dtype``, never read for its values: FC1 reads :class:`Fp8Rows`, and its
         backward returns the landed rows' gradient for this tensor.
     """
-    return _GradPort.apply(x_TH, num_rows, dtype, reverse)
+    state = _PortState(reverse)
+    return _PortIssue.apply(_PortWait.apply(x_TH, state), num_rows, x_TH.shape[1], dtype, state)
