@@ -32,6 +32,7 @@ import os
 import socket
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from typing import Any
@@ -234,10 +235,11 @@ def main(argv=None) -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out_path = f"/tmp/gloo_one_gpu_{os.getpid()}.json"
-    mp.start_processes(_rank, args=(2, port, opts, out_path), nprocs=2, start_method="spawn")
-    with open(out_path) as f:
-        res = json.load(f)
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "rank0.json")
+        mp.start_processes(_rank, args=(2, port, opts, out_path), nprocs=2, start_method="spawn")
+        with open(out_path) as f:
+            res = json.load(f)
     cuda = a.device == "cuda"
     head = dict(bench="moe_layer_gloo_one_gpu" if cuda else "moe_layer_gloo_cpu",
                 note=("one-GPU gloo figures (2 ranks share one GPU), not NCCL" if cuda else

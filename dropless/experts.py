@@ -12,6 +12,7 @@ from dropless.ops import GemmBackend, get_backend, grouped_mm
 from dropless.ops.expert_mlp import RecomputeAhead, expert_mlp_recompute  # noqa: F401 (RecomputeAhead re-exported)
 from dropless.ops.fp8_backend import Fp8Backend
 from dropless.ops.fp8_mlp import fp8_expert_mlp
+from dropless.ops.fp8_rows import Fp8Rows
 from dropless.ops.grouped_gemm import WgradAccumulator, check_operands
 from dropless.ops.swiglu import swiglu
 from dropless.permute import RowSource, permute_rows
@@ -133,10 +134,16 @@ class GroupedExperts(nn.Module):
             alias(w2c, self.w2)
         return ExpertWeights(w13c, w2c, acc)
 
+    def takes_fp8_rows(self, poison: bool = False) -> bool:
+        """True when FC1 reads e4m3 codes of its rows and can take them as dispatched (:mod:`dropless.ops.fp8_rows`):
+        an FP8 backend on the path that neither recomputes nor poisons."""
+        return (isinstance(self.backend, Fp8Backend) and not poison
+                and not (self.recompute_fc1 or self.recompute_swiglu))
+
     def forward(self, rows_MH: torch.Tensor | None, layout: ExpertLayout,
                 row_weight_M: torch.Tensor | None = None, poison: bool = False, *,
                 weights: ExpertWeights | None = None, source: RowSource | None = None,
-                with_ahead: bool = False):
+                with_ahead: bool = False, fp8_rows: Fp8Rows | None = None):
         """Run the experts on the live rows.
 
         Args:
@@ -152,9 +159,14 @@ class GroupedExperts(nn.Module):
                 saved. Uses the recompute path (``h13`` saved unless ``recompute_fc1``).
             with_ahead: return ``(outputs, ahead)``: ``ahead`` is a :class:`RecomputeAhead`
                 to attach to the combined output (``recompute_fc1`` only; else None).
+            fp8_rows: the rows as the dispatcher landed them in FP8 (``rows_MH`` is then its
+                :func:`~dropless.ops.fp8_rows.grad_port`): FC1 multiplies them as they are.
+                Only with an FP8 backend on the non-recompute, non-poisoned path.
         Returns:
             ``[M, H]`` expert outputs in the compute dtype; padding rows unspecified (and
             the ``ahead`` handle with ``with_ahead``).
+        Raises:
+            ValueError: ``fp8_rows`` where the experts do not run the FP8 MLP.
         """
         ref = rows_MH if rows_MH is not None else source.x_NH
         dt = compute_dtype(ref)
@@ -163,6 +175,10 @@ class GroupedExperts(nn.Module):
         w13, w2, acc = weights.w13, weights.w2, weights.wgrad
         with torch.autocast(ref.device.type, enabled=False):
             recompute = self.recompute_fc1 or self.recompute_swiglu or source is not None
+            if fp8_rows is not None and not self.takes_fp8_rows(poison):
+                raise ValueError("GroupedExperts: rows landed in FP8 need an FP8 backend (gemm=fp8 / deep_gemm) "
+                                 "without recompute_fc1, recompute_swiglu, recompute_gather or poison_padding; "
+                                 "dispatch them in the compute dtype")
             if recompute and not poison:
                 x = None if source is not None else rows_MH.to(dt)
                 if source is not None:
@@ -178,7 +194,7 @@ class GroupedExperts(nn.Module):
                 x = rows_MH.to(dt)
                 check_operands(x, w13, layout, self.backend)
                 check_operands(x.new_empty(layout.capacity, w2.shape[1]), w2, layout, self.backend)
-                y = fp8_expert_mlp(x, w13, w2, row_weight_M, layout, self.backend, acc)
+                y = fp8_expert_mlp(x, w13, w2, row_weight_M, layout, self.backend, acc, landed=fp8_rows)
                 return (y, None) if with_ahead else y
             mark = _poisoner(layout, poison)
             x = mark(rows_MH.to(dt))

@@ -22,6 +22,8 @@ from dropless.config import ModelArgs
 from dropless.dispatch import Dispatcher, LocalDispatcher, Pending
 from dropless.experts import GroupedExperts, compute_dtype
 from dropless.mlp import FeedForward
+from dropless.ops.fp8_backend import Fp8Backend
+from dropless.ops.fp8_rows import RowQuantiser
 from dropless.routing import Router, in_backward_recompute
 
 
@@ -142,6 +144,12 @@ class MoE(nn.Module):
         check_alignment = getattr(self.experts.backend, "check_alignment", None)
         if check_alignment is not None:  # e.g. gemm=deep_gemm reads the layout's ends at its own M alignment
             check_alignment(args.expert_alignment)
+        if (isinstance(self.experts.backend, Fp8Backend) and self.dispatcher.lands_fp8
+                and not self.experts.takes_fp8_rows(args.poison_padding)):  # shown once per process
+            warnings.warn(f"gemm={args.gemm} with dispatcher={self.dispatcher.name}: the rows are dispatched in the "
+                          "compute dtype, not as FP8 codes + scales, because recompute_fc1, recompute_swiglu or "
+                          "poison_padding is on (those paths quantise the landed rows themselves); turn them off "
+                          "for FP8 dispatch (docs/design.md#fp8-dispatch)", stacklevel=1)
         self.shared_experts = (FeedForward(args.hidden_size, args.n_shared_experts * args.moe_intermediate_size)
                                if args.n_shared_experts > 0 else None)
         self.last_stats: dict[str, torch.Tensor] = {}
@@ -205,6 +213,19 @@ class MoE(nn.Module):
         y = y_TH.view(x.shape).to(x.dtype)
         return (y, r.aux_loss) if return_aux else y
 
+    def _row_quantiser(self, dtype: torch.dtype) -> RowQuantiser | None:
+        """FC1's row quantisation for FP8 dispatch (docs/design.md#fp8-dispatch), or None to dispatch rows.
+
+        FP8 dispatch needs an FP8 backend whose FC1 reads the codes as dispatched
+        (:meth:`~dropless.experts.GroupedExperts.takes_fp8_rows`) and a dispatcher that moves them
+        (:attr:`~dropless.dispatch.Dispatcher.lands_fp8`: ``a2a``, ``agrs``); the constructor warns
+        once where the backend is FP8 but the rows cannot go as FP8.
+        """
+        be = self.experts.backend
+        if not (self.dispatcher.lands_fp8 and self.experts.takes_fp8_rows(self.args.poison_padding)):
+            return None
+        return RowQuantiser(lambda x_MK: be.quant_act(x_MK, None), dtype)
+
     def _routed(self, x_TH, topk_idx_Tk, topk_weight_Tk, stats, y_sh=None):
         """Dispatch -> experts -> combine (+ ``y_sh``) over ``num_token_chunks`` chunks of the rank's tokens.
 
@@ -242,9 +263,13 @@ class MoE(nn.Module):
         if not _is_fsdp_managed(self.experts):  # FSDP2 gathers the weights in experts' forward
             weights = self.experts.weights(compute_dtype(x_TH), accumulate_wgrad=n_chunks > 1)
 
+        quant = self._row_quantiser(compute_dtype(x_TH))
+
         def issue(c):
             lo, hi = bounds[c], bounds[c + 1]
             kw = dict(alignment=a.expert_alignment, fold_weights=a.fold_routing_weights)
+            if quant is not None:
+                kw["quant"] = quant
             if regather:  # no rows landed: the experts gather them (and again in backward)
                 return Pending(value=disp.dispatch_source(x_TH[lo:hi], topk_idx_Tk[lo:hi], topk_weight_Tk[lo:hi], **kw))
             return disp.dispatch_async(x_TH[lo:hi], topk_idx_Tk[lo:hi], topk_weight_Tk[lo:hi], **kw)
@@ -256,7 +281,8 @@ class MoE(nn.Module):
             if c + 1 < n_chunks:
                 pending = issue(c + 1)  # next chunk's dispatch overlaps this chunk's experts
             y_MH, ahead = self.experts(d.rows_MH, d.layout, d.row_weight_M, poison=a.poison_padding,
-                                       weights=weights, source=d.source if regather else None, with_ahead=True)
+                                       weights=weights, source=d.source if regather else None, with_ahead=True,
+                                       fp8_rows=d.fp8)
             live.append(d.layout.counts.sum())
             cap = max(cap, d.layout.capacity)
             pending_y = disp.combine_async(y_MH, d.handle,

@@ -59,12 +59,18 @@ def bias_to_rank0(moe, world: int) -> None:
         moe.router.e_score_correction_bias[:e0] += 10.0
 
 
-def reference(world: int, args: ModelArgs, biased: bool = False) -> dict:
-    """Single-process ``local`` MoE on the global batch: output, all gradients, routing."""
+def reference(world: int, args: ModelArgs, biased: bool = False, dispatcher: str = "local",
+              fp8: bool = False) -> dict:
+    """Single-process MoE on the global batch (``dispatcher`` at EP = 1, default ``local``; ``fp8``: the
+    emulated ``gemm=fp8`` backend): output, all gradients, routing."""
+    from dropless.dispatch import build_dispatcher
     from dropless.moe import MoE
+    from dropless.ops.fp8_backend import Fp8Backend
 
-    moe = MoE(args, LAYER_ID)
+    moe = MoE(args, LAYER_ID, build_dispatcher(dispatcher, args, None))
     moe.init_weights()
+    if fp8:
+        moe.experts.backend = Fp8Backend(emulate=True)
     if biased:
         bias_to_rank0(moe, world)
     x, cot = global_batch(world, args)
@@ -254,6 +260,7 @@ def layer_worker(rank, world, scenarios):
     from dropless.dispatch import build_dispatcher
     from dropless.dispatch.mesh import build_mesh
     from dropless.moe import MoE
+    from dropless.ops.fp8_backend import Fp8Backend
     from dropless.train.shard import apply_fsdp
 
     mesh_ep = build_mesh(world, world, "cpu")
@@ -266,6 +273,8 @@ def layer_worker(rank, world, scenarios):
         disp = build_dispatcher(name, args, None if name == "fsdp" else mesh_ep)
         moe = MoE(args, LAYER_ID, disp)
         moe.init_weights()
+        if sc.get("fp8"):  # gemm=fp8, emulated: a2a / agrs then dispatch FP8 codes + scales
+            moe.experts.backend = Fp8Backend(emulate=True)
         if sc.get("biased"):
             bias_to_rank0(moe, world)
         w13_init, w2_init = moe.experts.w13.detach().clone(), moe.experts.w2.detach().clone()

@@ -7,6 +7,7 @@ EP = 64 (4 local experts), 8,192 tokens per rank, counts
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 
@@ -333,12 +334,13 @@ def test_cli_json_holds_the_reference_rank_figures(capsys):
     assert cap["cf=1.0"]["dropped_rows"] == cap["cf=1.0"]["padded_rows"] == 6_947
     assert cap["cf=1.5"]["computed_rows"] == 98_304
     cb = d["comm_bytes"]
-    assert cb["a2a"]["out"] == 448 * MiB and cb["a2a"]["back"] == 896 * MiB
+    # --fp8-dispatch on a bf16 model: FP8 codes + one rowwise fp32 scale per row (gemm=fp8's), a2a and agrs
+    assert cb["a2a"]["out"] - cb["a2a"]["out_scales"] == 448 * MiB and cb["a2a"]["back"] == 896 * MiB
+    assert cb["a2a"]["out_scales"] == 65_536 * 4
     assert round(cb["a2a"]["total"] / GiB, 2) == 1.31
-    assert round(cb["agrs"]["out"] / GiB, 2) == 6.89
-    assert round(cb["agrs"]["total"] / GiB, 1) == 13.8
+    assert cb["agrs"]["out"] == 63 * 8192 * (7168 + 4) and round(cb["agrs"]["back"] / GiB, 2) == 6.89
     assert round(cb["fsdp"]["total"] / GiB, 1) == 21.0
-    assert d["crossover"]["a2a_agrs_ep"] == 7
+    assert d["crossover"]["a2a_agrs_ep"] == 9   # both dispatch FP8: 1 + 8·3/(1 + 2)
     assert round(d["crossover"]["fsdp_a2a_tokens_per_rank"], -3) == 131_000
     t = d["tiles"]
     assert (t["tiles"], t["tiles_min"]) == (515, 512) and pct(t["overhead"]) == 0.59
@@ -357,6 +359,41 @@ def test_cli_bf16_dispatch_and_ep_override(capsys):
     assert d["comm_bytes"]["a2a"]["out"] == 4096 * 8 * 7168 * 2
     assert d["crossover"]["a2a_agrs_ep"] == 9                   # 1 + 8·4/4
     assert d["comm_bytes"]["agrs"]["out"] == 7 * 4096 * 7168 * 2
+
+
+def test_plan_dispatch_bytes_follow_gemm():
+    """DeepSeek-V3's rank: gemm=fp8 dispatches FP8 (448 MiB of codes + 0.25 MiB of rowwise scales, 1.31 GiB
+    a2a per rank per layer); deep_gemm adds 1×128 scales (56 per row, 14 MiB); gemm=torch stays bf16."""
+    v3 = ModelArgs.deepseek_v3_671b()
+    shape = P.RankShape.from_args(v3, 8192, 64, 128)
+    got = {g: P.plan(shape, args=dataclasses.replace(v3, gemm=g)) for g in ("fp8", "deep_gemm", "torch")}
+    fp8 = got["fp8"]
+    assert fp8["rank"]["dispatch_dtype"] == "fp8" and fp8["rank"]["dispatch_scale_bytes_per_row"] == 4
+    a2a = fp8["comm_bytes"]["a2a"]
+    assert (a2a["out"], a2a["out_scales"], a2a["back"]) == (448 * MiB + 65_536 * 4, 65_536 * 4, 896 * MiB)
+    assert round(a2a["total"] / GiB, 2) == 1.31 and a2a["total"] == 1.3125 * GiB + 65_536 * 4
+    dg = got["deep_gemm"]["comm_bytes"]["a2a"]
+    assert got["deep_gemm"]["rank"]["dispatch_scale_bytes_per_row"] == 4 * 7168 // 128
+    assert (dg["out"], dg["out_scales"]) == (448 * MiB + 14 * MiB, 14 * MiB)
+    bf = got["torch"]
+    assert bf["rank"]["dispatch_dtype"] == "bf16" and bf["comm_bytes"]["a2a"]["out"] == 896 * MiB
+    assert bf["comm_bytes"]["a2a"]["out_scales"] == 0 and round(bf["comm_bytes"]["agrs"]["out"] / GiB, 2) == 6.89
+    # agrs with FP8 dispatch: the all-gather in codes + scales, the reduce-scatter in bf16
+    ag = fp8["comm_bytes"]["agrs"]
+    assert (ag["out"], ag["back"]) == (63 * 8192 * (7168 + 4), 63 * 8192 * 7168 * 2)
+    assert "4 B of scales per row (gemm=fp8)" in P.format_plan(fp8)
+
+
+def test_cli_dispatch_follows_the_gemm_override(capsys):
+    """Hydra path: gemm=fp8 plans FP8 dispatch, the default gemm bf16; --bf16-dispatch overrides."""
+    d8 = _run_json(capsys, ["gemm=fp8", "--json", "--ep", "2", "--tokens-per-rank", "64"])
+    d16 = _run_json(capsys, ["--json", "--ep", "2", "--tokens-per-rank", "64"])
+    h, k = d8["rank"]["hidden_size"], d8["rank"]["num_experts_per_tok"]
+    assert (d8["rank"]["dispatch_dtype"], d16["rank"]["dispatch_dtype"]) == ("fp8", "bf16")
+    assert d8["comm_bytes"]["a2a"]["out"] == 64 * k * (h + 4)
+    assert d16["comm_bytes"]["a2a"]["out"] == 64 * k * h * 2
+    forced = _run_json(capsys, ["gemm=fp8", "--json", "--ep", "2", "--tokens-per-rank", "64", "--bf16-dispatch"])
+    assert forced["comm_bytes"]["a2a"] == d16["comm_bytes"]["a2a"]
 
 
 def test_cli_text_table(capsys):

@@ -34,9 +34,19 @@ landing indices while the rows travel; ``.wait()`` blocks on the rows and lands 
 :meth:`A2ADispatcher.combine_async` issues the return all-to-all; ``.wait()`` does the
 weighted sum. Backward overlaps the same way (see :mod:`dropless.dispatch.collectives`).
 
+FP8 dispatch (``quant``, ``gemm=fp8`` / ``deep_gemm``; docs/design.md#fp8-dispatch): the
+rank's ``T`` tokens are quantised once (FC1's row quantisation,
+:class:`~dropless.ops.fp8_rows.RowQuantiser`), and the send buffer holds each choice's e4m3
+codes (uint8 ``[n_send, H]``) and scales (fp32 ``[n_send, G]``, ``G`` = 1 or ``H/128``), moved by
+two all-to-alls with the same splits and landed by the same indices as
+:class:`~dropless.ops.fp8_rows.Fp8Rows`. Backward: the landed rows' gradient (compute dtype)
+takes the reverse path of the compute-dtype dispatch (landed -> received order, all-to-all
+back, sum over ``k`` in fp32 at the source), the same values as without FP8 dispatch.
+
 Bytes counted per call (``self.comm``): rows (and folded weights) that leave / enter the
 rank in each all-to-all, forward and backward, plus the count matrix (``(EP-1)·e`` int32
-each way). A row is ``H·itemsize`` bytes; the rank's own rows are not counted.
+each way). A row is ``H·itemsize`` bytes, an FP8-dispatched one ``H + 4·G`` bytes in the dispatch
+(its gradient ``H·itemsize`` in backward); the rank's own rows are not counted.
 """
 
 from __future__ import annotations
@@ -48,6 +58,8 @@ import torch
 from dropless.dispatch.base import Dispatched, Dispatcher, Pending
 from dropless.dispatch.collectives import CollOp, start, wait
 from dropless.dispatch.local import scatter_row_weights
+from dropless.ops.fp8_rows import RowQuantiser, grad_port, land_fp8
+from dropless.ops.rows import gather_sum, land_rows
 from dropless.permute import combine_rows, permute_rows, sort_by_expert
 
 
@@ -82,18 +94,25 @@ class A2ADispatcher(Dispatcher):
     """
 
     name = "a2a"
+    lands_fp8 = True
 
     # ------------------------------------------------------------------ dispatch
     def dispatch_async(self, x_TH, topk_idx_Tk, topk_weight_Tk, *, alignment=1, capacity=None,
-                       fold_weights=False) -> Pending:
+                       fold_weights=False, quant: RowQuantiser | None = None) -> Pending:
         ep, e = self.ep_size, self.num_local_experts
         # 1. sort by global expert -> send order (grouped by destination rank, then expert)
         send_layout, send_dest_Tk, send_src = sort_by_expert(topk_idx_Tk, self.num_experts, 1)
         counts_E = send_layout.counts  # int32 [E]
         counts_op = CollOp("a2a", self.group, self._what("count all-to-all"), [e] * ep, [e] * ep, self.comm)
         recv_counts = start(counts_E, counts_op)
-        # 2. while the counts travel: gather the send buffer straight from x_TH
-        send_NH = permute_rows(x_TH, send_src, send_dest_Tk)
+        # 2. while the counts travel: gather the send buffer straight from x_TH (FP8: from its codes
+        #    and scales, quantised once per token)
+        if quant is None:
+            send_NH = permute_rows(x_TH, send_src, send_dest_Tk)
+        else:
+            codes_TH, scales_TG, rowwise = quant(x_TH)
+            send_NH = land_rows(codes_TH, send_src, send_dest_Tk)
+            send_NG = land_rows(scales_TG, send_src, send_dest_Tk)
         send_w = scatter_row_weights(topk_weight_Tk, send_dest_Tk, send_src.numel()) if fold_weights else None
         recv_counts_Ee = wait(recv_counts, counts_op).view(ep, e)
         # 3. THE host copy of this layer call: per-rank row totals for the split sizes
@@ -103,6 +122,9 @@ class A2ADispatcher(Dispatcher):
         # 4. issue the rows (and folded weights)
         rows_op = CollOp("a2a", self.group, self._what("row all-to-all"), recv_splits, send_splits, self.comm)
         recv_RH = start(send_NH[:n_send], rows_op)
+        if quant is not None:
+            scales_op = CollOp("a2a", self.group, self._what("scale all-to-all"), recv_splits, send_splits, self.comm)
+            recv_RG = start(send_NG[:n_send], scales_op)
         w_op = recv_w = None
         if fold_weights:
             w_op = CollOp("a2a", self.group, self._what("weight all-to-all"), recv_splits, send_splits, self.comm)
@@ -116,14 +138,27 @@ class A2ADispatcher(Dispatcher):
         weight_Tk = None if fold_weights else topk_weight_Tk
         handle = A2AHandle(send_dest_Tk, weight_Tk, recv_dest_R1, send_splits, recv_splits)
 
+        def reverse(grad_MH: torch.Tensor):
+            """FP8 dispatch's backward: issue the landed rows' gradient (received order) back to the source
+            ranks; the returned ``finish()`` waits and sums each token's ``k`` rows, ``[T, H]``."""
+            op = CollOp("a2a", self.group, self._what("row all-to-all (backward)"), send_splits, recv_splits,
+                        self.comm)
+            back = start(gather_sum(grad_MH, recv_dest_R1, None), op)
+            return lambda: gather_sum(wait(back, op), send_dest_Tk, None)
+
         def finish() -> Dispatched:
             rows_in = wait(recv_RH, rows_op)
-            rows_MH = permute_rows(rows_in, src_M, recv_dest_R1)  # a rank that received 0 rows: all padding
+            fp8 = None
+            if quant is None:
+                rows_MH = permute_rows(rows_in, src_M, recv_dest_R1)  # a rank that received 0 rows: all padding
+            else:
+                fp8 = land_fp8(rows_in, wait(recv_RG, scales_op), src_M, recv_dest_R1, rowwise)
+                rows_MH = grad_port(x_TH, layout.capacity, quant.dtype, reverse)
             row_w = None
             if fold_weights:
                 w_in = wait(recv_w, w_op).squeeze(1)
                 row_w = scatter_row_weights(w_in.unsqueeze(1), recv_dest_R1, layout.capacity)
-            return Dispatched(rows_MH, layout, row_w, handle)
+            return Dispatched(rows_MH, layout, row_w, handle, fp8=fp8)
 
         return Pending(finish)
 

@@ -24,10 +24,18 @@ output) in fp32 and rounds to ``y``'s dtype before the reduce-scatter, which the
 EP partials in that dtype (exact match to ``local`` within fp32 rounding for fp32; one
 rounding at EP = 1 as ``local``, one extra rounding per further rank for bf16).
 
+FP8 dispatch (``quant``, ``gemm=fp8`` / ``deep_gemm``; docs/design.md#fp8-dispatch): each rank
+quantises its ``T`` tokens once (FC1's row quantisation) and all-gathers their e4m3 codes (uint8
+``[T, H]``) and scales (fp32 ``[T, G]``) instead of ``x``; the local choices land as
+:class:`~dropless.ops.fp8_rows.Fp8Rows`. Backward: the landed rows' gradient is summed per
+gathered token (fp32, over ``k``) and reduce-scattered, as the all-gather's VJP does without
+FP8 dispatch. The partial outputs' reduce-scatter stays in the compute dtype.
+
 Bytes counted per call (``self.comm``, forward + backward), with ``b`` the activation bytes:
 all-gather of ``x``: ``(EP-1)·T·H·b`` sent and received; of the routing: ``(EP-1)·T·k·(8 + 4)``;
 reduce-scatter of the partial outputs: ``(EP-1)·T·H·b`` each way. Backward repeats the ``x`` and
 output terms (reduce-scatter of ``dx``, all-gather of ``dy``) and the weights' ``(EP-1)·T·k·4``.
+With FP8 dispatch the forward all-gather of ``x`` is ``(EP-1)·T·(H + 4·G)`` instead.
 """
 
 from __future__ import annotations
@@ -39,6 +47,8 @@ import torch
 from dropless.dispatch.base import Dispatched, Dispatcher, Pending
 from dropless.dispatch.collectives import CollOp, start, wait
 from dropless.dispatch.local import scatter_row_weights
+from dropless.ops.fp8_rows import RowQuantiser, grad_port, land_fp8
+from dropless.ops.rows import gather_sum
 from dropless.permute import combine_rows, permute_rows, sort_by_expert
 
 
@@ -65,15 +75,21 @@ class AGRSDispatcher(Dispatcher):
     """
 
     name = "agrs"
+    lands_fp8 = True
 
     def dispatch_async(self, x_TH, topk_idx_Tk, topk_weight_Tk, *, alignment=1, capacity=None,
-                       fold_weights=False) -> Pending:
+                       fold_weights=False, quant: RowQuantiser | None = None) -> Pending:
         t, k = topk_idx_Tk.shape
         e = self.num_local_experts
         x_op = CollOp("ag", self.group, self._what("token all-gather"), comm=self.comm)
         i_op = CollOp("ag", self.group, self._what("expert-id all-gather"), comm=self.comm)
         w_op = CollOp("ag", self.group, self._what("weight all-gather"), comm=self.comm)
-        xg = start(x_TH, x_op)
+        if quant is None:
+            xg = start(x_TH, x_op)
+        else:  # FP8 dispatch: each token quantised once, its codes and scales gathered
+            codes_TH, scales_TG, rowwise = quant(x_TH)
+            s_op = CollOp("ag", self.group, self._what("scale all-gather"), comm=self.comm)
+            xg, sg = start(codes_TH, x_op), start(scales_TG, s_op)
         ig = start(topk_idx_Tk.to(torch.int64), i_op)
         wg = start(topk_weight_Tk, w_op)
         idx_Nk = wait(ig, i_op)
@@ -84,12 +100,25 @@ class AGRSDispatcher(Dispatcher):
         layout, dest_Nk, src_M = sort_by_expert(local_Nk, e, alignment, capacity,
                                                 num_rows=self.ep_size * t * min(k, e))
 
+        def reverse(grad_MH: torch.Tensor):
+            """FP8 dispatch's backward: per gathered token the sum of its rows' gradients, reduce-scattered
+            (issued here; the returned ``finish()`` waits for this rank's ``[T, H]``)."""
+            op = CollOp("rs", self.group, self._what("token all-gather (backward)"), comm=self.comm)
+            out = start(gather_sum(grad_MH, dest_Nk, None), op)
+            return lambda: wait(out, op)
+
         def finish() -> Dispatched:
             x_NH = wait(xg, x_op)
             w_Nk = wait(wg, w_op)
-            rows_MH = permute_rows(x_NH, src_M, dest_Nk)
+            fp8 = None
+            if quant is None:
+                rows_MH = permute_rows(x_NH, src_M, dest_Nk)
+            else:
+                fp8 = land_fp8(x_NH, wait(sg, s_op), src_M, dest_Nk, rowwise)
+                rows_MH = grad_port(x_TH, layout.capacity, quant.dtype, reverse)
             row_w = scatter_row_weights(w_Nk, dest_Nk, layout.capacity) if fold_weights else None
-            return Dispatched(rows_MH, layout, row_w, AGRSHandle(dest_Nk, None if fold_weights else w_Nk))
+            return Dispatched(rows_MH, layout, row_w, AGRSHandle(dest_Nk, None if fold_weights else w_Nk),
+                              fp8=fp8)
 
         return Pending(finish)
 

@@ -9,6 +9,13 @@ order as the weighted sum over ``k``.
 Every dispatcher gives the same outputs and gradients as ``local`` on the
 same global batch. A routed expert index ``< 0`` means "dropped" (the
 ``capacity_factor`` baseline) and is never dispatched.
+
+FP8 dispatch (:attr:`Dispatcher.lands_fp8`; docs/design.md#fp8-dispatch): given a
+:class:`~dropless.ops.fp8_rows.RowQuantiser` (FC1's row quantisation), the dispatcher
+quantises the ``T`` tokens once, moves their e4m3 codes and scales instead of the rows, and
+lands them as :class:`~dropless.ops.fp8_rows.Fp8Rows` (``Dispatched.fp8``); ``rows_MH`` is then
+the :func:`~dropless.ops.fp8_rows.grad_port` through which the landed rows' gradient returns to
+the tokens in the compute dtype. The combine is unchanged.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from dropless.config import ConfigError
 from dropless.dispatch.collectives import CommStats, group_rank, group_size
 from dropless.dispatch.mesh import local_expert_count
 from dropless.layout import ExpertLayout
+from dropless.ops.fp8_rows import Fp8Rows, RowQuantiser
 from dropless.permute import RowSource
 
 
@@ -39,6 +47,8 @@ class Dispatched:
             (integer indices, split sizes, the weights when not folded).
         source: where the rows come from, when they are a local gather (``local``, ``fsdp``);
             ``rows_MH`` is None after :meth:`Dispatcher.dispatch_source`, whose caller gathers.
+        fp8: the landed rows as e4m3 codes + scales (FP8 dispatch), ``rows_MH`` then being their
+            gradient port (zero-stride, values unused); None: ``rows_MH`` holds the rows.
     """
 
     rows_MH: torch.Tensor | None
@@ -46,6 +56,7 @@ class Dispatched:
     row_weight_M: torch.Tensor | None
     handle: Any
     source: RowSource | None = None
+    fp8: Fp8Rows | None = None
 
 
 class Pending:
@@ -98,6 +109,8 @@ class Dispatcher(ABC):
     #: True when the landed rows are a local gather of the rank's tokens (EP = 1), so the
     #: experts can re-gather them in backward (``recompute_gather``; :meth:`dispatch_source`).
     gathers_locally: bool = False
+    #: True when :meth:`dispatch_async` takes ``quant`` and can move the rows as FP8 codes + scales.
+    lands_fp8: bool = False
 
     @classmethod
     def check_regather(cls, field: str = "recompute_gather") -> None:
@@ -151,9 +164,11 @@ class Dispatcher(ABC):
             topk_weight_Tk: fp32 ``[T, k]`` combine weights.
             alignment: ``A``. capacity: static ``M`` (None: the dispatcher's exact bound).
             fold_weights: return ``row_weight_M`` and combine as a plain sum.
+            quant: (only where :attr:`lands_fp8`) FC1's row quantisation: move and land the rows
+                in FP8 (``Dispatched.fp8``); None: move them in ``x_TH``'s dtype.
         Returns:
             :class:`Pending` of a :class:`Dispatched`: ``rows_MH`` in ``x_TH``'s dtype with its
-            :class:`ExpertLayout`.
+            :class:`ExpertLayout` (with ``quant``: ``fp8`` and the gradient port).
         Raises:
             CollectiveError: (EP dispatchers, at ``wait()`` or before) a collective failed or
                 timed out.
@@ -170,10 +185,12 @@ class Dispatcher(ABC):
         gradient is the output's. None: the routed sum alone."""
 
     def dispatch(self, x_TH: torch.Tensor, topk_idx_Tk: torch.Tensor, topk_weight_Tk: torch.Tensor, *,
-                 alignment: int = 1, capacity: int | None = None, fold_weights: bool = False) -> Dispatched:
+                 alignment: int = 1, capacity: int | None = None, fold_weights: bool = False,
+                 quant: RowQuantiser | None = None) -> Dispatched:
         """:meth:`dispatch_async` waited on at once: the :class:`Dispatched`."""
+        kw = {} if quant is None else {"quant": quant}
         return self.dispatch_async(x_TH, topk_idx_Tk, topk_weight_Tk, alignment=alignment, capacity=capacity,
-                                   fold_weights=fold_weights).wait()
+                                   fold_weights=fold_weights, **kw).wait()
 
     def combine(self, y_MH: torch.Tensor, handle: Any, addend_TH: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`combine_async` waited on at once: ``y_TH``."""

@@ -14,6 +14,13 @@ backward; the bf16 SwiGLU output for ``dW2`` is rebuilt from it), plus the row w
 folded and the weights (their FP8 copies live in the backend's per-step cache). This is what
 the bf16 path saves minus its ``[M, I]`` SwiGLU output; FC2's gradients are released before
 FC1's backward runs.
+
+FP8-landed rows (:class:`~dropless.ops.fp8_rows.Fp8Rows`, ``a2a``/``agrs`` dispatch): FC1
+multiplies the landed codes and scales as they are (no quantisation pass over the landed
+buffer) and saves them (1 byte per element) instead of the rows; its weight gradient ``dW13``
+reads the dequantised codes ``q · s`` (the rows FC1 multiplied; the compute-dtype rows never
+reach this rank), its data gradient is the same FP8 ``q(dY) @ q(W13ᵀ)`` as without FP8 dispatch,
+returned for the stand-in input :func:`~dropless.ops.fp8_rows.grad_port`.
 """
 
 from __future__ import annotations
@@ -23,8 +30,38 @@ import torch
 from dropless.layout import ExpertLayout
 from dropless.ops.backward import first_order_only, grad_wanted
 from dropless.ops.fp8_backend import Fp8Backend
+from dropless.ops.fp8_quant import dequant_rows
+from dropless.ops.fp8_rows import Fp8Rows
 from dropless.ops.grouped_gemm import WgradAccumulator, grouped_mm, weight_grad
 from dropless.ops.swiglu import swiglu_bwd, swiglu_fwd
+
+
+class _Fp8FC1Landed(torch.autograd.Function):
+    """FC1 of rows that landed as e4m3 codes + scales; ``port_MH`` (values unused) carries the rows' gradient."""
+
+    @staticmethod
+    def forward(ctx, port_MH, w13, codes_MH, scales, layout, backend, wgrad):
+        be: Fp8Backend = backend
+        be.check_layout(layout)
+        h13 = be.scaled_gmm(codes_MH, scales, *be.weight(w13), layout, port_MH.dtype)
+        ctx.layout, ctx.backend, ctx.wgrad, ctx.dtype = layout, be, wgrad, port_MH.dtype
+        ctx.save_for_backward(codes_MH, scales, w13)
+        return h13
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, dh13):
+        codes_MH, scales, w13 = ctx.saved_tensors
+        be, layout = ctx.backend, ctx.layout
+        dh13 = dh13.contiguous()
+        dx = dw = None
+        if grad_wanted(ctx, 0):  # as _GroupedMM's: q(dY) @ q(W13ᵀ)
+            dx = be.gmm(dh13, w13.transpose(1, 2), layout)
+        if grad_wanted(ctx, 1):
+            x_MH = dequant_rows(codes_MH, scales).to(ctx.dtype)
+            dw = weight_grad(x_MH, dh13, layout, be, w13.dtype,
+                             (ctx.wgrad, "w13") if ctx.wgrad is not None else None)
+        return dx, dw, None, None, None, None, None
 
 
 class _Fp8SwiGLUFC2(torch.autograd.Function):
@@ -72,7 +109,8 @@ class _Fp8SwiGLUFC2(torch.autograd.Function):
 
 @torch.compiler.disable  # the weight cache (identity, _version) is host logic: run eagerly inside a compiled graph
 def fp8_expert_mlp(x_MH: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, row_w: torch.Tensor | None,
-                   layout: ExpertLayout, backend: Fp8Backend, wgrad: WgradAccumulator | None = None) -> torch.Tensor:
+                   layout: ExpertLayout, backend: Fp8Backend, wgrad: WgradAccumulator | None = None,
+                   landed: Fp8Rows | None = None) -> torch.Tensor:
     """FC1 -> SwiGLU (× row weight) -> FC2 of the live rows with FP8 GEMMs.
 
     Two autograd nodes: FC1 (:func:`~dropless.ops.grouped_gemm.grouped_mm` on the FP8 backend:
@@ -80,12 +118,15 @@ def fp8_expert_mlp(x_MH: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, row_
     its gradients and ``h13`` before FC1's backward runs.
 
     Args:
-        x_MH: ``[M, H]`` landed rows (bf16; padding rows may hold anything, NaN included).
+        x_MH: ``[M, H]`` landed rows (bf16; padding rows may hold anything, NaN included); with
+            ``landed``, the dispatcher's :func:`~dropless.ops.fp8_rows.grad_port` (values unused).
         w13: ``[e, H, 2I]``, w2: ``[e, I, H]`` in ``x_MH``'s dtype (their FP8 copies come from
             ``backend``'s cache: made once per optimizer step).
         row_w: ``[M]`` routing weight per row (``fold_routing_weights``), or None.
         layout: the rows' :class:`ExpertLayout`. backend: an :class:`Fp8Backend`.
         wgrad: accumulator for ``dW13``/``dW2`` (chunked layer calls), or None to return them.
+        landed: the rows as the dispatcher landed them in FP8 (codes + scales of the backend's
+            ``quant_act``), or None to quantise ``x_MH`` here.
     Returns:
         ``[M, H]`` in ``x_MH``'s dtype; live rows per expert, padding rows unspecified. Backward:
         ``dX`` on live rows (FP8 data gradients), ``dW`` from live rows only in bf16 (exactly 0
@@ -94,5 +135,8 @@ def fp8_expert_mlp(x_MH: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, row_
         RuntimeError: (device-side, asynchronous on CUDA) a live row of an FP8 operand is not finite.
     Under ``torch.compile`` it runs eagerly (a graph break; ``fullgraph=True`` refuses it).
     """
-    h13 = grouped_mm(x_MH, w13, layout, backend, wgrad=(wgrad, "w13") if wgrad is not None else None)
+    if landed is not None:
+        h13 = _Fp8FC1Landed.apply(x_MH, w13, landed.codes_MH, landed.scales, layout, backend, wgrad)
+    else:
+        h13 = grouped_mm(x_MH, w13, layout, backend, wgrad=(wgrad, "w13") if wgrad is not None else None)
     return _Fp8SwiGLUFC2.apply(h13, w2, row_w, layout, backend, wgrad)

@@ -18,6 +18,7 @@ from dropless.model.params import (
 )
 from dropless.plan.cli import main
 from dropless.plan.cost import (
+    FP8_GEMMS,
     MEMORY_SETTINGS,
     ActivationBytes,
     CapacityRow,
@@ -41,6 +42,7 @@ from dropless.plan.cost import (
     expert_flops,
     expert_weight_bytes,
     flops_per_row_per_expert,
+    fp8_scale_bytes_per_row,
     fsdp_a2a_breakeven_tokens,
     fsdp_bytes,
     local_experts,
@@ -58,7 +60,7 @@ __all__ = [
     "aligned_rows", "alignment_bound_rows", "flops_per_row_per_expert", "expert_flops",
     "capacity_per_expert", "CapacityRow", "capacity_table", "ActivationBytes", "activation_bytes",
     "MEMORY_SETTINGS", "saved_bytes",
-    "CommBytes", "a2a_bytes", "agrs_bytes", "fsdp_bytes", "expert_weight_bytes",
+    "FP8_GEMMS", "fp8_scale_bytes_per_row", "CommBytes", "a2a_bytes", "agrs_bytes", "fsdp_bytes", "expert_weight_bytes",
     "a2a_agrs_crossover_ep", "fsdp_a2a_breakeven_tokens", "DecodeCost", "decode_alignment_cost",
     "TileCost", "tile_visits", "TileBound", "tile_overhead_bound",
     "ParamCounts", "param_counts", "moe_flops_per_token", "model_flops_per_token",

@@ -53,10 +53,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--alignment", type=int, default=None,
                    help="expert alignment A (default: the model's expert_alignment)")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--fp8-dispatch", dest="fp8_dispatch", action="store_true", default=False,
-                   help="a2a dispatch in fp8, 1 B per element (DeepSeek-V3's; dropless's dispatchers move bf16)")
+    g.add_argument("--fp8-dispatch", dest="fp8_dispatch", action="store_true", default=None,
+                   help="a2a / agrs dispatch in FP8: 1 B per element + the fp32 scales (default: FP8 exactly "
+                        "when gemm is fp8 or deep_gemm, as dropless's a2a and agrs dispatch)")
     g.add_argument("--bf16-dispatch", dest="fp8_dispatch", action="store_false",
-                   help="a2a dispatch in bf16, 2 B per element (default: what dropless's dispatchers move)")
+                   help="a2a / agrs dispatch in bf16, 2 B per element (default for gemm=torch / loop)")
     p.add_argument("--ep", type=int, default=None, help="EP size (overrides dispatcher.ep_size)")
     p.add_argument("--tokens-per-rank", type=int, default=None,
                    help="T (default: train.micro_batch_size x train.seq_len)")

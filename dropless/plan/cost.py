@@ -12,7 +12,8 @@ counts ``[21733, 15004, 17982, 10817]``. Figures reproduced (tests/test_plan.py)
 88.08 MFLOP per row per expert               :func:`flops_per_row_per_expert`
 5.772 / 5.795 / 8.659 / 23.180 TFLOP         :func:`expert_flops`
 cf 1.0 drops 6,947 and pads 6,947 rows       :func:`capacity_table`
-448 MiB + 896 MiB = 1.31 GiB (a2a)           :func:`a2a_bytes`
+448 MiB + 896 MiB = 1.31 GiB (a2a)           :func:`a2a_bytes` (FP8 dispatch: + 0.25 MiB scales,
+                                             :func:`fp8_scale_bytes_per_row`)
 6.89 GiB each way, 13.8 GiB (agrs)           :func:`agrs_bytes`
 21.0 GiB (fsdp)                              :func:`fsdp_bytes`
 EP ≈ 7, ≈ 131,000 tokens per rank            :func:`a2a_agrs_crossover_ep`,
@@ -49,7 +50,7 @@ __all__ = [
     "aligned_rows", "alignment_bound_rows", "flops_per_row_per_expert", "expert_flops",
     "capacity_per_expert", "CapacityRow", "capacity_table", "ActivationBytes", "activation_bytes",
     "MEMORY_SETTINGS", "saved_bytes",
-    "CommBytes", "a2a_bytes", "agrs_bytes", "fsdp_bytes", "expert_weight_bytes",
+    "FP8_GEMMS", "fp8_scale_bytes_per_row", "CommBytes", "a2a_bytes", "agrs_bytes", "fsdp_bytes", "expert_weight_bytes",
     "a2a_agrs_crossover_ep", "fsdp_a2a_breakeven_tokens", "DecodeCost", "decode_alignment_cost",
     "TileCost", "tile_visits", "TileBound", "tile_overhead_bound",
 ]
@@ -343,11 +344,13 @@ class CommBytes:
         dispatcher: ``a2a``, ``agrs`` or ``fsdp``.
         out_bytes: the first leg (a2a dispatch, agrs all-gather, fsdp weight all-gather).
         back_bytes: the return leg (a2a combine, agrs reduce-scatter; 0 for fsdp).
+        out_scale_bytes: the FP8 scales' share of ``out_bytes`` (0 unless the dispatch is FP8).
     """
 
     dispatcher: str
     out_bytes: int
     back_bytes: int
+    out_scale_bytes: int = 0
 
     @property
     def total(self) -> int:
@@ -355,31 +358,54 @@ class CommBytes:
         return self.out_bytes + self.back_bytes
 
 
+#: the grouped-GEMM backends whose FC1 reads e4m3 codes, so that ``a2a`` and ``agrs`` dispatch FP8 rows
+#: (docs/design.md#fp8-dispatch).
+FP8_GEMMS = ("fp8", "deep_gemm")
+
+
+def fp8_scale_bytes_per_row(hidden_size: int, gemm: str = "fp8") -> int:
+    """Bytes of the fp32 scales that travel with one FP8-dispatched row of ``H`` codes.
+
+    ``gemm=fp8`` (``torch._scaled_grouped_mm``'s rowwise operand): one scale, 4 B.
+    ``gemm=deep_gemm`` (1×128 blocks): ``4·⌈H/128⌉`` B, 224 B at H = 7168.
+    """
+    positive_int("hidden_size", hidden_size)
+    return 4 * -(-hidden_size // 128) if gemm == "deep_gemm" else 4
+
+
 def a2a_bytes(tokens_per_rank: int, k: int, hidden_size: int, dispatch_bytes: int = 1,
-              combine_bytes: int = 2) -> CommBytes:
-    """All-to-all: ``T·k·H·dispatch_bytes`` out, ``T·k·H·combine_bytes`` back.
+              combine_bytes: int = 2, scale_bytes_per_row: int = 0) -> CommBytes:
+    """All-to-all: ``T·k·(H·dispatch_bytes + scale_bytes_per_row)`` out, ``T·k·H·combine_bytes`` back.
 
     As docs/design.md#dispatchers counts it: every one of the ``T·k`` rows crosses the network
     once each way (no discount for rows whose expert is local, no node-level
     de-duplication). Independent of EP. DeepSeek-V3 rank: dispatch (fp8)
-    448 MiB, combine (bf16) 896 MiB, 1.3125 GiB ≈ 1.31 GiB.
+    448 MiB of codes (+ 0.25 MiB of rowwise scales with ``gemm=fp8``, + 14 MiB of 1×128 scales
+    with ``gemm=deep_gemm``), combine (bf16) 896 MiB, 1.3125 GiB ≈ 1.31 GiB (1.33 GiB with 1×128
+    scales). bf16 dispatch: 896 MiB out, 1.75 GiB.
     """
     rows = routed_rows(tokens_per_rank, k)
-    return CommBytes("a2a", rows * hidden_size * dispatch_bytes, rows * hidden_size * combine_bytes)
+    scales = rows * scale_bytes_per_row
+    return CommBytes("a2a", rows * hidden_size * dispatch_bytes + scales, rows * hidden_size * combine_bytes,
+                     scales)
 
 
 def agrs_bytes(tokens_per_rank: int, hidden_size: int, ep_size: int,
-               bytes_per_element: int = 2) -> CommBytes:
-    """All-gather + reduce-scatter: ``(EP - 1)·T·H·2 B`` each way.
+               bytes_per_element: int = 2, gather_bytes: int | None = None,
+               scale_bytes_per_row: int = 0) -> CommBytes:
+    """All-gather + reduce-scatter: ``(EP - 1)·T·H·2 B`` each way in bf16.
 
-    Every token goes to every other EP rank (bf16), partial outputs come back by
-    reduce-scatter (bf16). Grows with EP. DeepSeek-V3 rank, EP = 64:
-    6.89 GiB each way, ≈ 13.8 GiB.
+    Every token goes to every other EP rank, partial outputs come back by reduce-scatter
+    (``bytes_per_element``, bf16). With FP8 dispatch the all-gather moves ``gather_bytes`` (1)
+    per element plus ``scale_bytes_per_row`` per token. Grows with EP. DeepSeek-V3 rank,
+    EP = 64, bf16: 6.89 GiB each way, ≈ 13.8 GiB.
     """
     positive_int("tokens_per_rank", tokens_per_rank)
     positive_int("ep_size", ep_size)
-    one_way = (ep_size - 1) * tokens_per_rank * hidden_size * bytes_per_element
-    return CommBytes("agrs", one_way, one_way)
+    tokens = (ep_size - 1) * tokens_per_rank
+    g = bytes_per_element if gather_bytes is None else gather_bytes
+    scales = tokens * scale_bytes_per_row
+    return CommBytes("agrs", tokens * hidden_size * g + scales, tokens * hidden_size * bytes_per_element, scales)
 
 
 def expert_weight_bytes(n_experts: int, hidden_size: int, moe_intermediate_size: int,
@@ -408,15 +434,17 @@ def fsdp_bytes(n_routed_experts: int, hidden_size: int, moe_intermediate_size: i
 
 
 def a2a_agrs_crossover_ep(k: int, dispatch_bytes: int = 1, combine_bytes: int = 2,
-                          agrs_bytes_per_element: int = 2) -> float:
-    """EP at which a2a and agrs send the same bytes.
+                          agrs_bytes_per_element: int = 2, agrs_gather_bytes: int | None = None) -> float:
+    """EP at which a2a and agrs send the same bytes (FP8 scales neglected).
 
-    ``T·k·H·(d + c) = 2·(EP - 1)·T·H·b`` ⇒ ``EP = 1 + k·(d + c) / (2·b)``.
-    fp8 dispatch, bf16 combine, k = 8: 8 × 3 = 4 × (EP − 1) ⇒ EP = 7.
-    Above it a2a sends fewer bytes; with bf16 dispatch it is 9.
+    ``T·k·H·(d + c) = (EP - 1)·T·H·(g + b)`` ⇒ ``EP = 1 + k·(d + c) / (g + b)``, with ``g`` the
+    all-gather's bytes per element (default ``b``). fp8 a2a dispatch against bf16 agrs, k = 8:
+    8 × 3 = 4 × (EP − 1) ⇒ EP = 7. Both in bf16, or both dispatching FP8 (``gemm=fp8``:
+    8 × 3 = 3 × (EP − 1)): EP = 9. Above it a2a sends fewer bytes.
     """
     positive_int("num_experts_per_tok", k)
-    return 1 + k * (dispatch_bytes + combine_bytes) / (2 * agrs_bytes_per_element)
+    g = agrs_bytes_per_element if agrs_gather_bytes is None else agrs_gather_bytes
+    return 1 + k * (dispatch_bytes + combine_bytes) / (g + agrs_bytes_per_element)
 
 
 def fsdp_a2a_breakeven_tokens(n_routed_experts: int, hidden_size: int, moe_intermediate_size: int,

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 from dropless.config import ModelArgs
 from dropless.model.params import model_flops_per_token, param_counts
 from dropless.plan.cost import (
+    FP8_GEMMS,
     MEMORY_SETTINGS,
     GiB,
     MiB,
@@ -31,6 +32,7 @@ from dropless.plan.cost import (
     expert_flops,
     expert_weight_bytes,
     flops_per_row_per_expert,
+    fp8_scale_bytes_per_row,
     fsdp_a2a_breakeven_tokens,
     fsdp_bytes,
     local_experts,
@@ -93,7 +95,7 @@ class RankShape:
 
 def plan(shape: RankShape, counts: Sequence[int] | None = None,
          capacity_factors: Sequence[float] = (1.0, 1.5), tile: int = 128,
-         fp8_dispatch: bool = False, decode_sequences: Sequence[int] = (4, 16, 64, 512),
+         fp8_dispatch: bool | None = None, decode_sequences: Sequence[int] = (4, 16, 64, 512),
          args: ModelArgs | None = None, seq_len: int | None = None) -> dict[str, Any]:
     """The whole per-rank, per-MoE-layer plan as a JSON-ready dict.
 
@@ -103,8 +105,10 @@ def plan(shape: RankShape, counts: Sequence[int] | None = None,
             that need a real distribution; None = use the mean ``T·k``.
         capacity_factors: factors for the capacity table / FLOPs.
         tile: tile height for the unpadded-tile overhead and the decode granularity.
-        fp8_dispatch: a2a dispatch in fp8 (1 B, DeepSeek-V3's) rather than bf16 (2 B, what dropless's
-            dispatchers move); combine is bf16.
+        fp8_dispatch: the a2a dispatch and agrs all-gather move FP8 rows (1 B codes + the fp32
+            scales of ``args.gemm``, or one rowwise scale when it is no FP8 backend) rather than bf16
+            (2 B); None: as dropless does, FP8 exactly when ``args.gemm`` is in
+            :data:`~dropless.plan.cost.FP8_GEMMS` (docs/design.md#fp8-dispatch). The combine is bf16.
         decode_sequences: decode batch sizes for the decode table.
         args: the full model, for the totals (parameters, FLOPs per token).
         seq_len: sequence length for FLOPs per token (needs ``args``).
@@ -131,9 +135,13 @@ def plan(shape: RankShape, counts: Sequence[int] | None = None,
     bound = alignment_bound_rows(e, s.alignment)
 
     cap_rows = capacity_table(counts, T, k, e, capacity_factors, s.alignment)
+    gemm = args.gemm if args is not None else "torch"
+    if fp8_dispatch is None:
+        fp8_dispatch = gemm in FP8_GEMMS
     d_bytes = 1 if fp8_dispatch else 2
-    a2a = a2a_bytes(T, k, H, d_bytes, 2)
-    agrs = agrs_bytes(T, H, s.ep_size)
+    scale_bytes = fp8_scale_bytes_per_row(H, gemm) if fp8_dispatch else 0
+    a2a = a2a_bytes(T, k, H, d_bytes, 2, scale_bytes)
+    agrs = agrs_bytes(T, H, s.ep_size, 2, d_bytes, scale_bytes)
     fsdp = fsdp_bytes(s.n_routed_experts, H, I)
     tiles = tile_visits(counts, tile) if counts is not None else None
     bound_t = tile_overhead_bound(live if live else 1, e, tile)
@@ -142,7 +150,8 @@ def plan(shape: RankShape, counts: Sequence[int] | None = None,
         "rank": {"tokens_per_rank": T, "hidden_size": H, "moe_intermediate_size": I,
                  "n_routed_experts": s.n_routed_experts, "num_experts_per_tok": k,
                  "ep_size": s.ep_size, "local_experts": e, "alignment": s.alignment, "tile": tile,
-                 "dispatch_dtype": "fp8" if fp8_dispatch else "bf16"},
+                 "dispatch_dtype": "fp8" if fp8_dispatch else "bf16", "gemm": gemm,
+                 "dispatch_scale_bytes_per_row": scale_bytes},
         "rows": {
             "routed_rows_mean": mean_rows,
             "rows_per_expert_mean": mean_rows_per_expert(T, k, e),
@@ -169,11 +178,12 @@ def plan(shape: RankShape, counts: Sequence[int] | None = None,
         "saved_bytes": {m: saved_bytes(aligned, H, I, m) for m in MEMORY_SETTINGS
                         if s.ep_size == 1 or not m.endswith("gather")},
         "comm_bytes": {
-            c.dispatcher: {"out": c.out_bytes, "back": c.back_bytes, "total": c.total}
+            c.dispatcher: {"out": c.out_bytes, "back": c.back_bytes, "total": c.total,
+                           "out_scales": c.out_scale_bytes}
             for c in (a2a, agrs, fsdp)
         },
         "crossover": {
-            "a2a_agrs_ep": a2a_agrs_crossover_ep(k, d_bytes, 2),
+            "a2a_agrs_ep": a2a_agrs_crossover_ep(k, d_bytes, 2, 2, d_bytes),
             "fsdp_a2a_tokens_per_rank": fsdp_a2a_breakeven_tokens(s.n_routed_experts, H, I, k,
                                                                    d_bytes, 2),
         },
@@ -303,9 +313,12 @@ def format_plan(p: dict[str, Any]) -> str:
                   "model.* memory options)", _table(["setting", "bytes"], [
         [m, _fmt_bytes(v)] for m, v in sv.items()])]
     cb = p["comm_bytes"]
-    parts += ["", f"Bytes sent per rank per layer, forward (a2a dispatch {r['dispatch_dtype']}, "
-                  "combine bf16)", _table(["dispatcher", "out", "back", "total"], [
-        [name, _fmt_bytes(v["out"]), _fmt_bytes(v["back"]), _fmt_bytes(v["total"])]
+    scales = (f" codes + {r['dispatch_scale_bytes_per_row']} B of scales per row (gemm={r['gemm']})"
+              if r["dispatch_dtype"] == "fp8" else "")
+    parts += ["", f"Bytes sent per rank per layer, forward (a2a dispatch / agrs all-gather "
+                  f"{r['dispatch_dtype']}{scales}, combine bf16)", _table(["dispatcher", "out", "of which scales",
+                                                                           "back", "total"], [
+        [name, _fmt_bytes(v["out"]), _fmt_bytes(v["out_scales"]), _fmt_bytes(v["back"]), _fmt_bytes(v["total"])]
         for name, v in cb.items()])]
     cr, ew = p["crossover"], p["expert_weight_bytes"]
     parts += [f"bytes break even: a2a = agrs at EP = {cr['a2a_agrs_ep']:.2f};  fsdp = a2a at "
