@@ -133,3 +133,13 @@ def test_anchor_rule_matches_github():
     assert _anchor("The live-row contract") == "the-live-row-contract"
     assert _anchor("Several processes: torchrun and the dispatchers") == \
         "several-processes-torchrun-and-the-dispatchers"
+
+
+def test_readme_stays_a_front_page():
+    """The README is what a newcomer reads first: at most 250 lines, and the two commands exactly as
+    ``.ci/run`` runs the test one (details live in ``docs/``)."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    test_cmd = 'pip install -e ".[test]" torch==2.13.0 && pytest -q'
+    assert test_cmd in readme and test_cmd in (ROOT / ".ci" / "run").read_text()
+    assert "pip install -e . torch==2.13.0 && dropless-train" in readme
