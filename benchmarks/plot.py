@@ -74,6 +74,14 @@ def _bars(ax, labels, values, colors, fmt):
     ax.spines[["top", "right"]].set_visible(False)
 
 
+def _save(plt, fig, path: Path) -> Path:
+    """Lay out ``fig``, write it to ``path`` (PNG, 120 dpi) and close it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def train_step(plt, out: Path) -> Path:
     ours = newest(read("train_step.jsonl"), "train_step", gpu="H200", variant="eager+graph")
     peer = newest(read("peers.jsonl"), "the torchtitan training step", bench="train_step")
@@ -87,11 +95,7 @@ def train_step(plt, out: Path) -> Path:
     b.set_title("peak memory")
     fig.suptitle(f"recipe=h200_single, one {ours['gpu']} (dropless {_source(ours)}; torchtitan {peer['date']})",
                  fontsize=9)
-    fig.tight_layout()
-    path = out / "train_step.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "train_step.png")
 
 
 def moe_layer(plt, out: Path) -> Path:
@@ -127,11 +131,7 @@ def moe_layer(plt, out: Path) -> Path:
     b.set_title("memory (lower is better)")
     fig.suptitle(f"MoE layer, H 7168, I 2048, bf16, one {layer['gpu']} (dropless {_source(layer)}; "
                  f"torchtitan {p_layer['date']})", fontsize=9)
-    fig.tight_layout()
-    path = out / "moe_layer.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "moe_layer.png")
 
 
 def live_rows(plt, out: Path) -> Path:
@@ -164,11 +164,7 @@ def live_rows(plt, out: Path) -> Path:
     timer = run[0].get("timing", "flush")
     ax.set_title(f"time follows the live rows, not the buffer ({date}, {commit}, {run[0]['gpu']}, {timer} timer)",
                  fontsize=9)
-    fig.tight_layout()
-    path = out / "live_rows.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "live_rows.png")
 
 
 def main(argv: list[str] | None = None) -> int:
