@@ -122,6 +122,17 @@ def test_train_config_checks():
             check_train_config(compose([ov]))
 
 
+def test_a_value_left_missing_is_a_config_error_naming_it(capsys):
+    """A ``???`` left in the composed config (a group's required field, or one set so on the command
+    line) is a ConfigError naming the field, and dropless-train exits 2 (not omegaconf's traceback)."""
+    from dropless.train.__main__ import main
+    for ov in ("train.steps=???", "optim.lr=???"):
+        field = ov.split("=")[0]
+        with pytest.raises(ConfigError, match=rf"^{re.escape(field)}: required"):
+            check_train_config(compose([ov]))
+    assert main(["--cfg", "train.seq_len=???"]) == 2 and "train.seq_len" in capsys.readouterr().err
+
+
 def test_cuda_graph_config_errors(tmp_path):
     """train.cuda_graph refuses what a captured forward/backward cannot hold, before any step."""
     from dropless.train.trainer import Trainer

@@ -50,6 +50,12 @@ def check_train_config(cfg: DictConfig) -> RunConfig:
     ``model.max_position_embeddings``. ``dropless-train`` calls it before it prints the resolved
     config, so the error is the last thing on the terminal.
     """
+    missing = sorted(OmegaConf.missing_keys(cfg))  # '???' left by a group (data=bin's path, vocab_size)
+    if missing:
+        if any(k.startswith("data.") for k in missing):  # the data check names every data field at once
+            check_data_config(cfg.data, validates=cfg.train.val_every > 0)
+        raise ConfigError(f"{', '.join(missing)}: required, and has no default; set it on the command line "
+                          f"({missing[0]}=VALUE)")
     run: RunConfig = OmegaConf.to_object(cfg)
     run.validate()
     t, name = run.train, run.dispatcher.name
