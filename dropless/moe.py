@@ -144,8 +144,8 @@ class MoE(nn.Module):
         check_alignment = getattr(self.experts.backend, "check_alignment", None)
         if check_alignment is not None:  # e.g. gemm=deep_gemm reads the layout's ends at its own M alignment
             check_alignment(args.expert_alignment)
-        if (isinstance(self.experts.backend, Fp8Backend) and self.dispatcher.lands_fp8
-                and not self.experts.takes_fp8_rows(args.poison_padding)):  # shown once per process
+        if (isinstance(self.experts.backend, Fp8Backend) and self.dispatcher.lands_fp8  # shown once per process
+                and self.dispatcher.expert_parallel and not self.experts.takes_fp8_rows(args.poison_padding)):
             warnings.warn(f"gemm={args.gemm} with dispatcher={self.dispatcher.name}: the rows are dispatched in the "
                           "compute dtype, not as FP8 codes + scales, because recompute_fc1, recompute_swiglu or "
                           "poison_padding is on (those paths quantise the landed rows themselves); turn them off "
@@ -218,13 +218,20 @@ class MoE(nn.Module):
 
         FP8 dispatch needs an FP8 backend whose FC1 reads the codes as dispatched
         (:meth:`~dropless.experts.GroupedExperts.takes_fp8_rows`) and a dispatcher that moves them
-        (:attr:`~dropless.dispatch.Dispatcher.lands_fp8`: ``a2a``, ``agrs``); the constructor warns
-        once where the backend is FP8 but the rows cannot go as FP8.
+        (:attr:`~dropless.dispatch.Dispatcher.lands_fp8`: ``a2a``, ``agrs``, and ``local`` / ``fsdp``,
+        whose gather writes the codes as it lands the rows, unless ``recompute_gather`` lands none);
+        the constructor warns once where the backend is FP8 but the rows cannot go as FP8 through
+        a collective. The quantiser carries the backend's scale form (``act_group``, ``ue8m0``) for
+        the landing kernel, unless the backend's ``fused_quant`` is off (the local gather then
+        lands rows only and FC1 quantises them).
         """
         be = self.experts.backend
         if not (self.dispatcher.lands_fp8 and self.experts.takes_fp8_rows(self.args.poison_padding)):
             return None
-        return RowQuantiser(lambda x_MK: be.quant_act(x_MK, None), dtype)
+        if self.dispatcher.gathers_locally and self.args.recompute_gather:
+            return None
+        group = be.act_group if be.fused_quant else None
+        return RowQuantiser(lambda x_MK: be.quant_act(x_MK, None), dtype, group=group, ue8m0=be.ue8m0)
 
     def _routed(self, x_TH, topk_idx_Tk, topk_weight_Tk, stats, y_sh=None):
         """Dispatch -> experts -> combine (+ ``y_sh``) over ``num_token_chunks`` chunks of the rank's tokens.

@@ -15,14 +15,19 @@ the inverse gather, not a stored copy of the rows.
 
 Both only ever read the live rows named by ``dest_Nk``; padding rows of the
 landed buffers and of their gradients are never read (docs/design.md#the-live-row-contract, rule 2).
+When the combined rows come from the FP8 FC2 (:mod:`dropless.ops.fp8_grad_rows`), the
+combine's backward also writes its gradient rows' e4m3 codes and scales for FC2's data
+gradient (:func:`~dropless.ops.fp8_fused_rows.combine_bwd_quant`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from dropless.ops import fp8_grad_rows
 from dropless.ops.backward import first_order_only
 from dropless.ops.expert_sort import sort_by_expert  # noqa: F401 (re-exported)
+from dropless.ops.fp8_fused_rows import combine_bwd_quant
 from dropless.ops.rows import RowSource, combine_bwd, gather_rows, gather_sum, land_rows  # noqa: F401 (re-exported)
 
 
@@ -47,6 +52,7 @@ class _CombineRows(torch.autograd.Function):
         else:
             ctx.save_for_backward(dest_Nk, weight_Nk, y_MH)
         ctx.num_rows_M = y_MH.shape[0]
+        ctx.codes = fp8_grad_rows.asked(y_MH)  # FP8 FC2 made y: quantise its gradient rows here
         ctx.addend = None if addend_AH is None else (addend_row0, addend_AH.shape[0], addend_AH.dtype)
         return gather_sum(y_MH, dest_Nk, weight_Nk, addend_AH, addend_row0)
 
@@ -57,8 +63,14 @@ class _CombineRows(torch.autograd.Function):
         dest_Nk = saved[0]
         weight_Nk = saved[1] if len(saved) > 1 else None
         need_gw = weight_Nk is not None and ctx.needs_input_grad[2]
-        grad_y, grad_w = combine_bwd(grad_NH.contiguous(), saved[2] if need_gw else None, dest_Nk, weight_Nk,
-                                     ctx.num_rows_M, need_gw)
+        y_MH = saved[2] if need_gw else None
+        req = ctx.codes
+        if req is not None and ctx.needs_input_grad[0]:
+            grad_y, grad_w, q, s = combine_bwd_quant(grad_NH.contiguous(), y_MH, dest_Nk, weight_Nk, ctx.num_rows_M,
+                                                     need_gw, req.group, req.ue8m0)
+            req.put(grad_y, q, s)
+        else:
+            grad_y, grad_w = combine_bwd(grad_NH.contiguous(), y_MH, dest_Nk, weight_Nk, ctx.num_rows_M, need_gw)
         grad_add = None
         if ctx.addend is not None and ctx.needs_input_grad[3]:  # the addend's gradient is the output's
             row0, rows, dtype = ctx.addend

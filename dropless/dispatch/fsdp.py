@@ -74,12 +74,12 @@ class FSDPDispatcher(LocalDispatcher):
         self._fwd_bytes = (dp_size - 1) * shard_param_bytes
         self._bwd_bytes = (dp_size - 1) * (shard_grad_bytes + (shard_param_bytes if reshard_after_forward else 0))
 
-    def _land(self, x_TH, topk_idx_Tk, topk_weight_Tk, alignment, capacity, fold_weights, gather):
+    def _land(self, x_TH, topk_idx_Tk, topk_weight_Tk, alignment, capacity, fold_weights, gather, quant=None):
         if self.fsdp_attached:
             self.comm.add(self._fwd_bytes, self._fwd_bytes)
             if torch.is_grad_enabled() and x_TH.requires_grad:
                 x_TH = _CountBackward.apply(x_TH, self)
-        return super()._land(x_TH, topk_idx_Tk, topk_weight_Tk, alignment, capacity, fold_weights, gather)
+        return super()._land(x_TH, topk_idx_Tk, topk_weight_Tk, alignment, capacity, fold_weights, gather, quant)
 
 
 __all__ = ["FSDPDispatcher"]

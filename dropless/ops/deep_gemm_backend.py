@@ -36,7 +36,7 @@ import torch
 from dropless.config import ConfigError
 from dropless.layout import ExpertLayout
 from dropless.ops.fp8_backend import Fp8Backend
-from dropless.ops.fp8_quant import BLOCK, quant_rows, quant_weight_blocks, swiglu_quant_rows
+from dropless.ops.fp8_quant import BLOCK, quant_weight_blocks
 
 GEMM_FN = "m_grouped_fp8_gemm_nt_contiguous"
 ALIGN_FN = "get_mk_alignment_for_contiguous_layout"
@@ -72,16 +72,18 @@ class DeepGemmBackend(Fp8Backend):
             pass a CPU stand-in with the same functions.
         emulate: with a stand-in module: no CUDA device check, fp32 operands accepted.
         ue8m0: power-of-two scales (DeepGEMM then skips its own UE8M0 cast).
+        fused_quant: as :class:`~dropless.ops.fp8_backend.Fp8Backend`'s.
         wgrad: the weight gradient, as :class:`~dropless.ops.fp8_backend.Fp8Backend`'s.
     Raises:
         ConfigError: the package is missing or too old.
     """
 
     name = "deep_gemm"
+    act_group = BLOCK  # live rows in e4m3, scale [M, K/128] (quant_act, swiglu_quant_act)
 
     def __init__(self, module: ModuleType | None = None, emulate: bool = False, ue8m0: bool = False,
-                 wgrad: str = "bf16"):
-        super().__init__(emulate=emulate, ue8m0=ue8m0, wgrad=wgrad)
+                 wgrad: str = "bf16", fused_quant: bool = True):
+        super().__init__(emulate=emulate, ue8m0=ue8m0, wgrad=wgrad, fused_quant=fused_quant)
         self.dg = module if module is not None else import_deep_gemm()
         self.alignment = int(getattr(self.dg, ALIGN_FN)())
 
@@ -125,13 +127,6 @@ class DeepGemmBackend(Fp8Backend):
     def quant_weight(self, w_eKN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[e, N, K]`` e4m3 in 128×128 blocks, ``scale [e, N/128, K/128]``."""
         return quant_weight_blocks(w_eKN, contract_dim=1, ue8m0=self.ue8m0)
-
-    def quant_act(self, x_MK: torch.Tensor, layout: ExpertLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        """Live rows in e4m3, ``scale [M, K/128]``."""
-        return quant_rows(x_MK, layout, self.ue8m0, group=BLOCK)
-
-    def swiglu_quant_act(self, h13_MI2: torch.Tensor, layout: ExpertLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        return swiglu_quant_rows(h13_MI2, layout, self.ue8m0, group=BLOCK)
 
     # ------------------------------------------------------------------ GEMM
     def scaled_gmm(self, xq_MK: torch.Tensor, xs_MG: torch.Tensor, b_eNK: torch.Tensor, bs: torch.Tensor,

@@ -88,6 +88,10 @@ class Fp8Backend:
             (1.7e-3 without; the bf16 output rounding alone is about 2e-3) while the operands'
             own FP8 error is about 4e-2 (tests/test_fp8_gpu.py).
         ue8m0: power-of-two scales.
+        fused_quant: quantise FC1's rows in the local gather that lands them and FC2's output
+            gradient in the combine's backward that writes it (:mod:`dropless.ops.fp8_fused_rows`;
+            the same codes and scales); False: a separate quantisation pass over each
+            (``quant_act``), for A/B measurements (benchmarks/fp8_fused.py).
         wgrad: one of :data:`WGRAD_MODES`. The FP8 modes quantise both operands of each weight
             gradient along the rows (:func:`~dropless.ops.fp8_quant.quant_token_blocks` /
             :func:`~dropless.ops.fp8_quant.quant_expert_columns`) and run
@@ -98,11 +102,16 @@ class Fp8Backend:
     """
 
     name = "fp8"
+    #: the left operand's scales (:meth:`quant_act`): 0 one per row (``torch._scaled_grouped_mm``'s
+    #: rowwise operand), 128 one per row per 128 columns (DeepGEMM's 1x128)
+    act_group = 0
 
-    def __init__(self, emulate: bool = False, fast_accum: bool = True, ue8m0: bool = False, wgrad: str = "bf16"):
+    def __init__(self, emulate: bool = False, fast_accum: bool = True, ue8m0: bool = False, wgrad: str = "bf16",
+                 fused_quant: bool = True):
         if wgrad not in WGRAD_MODES:
             raise ValueError(f"Fp8Backend: wgrad={wgrad!r}; choose one of {WGRAD_MODES}")
         self.emulate, self.fast_accum, self.ue8m0, self.wgrad = emulate, fast_accum, ue8m0, wgrad
+        self.fused_quant = fused_quant
         self._wgrad = TorchBackend()
         # owner tensor -> {operand geometry: ((owner's _version, data_ptr), fp8 operand, scales)}
         self._cache: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -184,12 +193,13 @@ class Fp8Backend:
         return quant_weight(w_eKN, contract_dim=1, ue8m0=self.ue8m0)
 
     def quant_act(self, x_MK: torch.Tensor, layout: ExpertLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        """The left operand (live rows) and its scales: one per row (``[M]``)."""
-        return quant_rows(x_MK, layout, self.ue8m0)
+        """The left operand (live rows) and its scales: ``quant_rows`` with :attr:`act_group` and ``ue8m0``
+        (the rule the fused row kernels of :mod:`dropless.ops.fp8_fused_rows` apply too)."""
+        return quant_rows(x_MK, layout, self.ue8m0, group=self.act_group)
 
     def swiglu_quant_act(self, h13_MI2: torch.Tensor, layout: ExpertLayout) -> tuple[torch.Tensor, torch.Tensor]:
         """``silu(gate) · up`` of ``h13`` as the left operand of FC2, quantised in the same pass."""
-        return swiglu_quant_rows(h13_MI2, layout, self.ue8m0)
+        return swiglu_quant_rows(h13_MI2, layout, self.ue8m0, group=self.act_group)
 
     @staticmethod
     def fold_row_weight(scale: torch.Tensor, row_w_M: torch.Tensor) -> torch.Tensor:

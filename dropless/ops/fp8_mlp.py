@@ -15,6 +15,13 @@ folded and the weights (their FP8 copies live in the backend's per-step cache). 
 the bf16 path saves minus its ``[M, I]`` SwiGLU output; FC2's gradients are released before
 FC1's backward runs.
 
+Fused quantisation (``backend.fused_quant``, the default): FC2's output gradient is quantised
+by the combine's backward that writes it (:mod:`dropless.ops.fp8_grad_rows`), and the ``local``
+dispatcher lands FC1's codes in the gather that lands the rows
+(:func:`~dropless.ops.fp8_rows.permute_fp8`): FC1 then saves the landed rows (``dW13`` reads
+them as without it) and skips its quantisation pass. The codes and scales are the separate
+passes' bit for bit.
+
 FP8-landed rows (:class:`~dropless.ops.fp8_rows.Fp8Rows`, ``a2a``/``agrs`` dispatch): FC1
 multiplies the landed codes and scales as they are (no quantisation pass over the landed
 buffer) and saves them (1 byte per element) instead of the rows; its weight gradient ``dW13``
@@ -28,6 +35,7 @@ from __future__ import annotations
 import torch
 
 from dropless.layout import ExpertLayout
+from dropless.ops import fp8_grad_rows
 from dropless.ops.backward import first_order_only, grad_wanted
 from dropless.ops.fp8_backend import Fp8Backend
 from dropless.ops.fp8_quant import dequant_rows
@@ -37,31 +45,40 @@ from dropless.ops.swiglu import swiglu_bwd, swiglu_fwd
 
 
 class _Fp8FC1Landed(torch.autograd.Function):
-    """FC1 of rows that landed as e4m3 codes + scales; ``port_MH`` (values unused) carries the rows' gradient."""
+    """FC1 of rows that landed as e4m3 codes + scales; ``port_MH`` carries the rows' gradient.
+
+    ``rows_kept``: ``port_MH`` holds the rows themselves (the local gather's landing), saved for
+    ``dW13`` instead of the codes; else its values are unused and ``dW13`` reads ``q · s``.
+    """
 
     @staticmethod
-    def forward(ctx, port_MH, w13, codes_MH, scales, layout, backend, wgrad):
+    def forward(ctx, port_MH, w13, codes_MH, scales, layout, backend, wgrad, rows_kept=False):
         be: Fp8Backend = backend
         be.check_layout(layout)
         h13 = be.scaled_gmm(codes_MH, scales, *be.weight(w13), layout, port_MH.dtype)
         ctx.layout, ctx.backend, ctx.wgrad, ctx.dtype = layout, be, wgrad, port_MH.dtype
-        ctx.save_for_backward(codes_MH, scales, w13)
+        ctx.rows_kept = rows_kept
+        if rows_kept:
+            ctx.save_for_backward(port_MH, w13)
+        else:
+            ctx.save_for_backward(codes_MH, scales, w13)
         return h13
 
     @staticmethod
     @first_order_only
     def backward(ctx, dh13):
-        codes_MH, scales, w13 = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        w13 = saved[-1]
         be, layout = ctx.backend, ctx.layout
         dh13 = dh13.contiguous()
         dx = dw = None
         if grad_wanted(ctx, 0):  # as _GroupedMM's: q(dY) @ q(W13ᵀ)
             dx = be.gmm(dh13, w13.transpose(1, 2), layout)
         if grad_wanted(ctx, 1):
-            x_MH = dequant_rows(codes_MH, scales).to(ctx.dtype)
+            x_MH = saved[0] if ctx.rows_kept else dequant_rows(saved[0], saved[1]).to(ctx.dtype)
             dw = weight_grad(x_MH, dh13, layout, be, w13.dtype,
                              (ctx.wgrad, "w13") if ctx.wgrad is not None else None)
-        return dx, dw, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None
 
 
 class _Fp8SwiGLUFC2(torch.autograd.Function):
@@ -75,6 +92,8 @@ class _Fp8SwiGLUFC2(torch.autograd.Function):
             hs = be.fold_row_weight(hs, row_w.to(h13.dtype))
         y = be.scaled_gmm(hq, hs, *be.weight(w2), layout, h13.dtype)
         ctx.layout, ctx.backend, ctx.wgrad, ctx.has_w = layout, be, wgrad, row_w is not None
+        # the combine's backward writes dy's rows: it quantises them there (fp8_grad_rows)
+        ctx.codes = fp8_grad_rows.ask(y, be.act_group, be.ue8m0) if be.fused_quant else None
         ctx.save_for_backward(h13, w2, row_w if row_w is not None else h13.new_empty(0))
         return y
 
@@ -86,10 +105,11 @@ class _Fp8SwiGLUFC2(torch.autograd.Function):
         row_w = row_w if ctx.has_w else None
         want_h, want_w2 = grad_wanted(ctx, 0), grad_wanted(ctx, 1)
         want_rw = ctx.has_w and grad_wanted(ctx, 2)
+        fused = ctx.codes.take(dy_MH) if ctx.codes is not None else None
         dy_MH = dy_MH.contiguous()
         dh13 = dw2 = d_row_w = a = None
         if want_h or want_rw:
-            dyq, dys = be.quant_act(dy_MH, layout)
+            dyq, dys = fused if fused is not None else be.quant_act(dy_MH, layout)
             dh = be.scaled_gmm(dyq, dys, *be.weight(w2.transpose(1, 2)), layout, dy_MH.dtype)  # d(a · w)
             del dyq, dys
             if want_rw:
@@ -126,7 +146,8 @@ def fp8_expert_mlp(x_MH: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, row_
         layout: the rows' :class:`ExpertLayout`. backend: an :class:`Fp8Backend`.
         wgrad: accumulator for ``dW13``/``dW2`` (chunked layer calls), or None to return them.
         landed: the rows as the dispatcher landed them in FP8 (codes + scales of the backend's
-            ``quant_act``), or None to quantise ``x_MH`` here.
+            ``quant_act``), or None to quantise ``x_MH`` here. With ``landed.rows_kept``
+            (``local``'s :func:`~dropless.ops.fp8_rows.permute_fp8`) ``x_MH`` holds the rows.
     Returns:
         ``[M, H]`` in ``x_MH``'s dtype; live rows per expert, padding rows unspecified. Backward:
         ``dX`` on live rows (FP8 data gradients), ``dW`` from live rows only in bf16 (exactly 0
@@ -136,7 +157,8 @@ def fp8_expert_mlp(x_MH: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, row_
     Under ``torch.compile`` it runs eagerly (a graph break; ``fullgraph=True`` refuses it).
     """
     if landed is not None:
-        h13 = _Fp8FC1Landed.apply(x_MH, w13, landed.codes_MH, landed.scales, layout, backend, wgrad)
+        h13 = _Fp8FC1Landed.apply(x_MH, w13, landed.codes_MH, landed.scales, layout, backend, wgrad,
+                                  landed.rows_kept)
     else:
         h13 = grouped_mm(x_MH, w13, layout, backend, wgrad=(wgrad, "w13") if wgrad is not None else None)
     return _Fp8SwiGLUFC2.apply(h13, w2, row_w, layout, backend, wgrad)

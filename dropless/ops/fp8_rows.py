@@ -13,6 +13,10 @@ compute-dtype rows, and FC1 skips its own quantisation pass (docs/design.md#fp8-
   gloo has no float8 type).
 * :func:`land_fp8` — the landed :class:`Fp8Rows` ``[M, H]`` (codes) and scales from received
   ``[N, H]`` codes, by the same indices that land compute-dtype rows.
+* :func:`permute_fp8` — the local gather's landing (``local``: the tokens are on this rank):
+  the codes and scales written by the kernel that lands the rows
+  (:func:`~dropless.ops.fp8_fused_rows.scatter_quant_rows`), with the compute-dtype rows too
+  for FC1's weight gradient (:attr:`Fp8Rows.rows_kept`); no separate quantisation pass.
 * :func:`grad_port` — the tensor that stands for the landed rows in autograd: a zero-stride
   ``[M, H]`` view of one zero (no memory). FC1 takes it as its input and returns the landed
   rows' gradient for it; the port's backward hands that gradient to the dispatcher's reverse
@@ -30,8 +34,9 @@ from dataclasses import dataclass
 import torch
 
 from dropless.ops.backward import first_order_only
+from dropless.ops.fp8_fused_rows import scatter_quant_rows
 from dropless.ops.fp8_quant import FP8_DTYPE
-from dropless.ops.rows import land_rows
+from dropless.ops.rows import gather_sum, land_rows
 
 
 @dataclass
@@ -42,10 +47,14 @@ class Fp8Rows:
         codes_MH: ``[M, H]`` float8_e4m3fn; padding rows unspecified.
         scales: fp32 ``[M]`` (one scale per row) or ``[M, H/128]`` (1×128), as the backend's
             ``quant_act`` makes them: ``row[r] ≈ codes[r] · scales[r]``.
+        rows_kept: the ``rows_MH`` that comes with them holds the compute-dtype rows themselves
+            (:func:`permute_fp8`), which FC1's weight gradient reads; False: it is a
+            :func:`grad_port` and the weight gradient reads the dequantised codes.
     """
 
     codes_MH: torch.Tensor
     scales: torch.Tensor
+    rows_kept: bool = False
 
 
 @dataclass(frozen=True)
@@ -57,10 +66,16 @@ class RowQuantiser:
             (the backend's ``quant_act`` with no layout).
         dtype: the experts' compute dtype: the tokens are cast to it before quantising (as the
             landed rows are before FC1), and the gradient port is made in it.
+        group: ``quant``'s scale form as :func:`~dropless.ops.fp8_quant.quant_rows` takes it (0: per
+            row, 128: per row per 128 columns), for a kernel that quantises while it lands the rows
+            (:func:`permute_fp8`); None: not known there (such a dispatcher lands compute-dtype rows).
+        ue8m0: ``quant``'s power-of-two scales.
     """
 
     quant: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     dtype: torch.dtype
+    group: int | None = None
+    ue8m0: bool = False
 
     def __call__(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """``(codes uint8 [T, H], scales fp32 [T, G], rowwise)`` of ``x_TH``, no autograd: ``G`` = 1 and
@@ -76,6 +91,51 @@ def land_fp8(codes_NH: torch.Tensor, scales_NG: torch.Tensor, src_M: torch.Tenso
     codes = land_rows(codes_NH, src_M, dest_Nk).view(FP8_DTYPE)
     scales = land_rows(scales_NG, src_M, dest_Nk)
     return Fp8Rows(codes, scales.squeeze(1) if rowwise else scales)
+
+
+class _PermuteQuantRows(torch.autograd.Function):
+    """:class:`~dropless.permute.permute_rows` that also returns the landed rows' codes and scales (no gradient)."""
+
+    @staticmethod
+    def forward(ctx, x_NH, src_M, dest_Nk, group, ue8m0):
+        ctx.save_for_backward(dest_Nk)
+        rows, codes, scales = scatter_quant_rows(x_NH, src_M, dest_Nk, group, ue8m0, keep_rows=True)
+        ctx.mark_non_differentiable(codes, scales)
+        return rows, codes, scales
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, grad_MH, _gc, _gs):
+        (dest_Nk,) = ctx.saved_tensors
+        return gather_sum(grad_MH, dest_Nk, None), None, None, None, None
+
+
+def permute_fp8(x_NH: torch.Tensor, src_M: torch.Tensor, dest_Nk: torch.Tensor,
+                quant: RowQuantiser) -> tuple[torch.Tensor, Fp8Rows]:
+    """Land the tokens ``x_NH`` as rows and as FC1's e4m3 codes + scales, in one pass over them.
+
+    Args:
+        x_NH: ``[N, H]`` tokens (any float dtype; cast to ``quant.dtype`` first, differentiably).
+        src_M, dest_Nk: as :func:`~dropless.permute.permute_rows`.
+        quant: FC1's row quantisation, with its form known (``quant.group`` not None).
+    Returns:
+        ``(rows_MH, fp8)``: with autograd on, ``rows_MH`` the landed rows in ``quant.dtype``
+        (``permute_rows``' values and backward) and ``fp8.rows_kept``; without, nothing reads the
+        rows: ``rows_MH`` a zero-stride ``[M, H]`` placeholder and ``rows_kept`` False. The codes and
+        scales equal ``quant.quant`` of the landed rows on every live row, bit for bit.
+    Raises:
+        ValueError: ``quant.group`` None.
+    """
+    if quant.group is None:
+        raise ValueError("permute_fp8: the RowQuantiser's scale form (group) is not known; land the rows and "
+                         "quantise them with quant.quant")
+    x = x_NH.to(quant.dtype)
+    m = src_M.shape[0]
+    if torch.is_grad_enabled():
+        rows, codes, scales = _PermuteQuantRows.apply(x, src_M, dest_Nk, quant.group, quant.ue8m0)
+        return rows, Fp8Rows(codes, scales, rows_kept=True)
+    _, codes, scales = scatter_quant_rows(x, src_M, dest_Nk, quant.group, quant.ue8m0, keep_rows=False)
+    return x.new_zeros(()).expand(m, x.shape[1]), Fp8Rows(codes, scales)
 
 
 class _PortState:
