@@ -35,7 +35,7 @@ import torch
 
 from dropless.ops import select
 from dropless.ops.fp8_quant import FP8_DTYPE, NONFINITE_MSG, _quant_torch
-from dropless.ops.rows import combine_bwd_torch, gather_rows
+from dropless.ops.rows import COMBINE_BWD_BLOCK_H, COMBINE_BWD_WARPS, combine_bwd_torch, gather_rows
 
 if select.HAS_TRITON:
     import triton
@@ -171,9 +171,9 @@ if select.HAS_TRITON:
         tl.atomic_max(flag_ptr, nbad, mask=nbad > 0)
 
 
-#: Columns per block and warps of the fused kernels (a block holds whole 1x128 groups).
+#: Columns per block and warps of the fused kernels (a block holds whole 1x128 groups). The combine's
+#: are rows.py's (its weight gradient sums each block's products in the same order: equal bit for bit).
 FUSED_BLOCK_H, FUSED_WARPS = 1024, 4
-COMBINE_QUANT_BLOCK_H = 512  # the combine kernel holds k rows of a block at once
 
 
 def _check(name: str, x: torch.Tensor, dest_Nk: torch.Tensor, group: int) -> None:
@@ -223,14 +223,14 @@ def _combine_quant_launch(g: torch.Tensor, y: torch.Tensor | None, dest: torch.T
         return
     need_gw = grad_w is not None
     y = y if need_gw else grad_y
-    bh = min(COMBINE_QUANT_BLOCK_H, triton.next_power_of_2(h))
+    bh = min(COMBINE_BWD_BLOCK_H, triton.next_power_of_2(h))
     if group:
         bh = max(bh, group)
     _combine_bwd_quant_kernel[(n,)](
         g, y, dest, weight if weight is not None else dest, grad_y, grad_w if need_gw else grad_y, q, s, flag, h,
         g.stride(0), y.stride(0), grad_y.stride(0), q.stride(0), s.stride(0), K=k, KP=triton.next_power_of_2(k),
         HAS_W=weight is not None, NEED_GW=need_gw, GROUP=group, UE8M0=ue8m0, NUM_HB=-(-h // bh), BLOCK_H=bh,
-        num_warps=FUSED_WARPS)
+        num_warps=COMBINE_BWD_WARPS)
 
 
 def scatter_quant_rows(x_NH: torch.Tensor, src_M: torch.Tensor, dest_Nk: torch.Tensor, group: int = 0,
@@ -271,7 +271,7 @@ def scatter_quant_rows(x_NH: torch.Tensor, src_M: torch.Tensor, dest_Nk: torch.T
         q_N, s_N, bad = _quant_torch(a, ue8m0, group)
         rows = gather_rows(x_NH, src_M) if keep_rows else None
         q = gather_rows(q_N.view(torch.uint8), src_M).view(FP8_DTYPE)
-        s = gather_rows(s_N.view(n, -1), src_M)
+        s = gather_rows(s_N.reshape(n, h // group if group else 1), src_M)
         s = s.view(m) if group == 0 else s
     if check_finite:
         torch._assert_async(bad == 0, NONFINITE_MSG)

@@ -1,0 +1,302 @@
+"""FP8 quantisation fused into the row kernels (dropless/ops/fp8_fused_rows.py): the local gather that lands
+FC1's rows and the combine's backward that writes FC2's output gradient write the e4m3 codes and scales too.
+
+The codes and scales must be those of fp8_quant's quantiser on the unfused kernel's output, bit for
+bit, on every live row: the torch reference against the torch quantiser, the Triton kernel against
+the Triton quantiser (on CUDA, or on the CPU under Triton's interpreter, ``TRITON_INTERPRET=1``:
+its e4m3 conversion does not round to nearest, so there the Triton codes are compared with the
+Triton quantiser's only; the scales with the torch reference's too). The MoE layer with
+``gemm=fp8`` (emulated on CPU) gives bit for bit the values of the separate quantisation passes
+(``Fp8Backend(fused_quant=False)``), with two of its three activation quantisation passes gone.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from dropless.dispatch import build_dispatcher
+from dropless.moe import MoE
+from dropless.ops import fp8_fused_rows as ff
+from dropless.ops import rows as rw
+from dropless.ops import select
+from dropless.ops.deep_gemm_backend import DeepGemmBackend
+from dropless.ops.fp8_backend import Fp8Backend
+from dropless.ops.fp8_quant import _quant_torch, quant_rows
+from dropless.ops.fp8_rows import RowQuantiser, permute_fp8
+from dropless.permute import sort_by_expert
+from tests import dist_harness as H
+from tests import fake_deep_gemm
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TRITON_HERE = select.HAS_TRITON and (DEV == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+PATHS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    not TRITON_HERE, reason="no CUDA and Triton's interpreter is off (.ci/run runs this file under it)"))]
+SENTINEL = 0x5A  # a code byte no kernel writes to padding rows (checked on the Triton path)
+
+
+@pytest.fixture
+def path(request, monkeypatch):
+    monkeypatch.setattr(select, "FORCE_TRITON", request.param == "triton")
+    return request.param
+
+
+def _routing(n, k, e, alignment, seed=0):
+    """Tokens of very different sizes, a zero token, an empty expert, a dropped choice, a token landed nowhere."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
+    idx[idx == 2] = -1  # expert 2 empty
+    idx[3, 0] = -1
+    idx[7, :] = -1  # token 7 lands nowhere
+    lay, dest, src = sort_by_expert(idx.to(DEV), e, alignment)
+    return lay, dest, src
+
+
+def _tokens(n, h, dtype, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, generator=g) * torch.logspace(-4, 3, n).unsqueeze(1)
+    x[5] = 0.0  # amax 0: scale 1e-12 / 448, zero codes
+    x[7] = float("nan")  # landed nowhere: never checked, never read
+    return x.to(DEV, dtype)
+
+
+def _same_codes(a, b, live):
+    return torch.equal(a.view(torch.uint8)[live], b.view(torch.uint8)[live])
+
+
+@pytest.mark.parametrize("path", PATHS, indirect=True)
+@pytest.mark.parametrize("group", [0, 128])
+@pytest.mark.parametrize("ue8m0", [False, True], ids=["fp32-scales", "ue8m0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scatter_quant_rows_equals_quantising_the_landed_rows(path, group, ue8m0, dtype):
+    """Rows as ``land_rows``; codes and scales as ``quant_rows`` of the landed rows on live rows, bit for bit;
+    the scales equal the torch reference's on either path; H = 384 is not a power of two."""
+    n, k, e, h = 40, 3, 6, 384
+    lay, dest, src = _routing(n, k, e, alignment=8)
+    x = _tokens(n, h, dtype)
+    live = lay.live_mask()
+    assert int(lay.counts[2]) == 0 and bool((~live).any())
+    rows, q, s = ff.scatter_quant_rows(x, src, dest, group, ue8m0)
+    ref = rw.land_rows(x, src, dest)
+    q_ref, s_ref = quant_rows(ref, lay, ue8m0, group=group)
+    assert torch.equal(rows[live], ref[live])
+    assert _same_codes(q, q_ref, live) and torch.equal(s[live], s_ref[live])
+    a = torch.where(live.unsqueeze(1), ref.float(), 0.0)
+    q_t, s_t, _ = _quant_torch(a, ue8m0, group)
+    assert torch.equal(s[live], s_t[live])
+    if path == "torch" or DEV == "cuda":  # the interpreter's e4m3 conversion does not round to nearest
+        assert _same_codes(q, q_t, live)
+    zero = live & (src == 5)  # the zero token's rows: the floor scale and zero codes
+    assert bool(zero.any()) and (q.view(torch.uint8)[zero] == 0).all()
+    assert torch.equal(s[zero], torch.full_like(s[zero], s_t[zero].flatten()[0].item()))
+    rows2, q2, s2 = ff.scatter_quant_rows(x, src, dest, group, ue8m0, keep_rows=False)
+    assert rows2 is None and _same_codes(q2, q, live) and torch.equal(s2[live], s[live])
+
+
+@pytest.mark.parametrize("path", PATHS, indirect=True)
+@pytest.mark.parametrize("group", [0, 128])
+@pytest.mark.parametrize("weighted,need_gw", [(True, True), (True, False), (False, False)])
+@pytest.mark.parametrize("ue8m0", [False, True], ids=["fp32-scales", "ue8m0"])
+def test_combine_bwd_quant_equals_quantising_the_gradient_rows(path, group, weighted, need_gw, ue8m0):
+    """``grad_y`` and ``grad_w`` as ``combine_bwd``'s; codes and scales as ``quant_rows`` of ``grad_y`` on live
+    rows, bit for bit (quantised from the rows as rounded to their dtype: bf16 here)."""
+    n, k, e, h = 40, 3, 6, 384
+    lay, dest, src = _routing(n, k, e, alignment=8, seed=2)
+    m, live = lay.capacity, lay.live_mask()
+    dt = torch.bfloat16
+    g = _tokens(n, h, dt, seed=3)
+    g[7] = float("nan")  # token 7 landed nowhere: its gradient row is never read
+    w = torch.rand(n, k, generator=torch.Generator().manual_seed(4)).to(DEV) if weighted else None
+    y = torch.randn(m, h, generator=torch.Generator().manual_seed(5)).to(DEV, dt)
+    y[~live] = float("nan")
+    gy, gw, q, s = ff.combine_bwd_quant(g, y, dest, w, m, need_gw, group, ue8m0)
+    gy0, gw0 = rw.combine_bwd(g, y, dest, w, m, need_gw)
+    assert torch.equal(gy[live], gy0[live])
+    assert (gw is None) == (gw0 is None)
+    if gw is not None:  # token 7's NaN gradient reaches its weights' gradient in both (dot of NaN with 0)
+        torch.testing.assert_close(gw, gw0, rtol=0, atol=0, equal_nan=True)
+    q_ref, s_ref = quant_rows(gy0, lay, ue8m0, group=group)
+    assert _same_codes(q, q_ref, live) and torch.equal(s[live], s_ref[live])
+    _, s_t, _ = _quant_torch(torch.where(live.unsqueeze(1), gy0.float(), 0.0), ue8m0, group)
+    assert torch.equal(s[live], s_t[live])
+
+
+@pytest.mark.parametrize("path", PATHS, indirect=True)
+@pytest.mark.parametrize("group", [0, 128])
+def test_nonfinite_live_row_raises_and_a_row_landed_nowhere_does_not(path, group):
+    """A NaN / Inf in a landed token or a live gradient row raises fp8_quant's error (it names gemm=fp8); the
+    token landed nowhere holds NaN in every test above and raised nothing."""
+    n, k, e, h = 40, 3, 6, 256
+    lay, dest, src = _routing(n, k, e, alignment=1)
+    x = _tokens(n, h, torch.float32)
+    live_tok = int(src[lay.live_mask()][0])
+    for bad in (float("nan"), float("inf")):
+        x2 = x.clone()
+        x2[live_tok, 130] = bad
+        with pytest.raises(RuntimeError, match="gemm=fp8.*NaN or Inf"):
+            ff.scatter_quant_rows(x2, src, dest, group)
+            if DEV == "cuda":
+                torch.cuda.synchronize()
+        with pytest.raises(RuntimeError, match="gemm=fp8.*NaN or Inf"):
+            ff.combine_bwd_quant(x2, None, dest, None, lay.capacity, False, group)
+            if DEV == "cuda":
+                torch.cuda.synchronize()
+
+
+@pytest.mark.skipif(not TRITON_HERE, reason="no CUDA and Triton's interpreter is off")
+@pytest.mark.parametrize("group", [0, 128])
+def test_kernels_leave_padding_rows_unwritten(group, monkeypatch):
+    """The Triton kernels write live rows only: padding rows of the rows, codes and scales keep their sentinel."""
+    monkeypatch.setattr(select, "FORCE_TRITON", True)
+    n, k, e, h = 40, 3, 6, 256
+    lay, dest, src = _routing(n, k, e, alignment=16)
+    m, pad = lay.capacity, ~lay.live_mask()
+    x = _tokens(n, h, torch.bfloat16)
+    rows = torch.full((m, h), 7.0, dtype=x.dtype, device=DEV)
+    q = torch.full((m, h), SENTINEL, dtype=torch.uint8, device=DEV).view(ff.FP8_DTYPE)
+    shape = (m, h // 128) if group else (m,)
+    s = torch.full(shape, -1.0, device=DEV)
+    flag = torch.zeros(1, dtype=torch.int32, device=DEV)
+    ff._scatter_quant_launch(x, dest, rows, q, s, flag, group, False)
+    assert bool(pad.any()) and (rows[pad] == 7.0).all() and (q.view(torch.uint8)[pad] == SENTINEL).all()
+    assert (s[pad] == -1.0).all() and int(flag) == 0
+    gy = torch.full((m, h), 7.0, dtype=x.dtype, device=DEV)
+    q.view(torch.uint8).fill_(SENTINEL)
+    s.fill_(-1.0)
+    ff._combine_quant_launch(x, None, dest, None, gy, None, q, s, flag, group, False)
+    assert (gy[pad] == 7.0).all() and (q.view(torch.uint8)[pad] == SENTINEL).all() and (s[pad] == -1.0).all()
+
+
+@pytest.mark.parametrize("path", PATHS, indirect=True)
+def test_empty_inputs(path):
+    """No tokens, or every choice dropped: empty / all-padding outputs, no error."""
+    for idx in (torch.zeros(0, 2, dtype=torch.int64), torch.full((4, 2), -1)):
+        lay, dest, src = sort_by_expert(idx.to(DEV), 3, 8)
+        x = torch.randn(idx.shape[0], 128, device=DEV)
+        rows, q, s = ff.scatter_quant_rows(x, src, dest, 128)
+        assert q.shape == (lay.capacity, 128) and s.shape == (lay.capacity, 1) and rows.shape == q.shape
+        gy, gw, q, s = ff.combine_bwd_quant(x, None, dest, None, lay.capacity, False, 0)
+        assert gy.shape == (lay.capacity, 128) and s.shape == (lay.capacity,) and gw is None
+
+
+def test_permute_fp8_gradient_and_no_grad_placeholder():
+    """permute_fp8's rows carry permute_rows' gradient (the tokens' gradient is the sum over their rows); without
+    autograd no rows are written (a zero-stride placeholder) and the codes are the same."""
+    n, k, e, h = 12, 2, 4, 32
+    lay, dest, src = _routing(n, k, e, alignment=4)
+    x = _tokens(n, h, torch.float32)
+    x[7] = 1.0
+    x.requires_grad_()
+    quant = RowQuantiser(lambda a: quant_rows(a), torch.float32, group=0)
+    rows, fp8 = permute_fp8(x, src, dest, quant)
+    assert fp8.rows_kept
+    gr = torch.randn(rows.shape)
+    (gx,) = torch.autograd.grad(rows, x, gr)
+    assert torch.equal(gx, rw.gather_sum(gr, dest, None))
+    with torch.no_grad():
+        rows0, fp80 = permute_fp8(x, src, dest, quant)
+    live = lay.live_mask()
+    assert rows0.stride() == (0, 0) and not fp80.rows_kept
+    assert _same_codes(fp80.codes_MH, fp8.codes_MH, live) and torch.equal(fp80.scales[live], fp8.scales[live])
+    with pytest.raises(ValueError, match="group"):
+        permute_fp8(x, src, dest, RowQuantiser(quant.quant, torch.float32))
+
+
+def _moe(dispatcher, backend, **over):
+    args = H.model_args(moe_intermediate_size=128 if isinstance(backend, DeepGemmBackend) else 16, gemm="fp8",
+                        **over)
+    m = MoE(args, H.LAYER_ID, build_dispatcher(dispatcher, args, None))
+    m.init_weights()
+    m.experts.backend = backend
+    return m
+
+
+def _run(m, no_grad=False):
+    x, cot = H.global_batch(1, m.args)
+    dev = m.experts.w13.device
+    x, cot = x[..., :m.args.hidden_size].to(dev).requires_grad_(), cot.to(dev)
+    if no_grad:
+        with torch.no_grad():
+            return (m(x),)
+    y = m(x)
+    (y * cot[..., :m.args.hidden_size]).sum().backward()
+    grads = [p.grad.clone() for p in m.parameters() if p.grad is not None]
+    return [y.detach(), x.grad] + grads
+
+
+SCENARIOS = [
+    dict(expert_alignment=1),
+    dict(expert_alignment=8, fold_routing_weights=True),
+    dict(expert_alignment=8, num_token_chunks=3),
+]
+
+
+@pytest.mark.parametrize("over", SCENARIOS, ids=["A1", "A8-fold", "A8-3chunks"])
+@pytest.mark.parametrize("ue8m0", [False, True], ids=["fp32-scales", "ue8m0"])
+@pytest.mark.parametrize("dispatcher", ["local", "a2a"])
+def test_moe_layer_fused_equals_separate_passes(over, ue8m0, dispatcher, monkeypatch):
+    """The MoE layer with gemm=fp8 (emulated): output and every gradient bit for bit equal with and without the
+    fused quantisation; fused, the activations go through quant_act once per chunk (FC1's output gradient),
+    not three times (FC1's rows, FC2's output gradient too). a2a (EP = 1 here) dispatches FP8 either way (its
+    tokens quantised before they are sent): only FC2's output gradient changes path."""
+    calls = {"n": 0}
+    real = Fp8Backend.quant_act
+
+    def counting(self, x, layout):
+        calls["n"] += 1
+        return real(self, x, layout)
+
+    monkeypatch.setattr(Fp8Backend, "quant_act", counting)
+    res = {}
+    for fused in (False, True):
+        calls["n"] = 0
+        m = _moe(dispatcher, Fp8Backend(emulate=True, ue8m0=ue8m0, fused_quant=fused), **over)
+        res[fused] = _run(m)
+        res[fused, "calls"] = calls["n"]
+    chunks = over.get("num_token_chunks", 1)
+    fused_calls = 1 if dispatcher == "local" else 2  # a2a quantises the tokens before it sends them
+    assert res[False, "calls"] == 3 * chunks and res[True, "calls"] == fused_calls * chunks
+    assert len(res[True]) == len(res[False]) >= 6
+    for a, b in zip(res[True], res[False]):
+        assert torch.equal(a, b)
+
+
+def test_moe_layer_fused_deep_gemm_1x128_and_no_grad():
+    """gemm=deep_gemm (CPU stand-in, 1x128 scales): the fused layer equals the separate passes bit for bit;
+    under no_grad the local gather writes codes only and the output is the same."""
+    res = {}
+    for fused in (False, True):
+        be = DeepGemmBackend(module=fake_deep_gemm, emulate=True, fused_quant=fused)
+        m = _moe("local", be, hidden_size=128, expert_alignment=128)
+        res[fused] = _run(m)
+        res[fused, "ng"] = _run(m, no_grad=True)
+    for a, b in zip(res[True], res[False]):
+        assert torch.equal(a, b)
+    assert torch.equal(res[True, "ng"][0], res[False][0])
+
+
+def test_recompute_paths_quantise_themselves():
+    """recompute_gather / recompute_fc1: the local gather lands no codes (those paths quantise the rows they
+    rebuild), with no warning, and the values equal the separate passes'."""
+    for over in (dict(recompute_gather=True), dict(recompute_fc1=True)):
+        m = _moe("local", Fp8Backend(emulate=True), **over)
+        assert m._row_quantiser(torch.float32) is None
+    m = _moe("local", Fp8Backend(emulate=True))
+    assert m._row_quantiser(torch.float32).group == 0
+    assert _moe("local", Fp8Backend(emulate=True, fused_quant=False))._row_quantiser(torch.float32).group is None
+
+
+@pytest.mark.parametrize("path", PATHS, indirect=True)
+@pytest.mark.parametrize("fold", [False, True], ids=["weights-in-combine", "folded"])
+def test_moe_layer_fused_equals_separate_passes_kernel_path(path, fold):
+    """The same equality with every op on its Triton kernel (CUDA, or the CPU interpreter): the fused kernels'
+    codes feed the emulated GEMMs in place of the Triton quantiser's, and the combine's weight gradient is
+    rows.py's bit for bit."""
+    res = {}
+    for fused in (False, True):
+        m = _moe("local", Fp8Backend(emulate=True, fused_quant=fused), expert_alignment=8, fold_routing_weights=fold)
+        res[fused] = _run(m.to(DEV))
+    for a, b in zip(res[True], res[False]):
+        assert torch.equal(a, b)
