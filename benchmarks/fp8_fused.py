@@ -1,0 +1,285 @@
+"""FP8 experts with the quantisation fused into the row kernels, against the separate passes and bf16.
+
+One JSON line per measurement (``bench`` names it), each with ``device``. Variants (``variant``),
+run in the same process on the same inputs:
+
+* ``bf16``: ``gemm=torch``;
+* ``fp8_separate``: ``gemm=fp8`` with ``Fp8Backend(fused_quant=False)``: FC1's landed rows and
+  FC2's output gradient each quantised in a pass of their own;
+* ``fp8_fused``: ``gemm=fp8`` (``fused_quant=True``, the default): the local gather writes FC1's
+  codes as it lands the rows, the combine's backward writes FC2's output-gradient codes
+  (dropless/ops/fp8_fused_rows.py).
+
+Measurements:
+
+* ``experts_rows``: DeepSeek-V3's per-rank shape (docs/design.md#a-worked-rank): live rows
+  ``[21733, 15004, 17982, 10817]`` of 4 experts, H 7,168, I 2,048, each row one token landed by
+  the ``local`` dispatcher (a shuffled order, routing weight not folded), the experts, and the
+  combine: forward+backward ms, ``speedup`` over bf16. The row movement is in the timing
+  because the fused quantisation lives there.
+* ``experts_only``: the same experts on landed rows (no gather, no combine: FC1 and FC2's
+  output gradient quantised separately on the FP8 path), bf16 vs ``fp8``: the GEMMs' own gain.
+* ``whole_layer``: the MoE layer, T 8,192, H 7,168, I 2,048, E 32, k 8, ``n_group`` 8,
+  ``topk_group`` 4, one shared expert (``local`` dispatcher): forward+backward ms, ``speedup``.
+* ``quant_kernels``: the quantisation kernels over a 28,672-row buffer (H 7,168, A 128, 4
+  experts) with 3,072 live rows vs every row: ``quant_rows`` with the layout (live rows) and
+  without (the full buffer), the landing gather without and with the codes
+  (``scatter_rows`` / ``scatter_quant_rows``), the combine backward without and with
+  (``combine_bwd`` / ``combine_bwd_quant``); ``us`` and ``gbps`` over the bytes the op must move
+  on live rows (bf16 in/out 2 bytes, codes 1 byte, a 4-byte scale per row or per 128 columns).
+
+Expert weights are drawn on the device; their FP8 copies are made once and cached for every
+timed step, as for the micro-batches of one optimizer step. Times: median of CUDA-event timings
+after warm-up (``--smoke``: wall clock on the CPU, the emulated FP8 backend, tiny shapes, to
+check the script end to end).
+
+Usage: ``python benchmarks/fp8_fused.py [--only experts_rows,experts_only,whole_layer,quant_kernels]
+[--alignment 128] [--ue8m0] [--smoke] | python benchmarks/stamp.py >> benchmarks/results/fp8_fused.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from dropless import ModelArgs
+from dropless.dispatch.local import LocalDispatcher
+from dropless.experts import GroupedExperts
+from dropless.layout import ExpertLayout
+from dropless.moe import MoE
+from dropless.ops.fp8_backend import Fp8Backend
+from dropless.ops.fp8_fused_rows import combine_bwd_quant, scatter_quant_rows
+from dropless.ops.fp8_quant import quant_rows
+from dropless.ops.fp8_rows import RowQuantiser
+from dropless.ops.rows import combine_bwd, scatter_rows
+
+SEED_COUNTS = [21733, 15004, 17982, 10817]
+VARIANTS = ("bf16", "fp8_separate", "fp8_fused")
+MEASUREMENTS = ("experts_rows", "experts_only", "whole_layer", "quant_kernels")
+
+
+def emit(**kw) -> None:
+    print(json.dumps(kw), flush=True)
+
+
+def bench(fn, device: torch.device, warmup: int = 5, iters: int = 20) -> float:
+    """Median milliseconds of ``fn()``: CUDA events on a GPU, wall clock on the CPU."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def backend(variant: str, device: torch.device, ue8m0: bool):
+    """The GEMM backend of a variant (the emulated FP8 GEMM on the CPU)."""
+    if variant == "bf16":
+        return "torch"
+    return Fp8Backend(emulate=device.type != "cuda", ue8m0=ue8m0, fused_quant=variant == "fp8_fused")
+
+
+def row_quantiser(be) -> RowQuantiser | None:
+    """What :meth:`dropless.moe.MoE._row_quantiser` gives the ``local`` dispatcher for this backend."""
+    if not isinstance(be, Fp8Backend):
+        return None
+    return RowQuantiser(lambda x: be.quant_act(x, None), torch.bfloat16,
+                        group=be.act_group if be.fused_quant else None, ue8m0=be.ue8m0)
+
+
+def _experts(be, counts, H, I, device) -> GroupedExperts:
+    ex = GroupedExperts(H, I, len(counts), gemm=be).to(device, torch.bfloat16)
+    with torch.no_grad():
+        for p in ex.parameters():
+            p.normal_(0.0, 0.02)
+    return ex
+
+
+def experts_rows(variant, counts, H, I, A, device, ue8m0, base=None) -> dict:
+    """Landing gather + experts + combine, forward+backward, at the per-rank shape."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    e, R = len(counts), sum(counts)
+    idx = torch.cat([torch.full((c,), i) for i, c in enumerate(counts)])[torch.randperm(R, generator=g)]
+    idx_R1 = idx.unsqueeze(1).to(device)
+    w_R1 = torch.rand(R, 1, generator=g).to(device)
+    x = torch.randn(R, H, device=device, dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn(R, H, device=device, dtype=torch.bfloat16)
+    be = backend(variant, device, ue8m0)
+    ex = _experts(be, counts, H, I, device)
+    disp, quant = LocalDispatcher(e), row_quantiser(ex.backend)
+    params = [x, *ex.parameters()]
+    kw = {} if quant is None else {"quant": quant}
+
+    def fwdbwd():
+        for p in params:
+            p.grad = None
+        d = disp.dispatch(x, idx_R1, w_R1, alignment=A, **kw)
+        y = ex(d.rows_MH, d.layout, fp8_rows=d.fp8)
+        disp.combine(y, d.handle).backward(gy)
+
+    ms = bench(fwdbwd, device)
+    line = dict(bench="experts_rows", variant=variant, counts=counts, H=H, I=I, alignment=A, ue8m0=ue8m0,
+                fwdbwd_ms=round(ms, 3), fwdbwd_tflops=round(18 * R * H * I / ms / 1e9, 1))
+    if base is not None:
+        line["speedup"] = round(base["fwdbwd_ms"] / ms, 3)
+    emit(device=device.type, **line)
+    return line
+
+
+def experts_only(variant, counts, H, I, A, device, ue8m0, base=None) -> dict:
+    """The experts on landed rows (no row movement), forward+backward."""
+    layout = ExpertLayout.from_counts(torch.tensor(counts, device=device), A, num_rows=sum(counts))
+    ex = _experts(backend(variant, device, ue8m0), counts, H, I, device)
+    x = torch.randn(layout.capacity, H, device=device, dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn(layout.capacity, H, device=device, dtype=torch.bfloat16)
+    params = [x, *ex.parameters()]
+
+    def fwdbwd():
+        for p in params:
+            p.grad = None
+        ex(x, layout).backward(gy)
+
+    ms = bench(fwdbwd, device)
+    R = sum(counts)
+    line = dict(bench="experts_only", variant=variant, counts=counts, H=H, I=I, alignment=A, ue8m0=ue8m0,
+                fwdbwd_ms=round(ms, 3), fwdbwd_tflops=round(18 * R * H * I / ms / 1e9, 1))
+    if base is not None:
+        line["speedup"] = round(base["fwdbwd_ms"] / ms, 3)
+    emit(device=device.type, **line)
+    return line
+
+
+def whole_layer(variant, T, H, I, E, k, A, device, ue8m0, base=None) -> dict:
+    """The MoE layer (``local`` dispatcher, one shared expert), forward+backward."""
+    args = ModelArgs(hidden_size=H, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=k,
+                     n_group=min(8, E), topk_group=min(4, E), n_shared_experts=1, routed_scaling_factor=2.5,
+                     aux_loss_alpha=1e-4, expert_alignment=A, gemm="torch")
+    moe = MoE(args, 0).to(device)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0.0, args.initializer_range)
+        moe.router.e_score_correction_bias.zero_()
+    moe = moe.to(torch.bfloat16).train()
+    moe.experts.backend = backend(variant, device, ue8m0)
+    x = torch.randn(1, T, H, device=device, dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn(1, T, H, device=device, dtype=torch.bfloat16)
+    params = [x, *moe.parameters()]
+
+    def fwdbwd():
+        for p in params:
+            p.grad = None
+        moe(x).backward(gy)
+
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    ms = bench(fwdbwd, device, warmup=3, iters=10)
+    fwd = 6 * T * k * H * I + 6 * T * H * I + 2 * T * E * H  # routed + shared + router (live FLOPs)
+    line = dict(bench="whole_layer", variant=variant, T=T, H=H, I=I, E=E, k=k, alignment=A, ue8m0=ue8m0,
+                fwdbwd_ms=round(ms, 3), fwdbwd_tflops=round(3 * fwd / ms / 1e9, 1))
+    if device.type == "cuda":
+        line["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    if base is not None:
+        line["speedup"] = round(base["fwdbwd_ms"] / ms, 3)
+    emit(device=device.type, **line)
+    return line
+
+
+def quant_kernels(M, live_counts, H, A, device, ue8m0) -> None:
+    """The quantisation kernels over live rows vs the whole buffer; ``gbps`` over the live bytes."""
+    for live_rows in (sum(live_counts), None):  # 3,072 live rows, then every row live
+        counts = live_counts if live_rows else _fill(M, len(live_counts), A)
+        layout = ExpertLayout.from_counts(torch.tensor(counts, device=device), A, capacity=M)
+        n = sum(counts)
+        x_MH = torch.randn(M, H, device=device, dtype=torch.bfloat16)
+        # one token per live row, landed in a shuffled order; padding rows named by no token
+        dest = layout.live_mask().nonzero().squeeze(1)[torch.randperm(n, device=device)].unsqueeze(1)
+        src = torch.full((M,), -1, dtype=torch.int64, device=device)
+        src[dest.squeeze(1)] = torch.arange(n, device=device)
+        x_NH = torch.randn(n, H, device=device, dtype=torch.bfloat16)
+        w_N1 = torch.rand(n, 1, device=device)
+        row_b = H * 2
+        for group in (0, 128):
+            sb = 4 * (H // 128) if group else 4
+            ops = {
+                "quant_rows_live": (lambda: quant_rows(x_MH, layout, ue8m0, group=group), n * (row_b + H + sb)),
+                "quant_rows_full_buffer": (lambda: quant_rows(x_MH, None, ue8m0, group=group), n * (row_b + H + sb)),
+                "scatter_rows": (lambda: scatter_rows(x_NH, dest, M), n * 2 * row_b),
+                "scatter_quant_rows": (lambda: scatter_quant_rows(x_NH, src, dest, group, ue8m0),
+                                       n * (2 * row_b + H + sb)),
+                "combine_bwd": (lambda: combine_bwd(x_NH, None, dest, w_N1, M, False), n * 2 * row_b),
+                "combine_bwd_quant": (lambda: combine_bwd_quant(x_NH, None, dest, w_N1, M, False, group, ue8m0),
+                                      n * (2 * row_b + H + sb)),
+            }
+            for op, (fn, nbytes) in ops.items():
+                if group and "quant" not in op:  # no codes: timed once
+                    continue
+                ms = bench(fn, device, warmup=3, iters=20)
+                emit(device=device.type, bench="quant_kernels", op=op, group=group if "quant" in op else None,
+                     ue8m0=ue8m0, rows_live=n, rows_alloc=M, H=H, alignment=A, us=round(ms * 1e3, 1),
+                     gbps=round(nbytes / ms / 1e6, 1))
+
+
+def _fill(M: int, e: int, A: int) -> list[int]:
+    """Counts of ``e`` experts filling an ``M``-row buffer with alignment ``A`` (every row live)."""
+    per = (M // e) // A * A
+    return [per] * (e - 1) + [M - per * (e - 1)]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", default=",".join(MEASUREMENTS), help=f"comma-separated subset of {MEASUREMENTS}")
+    p.add_argument("--alignment", type=int, default=128, help="expert_alignment (a multiple of 16)")
+    p.add_argument("--ue8m0", action="store_true", help="power-of-two scales")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, runs on the CPU too (checks the script)")
+    a = p.parse_args(argv)
+    only = a.only.split(",")
+    unknown = sorted(set(only) - set(MEASUREMENTS))
+    if unknown:
+        p.error(f"--only: unknown {unknown}; choose from {MEASUREMENTS}")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda" and not a.smoke:
+        p.error("needs a CUDA device (FP8 tensor cores); --smoke runs tiny shapes on the CPU")
+    torch.manual_seed(0)
+    if a.smoke:
+        counts, H, I, T, E, k, M, live, A = [40, 24, 0, 17], 256, 128, 32, 16, 2, 512, [48, 16, 0, 32], 16
+    else:
+        counts, H, I, T, E, k, M, live, A = SEED_COUNTS, 7168, 2048, 8192, 32, 8, 28672, [1024, 768, 1280, 0], \
+            a.alignment
+    if "experts_rows" in only:
+        base = None
+        for v in VARIANTS:
+            line = experts_rows(v, counts, H, I, A, device, a.ue8m0, base)
+            base = base or line
+    if "experts_only" in only:
+        base = None
+        for v in ("bf16", "fp8_separate"):
+            line = experts_only(v, counts, H, I, A, device, a.ue8m0, base)
+            base = base or line
+    if "whole_layer" in only:
+        base = None
+        for v in VARIANTS:
+            line = whole_layer(v, T, H, I, E, k, A, device, a.ue8m0, base)
+            base = base or line
+    if "quant_kernels" in only:
+        quant_kernels(M, live, H, A, device, a.ue8m0)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
