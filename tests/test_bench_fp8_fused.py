@@ -1,0 +1,29 @@
+"""benchmarks/fp8_fused.py end to end on the CPU (``--smoke``: tiny shapes, the emulated FP8 backend)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.fp8_fused import VARIANTS, main
+
+
+def test_fp8_fused_benchmark_smoke_json_lines(capsys):
+    assert main(["--smoke", "--only", "experts_rows,quant_kernels"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    rows = [r for r in lines if r["bench"] == "experts_rows"]
+    assert [r["variant"] for r in rows] == list(VARIANTS)
+    assert all(r["fwdbwd_ms"] > 0 and r["device"] == "cpu" for r in rows)
+    assert "speedup" not in rows[0] and all(r["speedup"] > 0 for r in rows[1:])
+    kern = [r for r in lines if r["bench"] == "quant_kernels"]
+    ops = {(r["op"], r["group"], r["rows_live"]) for r in kern}
+    assert ("scatter_quant_rows", 128, 96) in ops and ("combine_bwd_quant", 0, 512) in ops
+    assert ("quant_rows_full_buffer", 0, 96) in ops and ("scatter_rows", None, 96) in ops
+    assert all(r["rows_alloc"] == 512 and r["us"] > 0 and r["gbps"] >= 0 for r in kern)
+
+
+def test_fp8_fused_benchmark_refuses_an_unknown_measurement():
+    with pytest.raises(SystemExit) as e:
+        main(["--smoke", "--only", "experts"])
+    assert e.value.code == 2
