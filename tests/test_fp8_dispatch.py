@@ -35,7 +35,7 @@ from dropless.dispatch import build_dispatcher
 from dropless.layout import ExpertLayout
 from dropless.moe import MoE
 from dropless.ops.fp8_backend import Fp8Backend
-from dropless.ops.fp8_mlp import _Fp8FC1Landed
+from dropless.ops.fp8_mlp import _Fp8FC1
 from dropless.ops.fp8_quant import FP8_DTYPE, dequant_rows
 from dropless.ops.fp8_rows import Fp8Rows, RowQuantiser, grad_port
 from tests import dist_harness as H
@@ -178,7 +178,7 @@ def test_fc1_on_landed_codes_forward_and_gradients():
     x_ref = x.clone().requires_grad_()
     h_ref = be.gmm(x_ref, w13, lay)
     port = grad_port(x_ref.new_zeros(1, h).requires_grad_(), lay.capacity, torch.float32, lambda gr: lambda: gr[:1])
-    h13 = _Fp8FC1Landed.apply(port, w13, q, s, lay, be, None)
+    h13 = _Fp8FC1.apply(port, w13, q, s, lay, be, None)
     assert torch.equal(h13[live], h_ref[live])
     dh = torch.randn(h13.shape, generator=g)
     dport, dw13 = torch.autograd.grad(h13, (port, w13), dh)

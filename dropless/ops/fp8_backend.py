@@ -118,6 +118,12 @@ class Fp8Backend:
         self._alias: WeakIdKeyDictionary = WeakIdKeyDictionary()  # cast copy -> parameter
         self.quantisations = 0  # weight copies made (tests)
 
+    @property
+    def bf16(self) -> TorchBackend:
+        """The ``torch`` backend this one runs its bf16 GEMMs on (the weight gradient by default; a GEMM
+        that :mod:`dropless.ops.fp8_policy` keeps in bf16)."""
+        return self._wgrad
+
     # ------------------------------------------------------------------ checks
     def check_device(self, device: torch.device | str | None) -> None:
         """Raise ConfigError when this backend cannot run on ``device`` (not with ``emulate``)."""

@@ -38,28 +38,40 @@ from dropless.layout import ExpertLayout
 from dropless.ops import fp8_grad_rows
 from dropless.ops.backward import first_order_only, grad_wanted
 from dropless.ops.fp8_backend import Fp8Backend
+from dropless.ops.fp8_policy import ALL_FP8, Fp8Plan
 from dropless.ops.fp8_quant import dequant_rows
 from dropless.ops.fp8_rows import Fp8Rows
-from dropless.ops.grouped_gemm import WgradAccumulator, grouped_mm, weight_grad
+from dropless.ops.grouped_gemm import WgradAccumulator, weight_grad
 from dropless.ops.swiglu import swiglu_bwd, swiglu_fwd
 
 
-class _Fp8FC1Landed(torch.autograd.Function):
-    """FC1 of rows that landed as e4m3 codes + scales; ``port_MH`` carries the rows' gradient.
+class _Fp8FC1(torch.autograd.Function):
+    """FC1 ``x @ W13`` with FP8 or bf16 forward / data gradient / weight gradient (``plan``).
 
-    ``rows_kept``: ``port_MH`` holds the rows themselves (the local gather's landing), saved for
-    ``dW13`` instead of the codes; else its values are unused and ``dW13`` reads ``q · s``.
+    ``codes_MH``/``scales``: the rows as landed in FP8, or None to quantise ``x_MH`` here (FP8
+    forward). ``rows_kept``: with codes, ``x_MH`` holds the rows themselves (the local gather's
+    landing) and is saved for ``dW13``; without ``rows_kept`` it is a gradient port (values unused),
+    the codes are saved and ``dW13`` reads ``q · s``. Without codes ``x_MH`` is saved.
     """
 
     @staticmethod
-    def forward(ctx, port_MH, w13, codes_MH, scales, layout, backend, wgrad, rows_kept=False):
+    def forward(ctx, x_MH, w13, codes_MH, scales, layout, backend, wgrad, rows_kept=False, plan=ALL_FP8):
         be: Fp8Backend = backend
         be.check_layout(layout)
-        h13 = be.scaled_gmm(codes_MH, scales, *be.weight(w13), layout, port_MH.dtype)
-        ctx.layout, ctx.backend, ctx.wgrad, ctx.dtype = layout, be, wgrad, port_MH.dtype
-        ctx.rows_kept = rows_kept
-        if rows_kept:
-            ctx.save_for_backward(port_MH, w13)
+        has_rows = codes_MH is None or rows_kept
+        if plan.fc1:
+            if codes_MH is None:
+                codes_MH, scales = be.quant_act(x_MH, layout)
+            h13 = be.scaled_gmm(codes_MH, scales, *be.weight(w13), layout, x_MH.dtype)
+        else:
+            if not has_rows:
+                raise ValueError("FP8 FC1: rows landed as FP8 codes only cannot run FC1 in bf16; land the rows "
+                                 "in the compute dtype where the plan runs FC1 in bf16")
+            h13 = be.bf16.gmm(x_MH, w13, layout)
+        ctx.layout, ctx.backend, ctx.wgrad, ctx.dtype, ctx.plan = layout, be, wgrad, x_MH.dtype, plan
+        ctx.has_rows = has_rows
+        if has_rows:
+            ctx.save_for_backward(x_MH, w13)
         else:
             ctx.save_for_backward(codes_MH, scales, w13)
         return h13
@@ -69,31 +81,38 @@ class _Fp8FC1Landed(torch.autograd.Function):
     def backward(ctx, dh13):
         saved = ctx.saved_tensors
         w13 = saved[-1]
-        be, layout = ctx.backend, ctx.layout
+        be, layout, plan = ctx.backend, ctx.layout, ctx.plan
         dh13 = dh13.contiguous()
         dx = dw = None
-        if grad_wanted(ctx, 0):  # as _GroupedMM's: q(dY) @ q(W13ᵀ)
-            dx = be.gmm(dh13, w13.transpose(1, 2), layout)
+        if grad_wanted(ctx, 0):  # q(dY) @ q(W13ᵀ), or bf16
+            dx = (be if plan.fc1_dgrad else be.bf16).gmm(dh13, w13.transpose(1, 2), layout)
         if grad_wanted(ctx, 1):
-            x_MH = saved[0] if ctx.rows_kept else dequant_rows(saved[0], saved[1]).to(ctx.dtype)
-            dw = weight_grad(x_MH, dh13, layout, be, w13.dtype,
+            x_MH = saved[0] if ctx.has_rows else dequant_rows(saved[0], saved[1]).to(ctx.dtype)
+            dw = weight_grad(x_MH, dh13, layout, be if plan.wgrad else be.bf16, w13.dtype,
                              (ctx.wgrad, "w13") if ctx.wgrad is not None else None)
-        return dx, dw, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None
 
 
 class _Fp8SwiGLUFC2(torch.autograd.Function):
-    """SwiGLU (× row weight) quantised in one pass, then FC2 in FP8; saves ``h13`` (not the SwiGLU output)."""
+    """SwiGLU (× row weight) quantised in one pass, then FC2 in FP8 (or both in bf16, ``plan.fc2`` False);
+    saves ``h13`` (not the SwiGLU output)."""
 
     @staticmethod
-    def forward(ctx, h13, w2, row_w, layout, backend, wgrad):
+    def forward(ctx, h13, w2, row_w, layout, backend, wgrad, plan=ALL_FP8):
         be: Fp8Backend = backend
-        hq, hs = be.swiglu_quant_act(h13, layout)
-        if row_w is not None:  # per-row scales: q(a)·(s·w) == a·w exactly up to q's rounding
-            hs = be.fold_row_weight(hs, row_w.to(h13.dtype))
-        y = be.scaled_gmm(hq, hs, *be.weight(w2), layout, h13.dtype)
-        ctx.layout, ctx.backend, ctx.wgrad, ctx.has_w = layout, be, wgrad, row_w is not None
+        if plan.fc2:
+            hq, hs = be.swiglu_quant_act(h13, layout)
+            if row_w is not None:  # per-row scales: q(a)·(s·w) == a·w exactly up to q's rounding
+                hs = be.fold_row_weight(hs, row_w.to(h13.dtype))
+            y = be.scaled_gmm(hq, hs, *be.weight(w2), layout, h13.dtype)
+        else:
+            a = swiglu_fwd(h13, layout)
+            if row_w is not None:
+                a = a * row_w.to(a.dtype).unsqueeze(1)
+            y = be.bf16.gmm(a, w2, layout)
+        ctx.layout, ctx.backend, ctx.wgrad, ctx.has_w, ctx.plan = layout, be, wgrad, row_w is not None, plan
         # the combine's backward writes dy's rows: it quantises them there (fp8_grad_rows)
-        ctx.codes = fp8_grad_rows.ask(y, be.act_group, be.ue8m0) if be.fused_quant else None
+        ctx.codes = fp8_grad_rows.ask(y, be.act_group, be.ue8m0) if be.fused_quant and plan.fc2_dgrad else None
         ctx.save_for_backward(h13, w2, row_w if row_w is not None else h13.new_empty(0))
         return y
 
@@ -101,7 +120,7 @@ class _Fp8SwiGLUFC2(torch.autograd.Function):
     @first_order_only
     def backward(ctx, dy_MH):
         h13, w2, row_w = ctx.saved_tensors
-        layout, be, acc = ctx.layout, ctx.backend, ctx.wgrad
+        layout, be, acc, plan = ctx.layout, ctx.backend, ctx.wgrad, ctx.plan
         row_w = row_w if ctx.has_w else None
         want_h, want_w2 = grad_wanted(ctx, 0), grad_wanted(ctx, 1)
         want_rw = ctx.has_w and grad_wanted(ctx, 2)
@@ -109,9 +128,12 @@ class _Fp8SwiGLUFC2(torch.autograd.Function):
         dy_MH = dy_MH.contiguous()
         dh13 = dw2 = d_row_w = a = None
         if want_h or want_rw:
-            dyq, dys = fused if fused is not None else be.quant_act(dy_MH, layout)
-            dh = be.scaled_gmm(dyq, dys, *be.weight(w2.transpose(1, 2)), layout, dy_MH.dtype)  # d(a · w)
-            del dyq, dys
+            if plan.fc2_dgrad:
+                dyq, dys = fused if fused is not None else be.quant_act(dy_MH, layout)
+                dh = be.scaled_gmm(dyq, dys, *be.weight(w2.transpose(1, 2)), layout, dy_MH.dtype)  # d(a · w)
+                del dyq, dys
+            else:
+                dh = be.bf16.gmm(dy_MH, w2.transpose(1, 2), layout)
             if want_rw:
                 a = swiglu_fwd(h13, layout)
                 d_row_w = torch.sum(dh * a, dim=-1, dtype=torch.float32).to(row_w.dtype)
@@ -123,19 +145,19 @@ class _Fp8SwiGLUFC2(torch.autograd.Function):
                 a = swiglu_fwd(h13, layout)
             if row_w is not None:
                 a = a.mul_(row_w.to(a.dtype).unsqueeze(1))
-            dw2 = weight_grad(a, dy_MH, layout, be, w2.dtype, (acc, "w2") if acc is not None else None)
-        return dh13, dw2, d_row_w, None, None, None
+            dw2 = weight_grad(a, dy_MH, layout, be if plan.wgrad else be.bf16, w2.dtype,
+                              (acc, "w2") if acc is not None else None)
+        return dh13, dw2, d_row_w, None, None, None, None
 
 
 @torch.compiler.disable  # the weight cache (identity, _version) is host logic: run eagerly inside a compiled graph
 def fp8_expert_mlp(x_MH: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, row_w: torch.Tensor | None,
                    layout: ExpertLayout, backend: Fp8Backend, wgrad: WgradAccumulator | None = None,
-                   landed: Fp8Rows | None = None) -> torch.Tensor:
+                   landed: Fp8Rows | None = None, plan: Fp8Plan = ALL_FP8) -> torch.Tensor:
     """FC1 -> SwiGLU (× row weight) -> FC2 of the live rows with FP8 GEMMs.
 
-    Two autograd nodes: FC1 (:func:`~dropless.ops.grouped_gemm.grouped_mm` on the FP8 backend:
-    saves the rows) and SwiGLU-quant + FC2 (saves ``h13``), so that FC2's backward releases
-    its gradients and ``h13`` before FC1's backward runs.
+    Two autograd nodes: FC1 (saves the rows, or the landed codes) and SwiGLU-quant + FC2 (saves
+    ``h13``), so that FC2's backward releases its gradients and ``h13`` before FC1's backward runs.
 
     Args:
         x_MH: ``[M, H]`` landed rows (bf16; padding rows may hold anything, NaN included); with
@@ -148,6 +170,8 @@ def fp8_expert_mlp(x_MH: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, row_
         landed: the rows as the dispatcher landed them in FP8 (codes + scales of the backend's
             ``quant_act``), or None to quantise ``x_MH`` here. With ``landed.rows_kept``
             (``local``'s :func:`~dropless.ops.fp8_rows.permute_fp8`) ``x_MH`` holds the rows.
+        plan: which GEMMs run in FP8 (:func:`~dropless.ops.fp8_policy.plan_fp8`); the others run
+            in bf16 through the ``torch`` backend. FC1 in bf16 needs the rows (not FP8-only ``landed``).
     Returns:
         ``[M, H]`` in ``x_MH``'s dtype; live rows per expert, padding rows unspecified. Backward:
         ``dX`` on live rows (FP8 data gradients), ``dW`` from live rows only in bf16 (exactly 0
@@ -156,9 +180,7 @@ def fp8_expert_mlp(x_MH: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, row_
         RuntimeError: (device-side, asynchronous on CUDA) a live row of an FP8 operand is not finite.
     Under ``torch.compile`` it runs eagerly (a graph break; ``fullgraph=True`` refuses it).
     """
-    if landed is not None:
-        h13 = _Fp8FC1Landed.apply(x_MH, w13, landed.codes_MH, landed.scales, layout, backend, wgrad,
-                                  landed.rows_kept)
-    else:
-        h13 = grouped_mm(x_MH, w13, layout, backend, wgrad=(wgrad, "w13") if wgrad is not None else None)
-    return _Fp8SwiGLUFC2.apply(h13, w2, row_w, layout, backend, wgrad)
+    codes, scales, kept = (landed.codes_MH, landed.scales, landed.rows_kept) if landed is not None else (None, None,
+                                                                                                         False)
+    h13 = _Fp8FC1.apply(x_MH, w13, codes, scales, layout, backend, wgrad, kept, plan)
+    return _Fp8SwiGLUFC2.apply(h13, w2, row_w, layout, backend, wgrad, plan)

@@ -53,14 +53,15 @@ def weight_grad(x_MK: torch.Tensor, dy_MN: torch.Tensor, layout: ExpertLayout, b
 
     Args:
         x_MK: ``[M, K]`` the GEMM's input rows. dy_MN: ``[M, N]`` its output gradient.
-        layout: the rows' layout. backend: the grouped GEMM backend. dtype: the weight's dtype.
+        layout: the rows' layout. backend: the grouped GEMM backend computing ``dW`` (into the
+            accumulator too). dtype: the weight's dtype.
         wgrad: ``(accumulator, name)`` to add ``dW`` into instead (chunked layer calls).
     Returns:
         ``[e, K, N]`` in ``dtype`` for autograd, or None after adding it into the accumulator.
     """
     if wgrad is not None:
         acc, name = wgrad
-        acc.add(name, x_MK, dy_MN, layout)
+        acc.add(name, x_MK, dy_MN, layout, backend)
         return None
     return backend.gmm_wgrad(x_MK, dy_MN, layout).to(dtype)
 
@@ -207,21 +208,24 @@ class WgradAccumulator:
         self._dtypes[name] = w.dtype
         return _Collect.apply(w, self, name)
 
-    def add(self, name: str, x_MK: torch.Tensor, dy_MN: torch.Tensor, layout: ExpertLayout) -> None:
-        """``buffer[name][i] += x[live_i]^T @ dy[live_i]`` for every local expert ``i`` (or into its sink)."""
+    def add(self, name: str, x_MK: torch.Tensor, dy_MN: torch.Tensor, layout: ExpertLayout,
+            backend: GemmBackend | None = None) -> None:
+        """``buffer[name][i] += x[live_i]^T @ dy[live_i]`` for every local expert ``i`` (or into its sink), computed
+        by ``backend`` (default: the accumulator's; e.g. the bf16 ``torch`` backend where FP8 does not pay)."""
+        be = self.backend if backend is None else backend
         sink = self.sinks.get(name)
         if sink is not None and sink.active:
-            sink.write(self.backend, x_MK, dy_MN, layout)
+            sink.write(be, x_MK, dy_MN, layout)
             return
         buf = self._grads.get(name)
         if buf is None:
-            self._grads[name] = self.backend.gmm_wgrad(x_MK, dy_MN, layout).to(self._dtypes[name])
+            self._grads[name] = be.gmm_wgrad(x_MK, dy_MN, layout).to(self._dtypes[name])
             return
-        acc_ = getattr(self.backend, "gmm_wgrad_acc_", None)
+        acc_ = getattr(be, "gmm_wgrad_acc_", None)
         if acc_ is not None:
             acc_(buf, x_MK, dy_MN, layout)
         else:
-            buf.add_(self.backend.gmm_wgrad(x_MK, dy_MN, layout))
+            buf.add_(be.gmm_wgrad(x_MK, dy_MN, layout))
 
     def pop(self, name: str) -> torch.Tensor | None:
         return self._grads.pop(name, None)
