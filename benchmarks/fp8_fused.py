@@ -21,6 +21,9 @@ Measurements:
   output gradient quantised separately on the FP8 path), bf16 vs ``fp8``: the GEMMs' own gain.
 * ``whole_layer``: the MoE layer, T 8,192, H 7,168, I 2,048, E 32, k 8, ``n_group`` 8,
   ``topk_group`` 4, one shared expert (``local`` dispatcher): forward+backward ms, ``speedup``.
+* ``crossover``: each expert GEMM of :mod:`dropless.ops.fp8_policy` (FC1, FC2, both data gradients,
+  the weight gradient in FP8) alone, bf16 vs FP8, over 64 … 16,384 rows per expert (4 experts,
+  A 128), and per GEMM the ``min_rows`` for fp8_policy's crossover table.
 * ``quant_kernels``: the quantisation kernels over a 28,672-row buffer (H 7,168, A 128, 4
   experts) with 3,072 live rows vs every row: ``quant_rows`` with the layout (live rows) and
   without (the full buffer), the landing gather without and with the codes
@@ -33,7 +36,7 @@ timed step, as for the micro-batches of one optimizer step. Times: median of CUD
 after warm-up (``--smoke``: wall clock on the CPU, the emulated FP8 backend, tiny shapes, to
 check the script end to end).
 
-Usage: ``python benchmarks/fp8_fused.py [--only experts_rows,experts_only,whole_layer,quant_kernels]
+Usage: ``python benchmarks/fp8_fused.py [--only experts_rows,experts_only,whole_layer,quant_kernels,crossover]
 [--alignment 128] [--ue8m0] [--smoke] | python benchmarks/stamp.py >> benchmarks/results/fp8_fused.jsonl``.
 """
 
@@ -59,7 +62,7 @@ from dropless.ops.rows import combine_bwd, scatter_rows
 
 SEED_COUNTS = [21733, 15004, 17982, 10817]
 VARIANTS = ("bf16", "fp8_separate", "fp8_fused")
-MEASUREMENTS = ("experts_rows", "experts_only", "whole_layer", "quant_kernels")
+MEASUREMENTS = ("experts_rows", "experts_only", "whole_layer", "quant_kernels", "crossover")
 
 
 def emit(**kw) -> None:
@@ -238,6 +241,53 @@ def quant_kernels(M, live_counts, H, A, device, ue8m0) -> None:
                      gbps=round(nbytes / ms / 1e6, 1))
 
 
+#: The experts' GEMMs as fp8_policy names them: (K, N) of ``[m, K] @ [K, N]`` in terms of H, I, and whether
+#: the FP8 path quantises the left operand in a pass of its own (FC1's output gradient; the others are
+#: quantised where they are made: the landing gather, the SwiGLU, the combine's backward)
+CROSSOVER_GEMMS = {"fc1": (("H", "2I"), False), "fc2": (("I", "H"), False), "fc2_dgrad": (("H", "I"), False),
+                   "fc1_dgrad": (("2I", "H"), True), "wgrad": (("H", "2I"), True)}
+
+
+def crossover(H, I, e, A, sizes, device, ue8m0) -> None:
+    """Per GEMM of fp8_policy, bf16 vs FP8 over rows per expert; one line per size and one ``crossover`` line:
+    ``min_rows`` = the smallest size from which FP8 is at least as fast at every larger size tried (None:
+    never), the value for fp8_policy's table. The FP8 time counts a quantisation pass where the FP8 path
+    runs one (FC1's data gradient; both operands of the FP8 weight gradient, ``wgrad="fp8"``)."""
+    from dropless.ops.torch_backend import TorchBackend
+
+    dims = {"H": H, "I": I, "2I": 2 * I}
+    bf16 = TorchBackend()
+    fp8 = Fp8Backend(emulate=device.type != "cuda", ue8m0=ue8m0, wgrad="fp8")
+    for name, ((kd, nd), quant_pass) in CROSSOVER_GEMMS.items():
+        K, N = dims[kd], dims[nd]
+        w = torch.randn(e, K, N, device=device, dtype=torch.bfloat16) * 0.02
+        faster = []
+        for m in sizes:
+            layout = ExpertLayout.from_counts(torch.full((e,), m, device=device), A, num_rows=e * m)
+            x = torch.randn(layout.capacity, K, device=device, dtype=torch.bfloat16)
+            if name == "wgrad":
+                dy = torch.randn(layout.capacity, N, device=device, dtype=torch.bfloat16)
+                ms_b = bench(lambda: bf16.gmm_wgrad(x, dy, layout), device, warmup=3, iters=10)
+                ms_f = bench(lambda: fp8.gmm_wgrad(x, dy, layout), device, warmup=3, iters=10)
+            else:
+                q, qs = fp8.quant_act(x, layout)
+                b, bs = fp8.weight(w)
+                ms_b = bench(lambda: bf16.gmm(x, w, layout), device, warmup=3, iters=10)
+                ms_f = bench((lambda: fp8.gmm(x, w, layout)) if quant_pass else
+                             (lambda: fp8.scaled_gmm(q, qs, b, bs, layout)), device, warmup=3, iters=10)
+            faster.append(ms_f <= ms_b)
+            emit(device=device.type, bench="crossover_point", gemm=name, rows_per_expert=m, experts=e, K=K, N=N,
+                 alignment=A, bf16_us=round(ms_b * 1e3, 1), fp8_us=round(ms_f * 1e3, 1),
+                 speedup=round(ms_b / ms_f, 3))
+        min_rows = None
+        for i in range(len(sizes)):
+            if all(faster[i:]):
+                min_rows = sizes[i]
+                break
+        emit(device=device.type, bench="crossover", gemm=name, H=H, I=I, experts=e, alignment=A, ue8m0=ue8m0,
+             sizes=sizes, min_rows=min_rows)
+
+
 def _fill(M: int, e: int, A: int) -> list[int]:
     """Counts of ``e`` experts filling an ``M``-row buffer with alignment ``A`` (every row live)."""
     per = (M // e) // A * A
@@ -281,6 +331,9 @@ def main(argv=None) -> int:
             base = base or line
     if "quant_kernels" in only:
         quant_kernels(M, live, H, A, device, a.ue8m0)
+    if "crossover" in only:
+        sizes = [16, 64] if a.smoke else [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+        crossover(H, I, len(counts), 128, sizes, device, a.ue8m0)
     return 0
 
 

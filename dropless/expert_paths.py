@@ -25,6 +25,7 @@ from dropless.ops import GemmBackend, grouped_mm
 from dropless.ops.expert_mlp import RecomputeAhead, expert_mlp_recompute
 from dropless.ops.fp8_backend import Fp8Backend
 from dropless.ops.fp8_mlp import fp8_expert_mlp
+from dropless.ops.fp8_policy import ALL_FP8, Fp8Plan
 from dropless.ops.fp8_rows import Fp8Rows
 from dropless.ops.grouped_gemm import WgradAccumulator, check_operands
 from dropless.ops.swiglu import swiglu
@@ -88,14 +89,26 @@ class GemmPath(ExpertPath):
 
 
 class Fp8FusedPath(ExpertPath):
-    """The fused FP8 node (:func:`~dropless.ops.fp8_mlp.fp8_expert_mlp`); FC1 takes landed FP8 rows as they are."""
+    """The fused FP8 node (:func:`~dropless.ops.fp8_mlp.fp8_expert_mlp`); FC1 takes landed FP8 rows as they are.
 
-    takes_fp8_rows = True
+    Attributes:
+        plan: which of its GEMMs run in FP8 (:mod:`dropless.ops.fp8_policy`; the MoE layer sets it at
+            its first forward); FC1 in bf16 takes no FP8 rows.
+    """
+
+    def __init__(self, backend: GemmBackend, plan: Fp8Plan = ALL_FP8):
+        super().__init__(backend)
+        self.plan = plan
+
+    @property
+    def takes_fp8_rows(self) -> bool:
+        return self.plan.fc1
 
     def __call__(self, rows, layout, row_weight_M, w, fp8_rows):
         check_operands(rows, w.w13, layout, self.backend)
         check_operands(rows.new_empty(layout.capacity, w.w2.shape[1]), w.w2, layout, self.backend)
-        return fp8_expert_mlp(rows, w.w13, w.w2, row_weight_M, layout, self.backend, w.wgrad, landed=fp8_rows)
+        return fp8_expert_mlp(rows, w.w13, w.w2, row_weight_M, layout, self.backend, w.wgrad, landed=fp8_rows,
+                              plan=self.plan)
 
 
 class RecomputePath(ExpertPath):

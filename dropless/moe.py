@@ -11,6 +11,7 @@ docs/design.md#the-pipeline::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 
@@ -20,9 +21,11 @@ from torch.utils.checkpoint import checkpoint
 
 from dropless.config import ModelArgs
 from dropless.dispatch import Dispatcher, LocalDispatcher, Pending
+from dropless.expert_paths import Fp8FusedPath
 from dropless.experts import GroupedExperts, compute_dtype
 from dropless.mlp import FeedForward
 from dropless.ops.fp8_backend import Fp8Backend
+from dropless.ops.fp8_policy import ALL_FP8, Fp8Plan, describe, expected_rows_per_expert, plan_fp8
 from dropless.ops.fp8_rows import RowQuantiser
 from dropless.routing import Router, in_backward_recompute
 
@@ -84,6 +87,9 @@ def capacity_drop(topk_idx_Tk: torch.Tensor, num_experts: int, capacity_factor: 
     dropped = (valid & ~keep).sum()
     padded = num_experts * cap - keep.sum()
     return torch.where(keep, flat, torch.full_like(flat, -1)).view(t, k), dropped, padded
+
+
+_FP8_PLANS_SAID: set[tuple] = set()  # FP8 plans already announced in this process (_apply_fp8_plan)
 
 
 class MoE(nn.Module):
@@ -153,6 +159,7 @@ class MoE(nn.Module):
                           "for FP8 dispatch (docs/design.md#fp8-dispatch)", stacklevel=1)
         self.shared_experts = (FeedForward(args.hidden_size, args.n_shared_experts * args.moe_intermediate_size)
                                if args.n_shared_experts > 0 else None)
+        self._fp8_plan: Fp8Plan | None = None  # decided at the first forward (_apply_fp8_plan)
         self.last_stats: dict[str, torch.Tensor] = {}
         self._aux = _LastAuxLoss()
 
@@ -214,6 +221,36 @@ class MoE(nn.Module):
         y = y_TH.view(x.shape).to(x.dtype)
         return (y, r.aux_loss) if return_aux else y
 
+    def _apply_fp8_plan(self, tokens: int) -> None:
+        """Decide, at the layer's first forward, which expert GEMMs run in FP8 (:mod:`dropless.ops.fp8_policy`).
+
+        Only on the fused FP8 path. The plan is made once, from the expected rows per local expert of
+        that call (``tokens`` per chunk, balanced routing over the EP group), kept for every later
+        call, and said once per process for each distinct plan and shape (a warning naming the
+        first layer, the GEMMs that run in bf16 and the crossover they are below).
+        """
+        path = self.experts.path
+        if not isinstance(path, Fp8FusedPath):
+            return
+        if self._fp8_plan is None and tokens == 0:  # nothing to judge by: FP8 for this call, decide later
+            path.plan = ALL_FP8
+            return
+        if self._fp8_plan is None:
+            a = self.args
+            rows = expected_rows_per_expert(tokens, a.num_experts_per_tok, a.n_routed_experts,
+                                            self.dispatcher.ep_size)
+            plan = plan_fp8(rows)
+            if path.backend.wgrad == "bf16":  # the weight gradient is bf16 already: nothing to say about it
+                plan = dataclasses.replace(plan, wgrad=True)
+            self._fp8_plan = plan
+            msg = describe(self._fp8_plan, f"layer {self.layer_id} (and every MoE layer of this shape)", rows,
+                           a.hidden_size, a.moe_intermediate_size)
+            key = (tuple(self._fp8_plan.bf16_gemms()), round(rows), a.hidden_size, a.moe_intermediate_size)
+            if msg is not None and key not in _FP8_PLANS_SAID:
+                _FP8_PLANS_SAID.add(key)
+                warnings.warn(msg, stacklevel=2)
+        path.plan = self._fp8_plan
+
     def _row_quantiser(self, dtype: torch.dtype) -> RowQuantiser | None:
         """FC1's row quantisation for FP8 dispatch (docs/design.md#fp8-dispatch), or None to dispatch rows.
 
@@ -269,6 +306,7 @@ class MoE(nn.Module):
         if not _is_fsdp_managed(self.experts):  # FSDP2 gathers the weights in experts' forward
             weights = self.experts.weights(compute_dtype(x_TH), accumulate_wgrad=n_chunks > 1)
 
+        self._apply_fp8_plan(bounds[1] - bounds[0])  # before the quantiser: FC1 in bf16 takes no FP8 rows
         quant = self._row_quantiser(compute_dtype(x_TH))
 
         def issue(c):
