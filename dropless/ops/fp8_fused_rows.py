@@ -4,7 +4,8 @@ With an FP8 grouped GEMM (``gemm=fp8`` / ``deep_gemm``) two left operands are ro
 kernel has just written: FC1's input (the landed tokens) and FC2's data-gradient input (the
 combine's backward, ``w · dy`` per choice). Quantising them in a separate pass re-reads the
 whole ``[M, H]`` buffer; these ops write the e4m3 codes and scales in the pass that makes the
-rows, with :func:`~dropless.ops.fp8_quant.quant_rows`' rule and layout (docs/design.md#fp8-experts):
+rows, with :func:`~dropless.ops.fp8_quant.quant_rows`' rule and layout
+(docs/design.md#fp8-quantisation-in-the-row-kernels):
 
 * :func:`scatter_quant_rows` — the landing of ``x_NH`` (:func:`~dropless.ops.rows.land_rows`)
   plus ``(codes [M, H] e4m3, scales [M] or [M, H/128] fp32)`` of the landed rows. A row's codes

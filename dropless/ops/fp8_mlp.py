@@ -8,12 +8,11 @@ row's scales, which is exact), and FC2 runs in FP8. Backward: the incoming gradi
 quantised the same way and both data gradients run in FP8; the weight gradients run in bf16
 (:meth:`~dropless.ops.fp8_backend.Fp8Backend.gmm_wgrad`, or a chunk accumulator).
 
-Two autograd nodes: FC1 (the generic grouped GEMM on the FP8 backend; saves the landed rows
-``[M, H]``, bf16, for ``dW13``) and SwiGLU-quant + FC2 (saves ``h13 [M, 2I]`` for the SwiGLU
-backward; the bf16 SwiGLU output for ``dW2`` is rebuilt from it), plus the row weights if
-folded and the weights (their FP8 copies live in the backend's per-step cache). This is what
-the bf16 path saves minus its ``[M, I]`` SwiGLU output; FC2's gradients are released before
-FC1's backward runs.
+Two autograd nodes: FC1 (saves the landed rows ``[M, H]``, bf16, for ``dW13``) and SwiGLU-quant
++ FC2 (saves ``h13 [M, 2I]`` for the SwiGLU backward; the bf16 SwiGLU output for ``dW2`` is
+rebuilt from it), plus the row weights if folded and the weights (their FP8 copies live in the
+backend's per-step cache). This is what the bf16 path saves minus its ``[M, I]`` SwiGLU output;
+FC2's gradients are released before FC1's backward runs.
 
 Fused quantisation (``backend.fused_quant``, the default): FC2's output gradient is quantised
 by the combine's backward that writes it (:mod:`dropless.ops.fp8_grad_rows`), and the ``local``
@@ -28,6 +27,11 @@ buffer) and saves them (1 byte per element) instead of the rows; its weight grad
 reads the dequantised codes ``q · s`` (the rows FC1 multiplied; the compute-dtype rows never
 reach this rank), its data gradient is the same FP8 ``q(dY) @ q(W13ᵀ)`` as without FP8 dispatch,
 returned for the stand-in input :func:`~dropless.ops.fp8_rows.grad_port`.
+
+Per-GEMM plan (:class:`~dropless.ops.fp8_policy.Fp8Plan`): a GEMM the plan keeps in bf16 runs
+through the backend's bf16 ``torch`` backend (:attr:`~dropless.ops.fp8_backend.Fp8Backend.bf16`)
+on the unquantised operand: FC1 on the rows (so no FP8-only landed rows), FC2 on the SwiGLU
+output (× row weight), a data gradient on the incoming gradient, the weight gradients in bf16.
 """
 
 from __future__ import annotations
