@@ -175,7 +175,8 @@ def whole_layer(variant, T, H, I, E, k, A, device, ue8m0, base=None) -> dict:
     args = ModelArgs(hidden_size=H, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=k,
                      n_group=min(8, E), topk_group=min(4, E), n_shared_experts=1, routed_scaling_factor=2.5,
                      aux_loss_alpha=1e-4, expert_alignment=A, gemm="torch")
-    moe = MoE(args, 0).to(device)
+    with torch.device(device):  # the parameters made on the device (no host copy of the experts' weights)
+        moe = MoE(args, 0)
     with torch.no_grad():
         for p in moe.parameters():
             p.normal_(0.0, args.initializer_range)
