@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-from dropless.layout import ExpertLayout, poison_padding
-from dropless.ops import GemmBackend, get_backend, grouped_mm
-from dropless.ops.expert_mlp import RecomputeAhead, expert_mlp_recompute  # noqa: F401 (RecomputeAhead re-exported)
-from dropless.ops.fp8_backend import Fp8Backend
-from dropless.ops.fp8_mlp import fp8_expert_mlp
+from dropless.expert_paths import ExpertPath, ExpertWeights, choose_path
+from dropless.layout import ExpertLayout
+from dropless.ops import GemmBackend, get_backend
+from dropless.ops.expert_mlp import RecomputeAhead
 from dropless.ops.fp8_rows import Fp8Rows
-from dropless.ops.grouped_gemm import WgradAccumulator, check_operands
-from dropless.ops.swiglu import swiglu
-from dropless.permute import RowSource, permute_rows
+from dropless.ops.grouped_gemm import WgradAccumulator
+from dropless.permute import RowSource
+
+__all__ = ["ExpertWeights", "GroupedExperts", "RecomputeAhead", "compute_dtype", "init_expert_weights_"]
 
 
 def init_expert_weights_(w13_eHI2: torch.Tensor, w2_eIH: torch.Tensor, seed: int, layer_id: int,
@@ -47,29 +45,6 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def _poisoner(layout: ExpertLayout, on: bool):
-    """The identity, or with ``on`` (``poison_padding``) :func:`~dropless.layout.poison_padding`:
-    NaN into every padding row of a tensor and of its gradient, so a stage that reads padding shows NaN."""
-    if not on:
-        return lambda t: t
-    return lambda t: poison_padding(t, layout)
-
-
-@dataclass
-class ExpertWeights:
-    """The experts' weights for one layer call, in the compute dtype (cast once for all chunks).
-
-    Attributes:
-        w13: ``[e, H, 2I]``. w2: ``[e, I, H]``.
-        wgrad: the :class:`~dropless.ops.grouped_gemm.WgradAccumulator` summing the chunks'
-            weight gradients in place, or None (each call returns its own).
-    """
-
-    w13: torch.Tensor
-    w2: torch.Tensor
-    wgrad: WgradAccumulator | None
-
-
 class GroupedExperts(nn.Module):
     """``e`` local SwiGLU experts: ``y = (silu(x W_gate) * (x W_up)) W_down`` per expert.
 
@@ -80,20 +55,26 @@ class GroupedExperts(nn.Module):
         hidden_size: ``H``. moe_intermediate_size: ``I``. num_local_experts: ``e``.
         gemm: grouped GEMM backend name (:func:`dropless.ops.list_backends`), or a backend
             instance (e.g. ``Fp8Backend(emulate=True)`` in CPU tests). With ``fp8`` the default
-            path (no recompute option, no ``poison``, landed rows) is the fused FP8 node
+            path (no recompute option, no ``poison``) is the fused FP8 node
             (:mod:`dropless.ops.fp8_mlp`); the recompute paths run the backend's FP8 GEMMs
-            through the recompute nodes.
+            through the recompute nodes. Setting :attr:`backend` later chooses the path again.
         expert_offset: global id of local expert 0 (``ep_rank · e``), for layout-independent init.
         recompute_swiglu: do not save the SwiGLU output; recompute it from ``h13`` in backward.
         recompute_fc1: do not save ``h13`` either; rerun the FC1 GEMM in backward. Either
             option saves no more than the landed rows (plus ``h13`` for ``recompute_swiglu``).
+        recompute_gather: :meth:`forward` may take the rows' source instead of the rows
+            (gathered inside FC1 and again in backward; the recompute path).
+        poison: debug (``poison_padding``): write NaN into the padding rows of every
+            intermediate and of its gradient; runs the plain GEMM path, on landed rows.
+    The path (:mod:`dropless.expert_paths`) is chosen here, once, from the backend and these options.
     """
 
     def __init__(self, hidden_size: int, moe_intermediate_size: int, num_local_experts: int,
                  gemm: "str | GemmBackend" = "torch", expert_offset: int = 0, recompute_swiglu: bool = False,
-                 recompute_fc1: bool = False):
+                 recompute_fc1: bool = False, recompute_gather: bool = False, poison: bool = False):
         super().__init__()
         self.recompute_swiglu, self.recompute_fc1 = recompute_swiglu, recompute_fc1
+        self.recompute_gather, self.poison = recompute_gather, poison
         self.hidden_size, self.moe_intermediate_size = hidden_size, moe_intermediate_size
         self.num_local_experts, self.expert_offset = num_local_experts, expert_offset
         self.backend = get_backend(gemm) if isinstance(gemm, str) else gemm
@@ -134,73 +115,68 @@ class GroupedExperts(nn.Module):
             alias(w2c, self.w2)
         return ExpertWeights(w13c, w2c, acc)
 
-    def takes_fp8_rows(self, poison: bool = False) -> bool:
+    @property
+    def backend(self) -> GemmBackend:
+        return self.path.backend
+
+    @backend.setter
+    def backend(self, backend: GemmBackend) -> None:
+        """Setting the backend chooses the path again (:func:`~dropless.expert_paths.choose_path`)."""
+        self.path: ExpertPath = choose_path(backend, recompute_swiglu=self.recompute_swiglu,
+                                            recompute_fc1=self.recompute_fc1,
+                                            recompute_gather=self.recompute_gather, poison=self.poison)
+
+    @property
+    def takes_fp8_rows(self) -> bool:
         """True when FC1 reads e4m3 codes of its rows and can take them as dispatched (:mod:`dropless.ops.fp8_rows`):
         an FP8 backend on the path that neither recomputes nor poisons."""
-        return (isinstance(self.backend, Fp8Backend) and not poison
-                and not (self.recompute_fc1 or self.recompute_swiglu))
+        return self.path.takes_fp8_rows
 
-    def forward(self, rows_MH: torch.Tensor | None, layout: ExpertLayout,
-                row_weight_M: torch.Tensor | None = None, poison: bool = False, *,
-                weights: ExpertWeights | None = None, source: RowSource | None = None,
-                with_ahead: bool = False, fp8_rows: Fp8Rows | None = None):
-        """Run the experts on the live rows.
+    @property
+    def gathers(self) -> bool:
+        """True when :meth:`forward` takes the rows' ``source`` (``recompute_gather`` without ``poison``)."""
+        return self.path.gathers
+
+    def ahead(self, y_MH: torch.Tensor) -> RecomputeAhead | None:
+        """The :class:`RecomputeAhead` of :meth:`forward`'s output ``y_MH``, to attach to the combined
+        output (``recompute_fc1``, eager, with an autograd graph); else None."""
+        return self.path.ahead(y_MH)
+
+    def forward(self, rows_MH: torch.Tensor | None, layout: ExpertLayout, row_weight_M: torch.Tensor | None = None,
+                *, weights: ExpertWeights | None = None, source: RowSource | None = None,
+                fp8_rows: Fp8Rows | None = None) -> torch.Tensor:
+        """Run the experts on the live rows, on the path chosen at construction.
 
         Args:
-            rows_MH: ``[M, H]`` landed rows (padding rows unspecified); may be None with ``source``.
+            rows_MH: ``[M, H]`` landed rows (padding rows unspecified); None with ``source``.
             layout: their :class:`ExpertLayout` (``e`` = ``num_local_experts``).
             row_weight_M: optional ``[M]`` routing weight per row, multiplied into the
                 SwiGLU output before FC2 (``fold_routing_weights``).
-            poison: debug: write NaN into the padding rows of every intermediate.
             weights: from :meth:`weights` (shared by the chunks of a layer call); default:
                 cast here, gradients returned to autograd.
-            source: the rows' :class:`~dropless.permute.RowSource` (``recompute_gather``):
-                the rows are gathered inside the FC1 node and re-gathered in backward, never
-                saved. Uses the recompute path (``h13`` saved unless ``recompute_fc1``).
-            with_ahead: return ``(outputs, ahead)``: ``ahead`` is a :class:`RecomputeAhead`
-                to attach to the combined output (``recompute_fc1`` only; else None).
+            source: the rows' :class:`~dropless.permute.RowSource` instead of ``rows_MH``
+                (only where :attr:`gathers`): the rows are gathered inside the FC1 node and
+                re-gathered in backward, never saved.
             fp8_rows: the rows as the dispatcher landed them in FP8 (``rows_MH`` is then its
                 :func:`~dropless.ops.fp8_rows.grad_port`): FC1 multiplies them as they are.
-                Only with an FP8 backend on the non-recompute, non-poisoned path.
+                Only where :attr:`takes_fp8_rows`.
         Returns:
-            ``[M, H]`` expert outputs in the compute dtype; padding rows unspecified (and
-            the ``ahead`` handle with ``with_ahead``).
+            ``[M, H]`` expert outputs in the compute dtype; padding rows unspecified. Its
+            :class:`RecomputeAhead`, if any, comes from :meth:`ahead`.
         Raises:
-            ValueError: ``fp8_rows`` where the experts do not run the FP8 MLP.
+            ValueError: ``fp8_rows`` or ``source`` where the path does not take them.
         """
-        ref = rows_MH if rows_MH is not None else source.x_NH
+        if fp8_rows is not None and not self.takes_fp8_rows:
+            raise ValueError("GroupedExperts: rows landed in FP8 need an FP8 backend (gemm=fp8 / deep_gemm) "
+                             "without recompute_fc1, recompute_swiglu, recompute_gather or poison_padding; "
+                             "dispatch them in the compute dtype")
+        if source is not None and not self.gathers:
+            raise ValueError("GroupedExperts: a row source needs experts built with recompute_gather "
+                             "(and without poison); pass the landed rows")
+        ref = rows_MH if source is None else source.x_NH
         dt = compute_dtype(ref)
         if weights is None:
             weights = self.weights(dt)
-        w13, w2, acc = weights.w13, weights.w2, weights.wgrad
         with torch.autocast(ref.device.type, enabled=False):
-            recompute = self.recompute_fc1 or self.recompute_swiglu or source is not None
-            if fp8_rows is not None and not self.takes_fp8_rows(poison):
-                raise ValueError("GroupedExperts: rows landed in FP8 need an FP8 backend (gemm=fp8 / deep_gemm) "
-                                 "without recompute_fc1, recompute_swiglu, recompute_gather or poison_padding; "
-                                 "dispatch them in the compute dtype")
-            if recompute and not poison:
-                x = None if source is not None else rows_MH.to(dt)
-                if source is not None:
-                    source = RowSource(source.x_NH.to(dt), source.src_M, source.dest_Nk)
-                check_operands(source.x_NH.new_empty(layout.capacity, w13.shape[1]) if x is None else x,
-                               w13, layout, self.backend)
-                check_operands(ref.new_empty(layout.capacity, w2.shape[1], dtype=dt), w2, layout, self.backend)
-                return expert_mlp_recompute(x, w13, w2, row_weight_M, layout, self.backend,
-                                            self.recompute_fc1, source=source, wgrad=acc, with_ahead=with_ahead)
-            if rows_MH is None:
-                rows_MH = permute_rows(source.x_NH, source.src_M, source.dest_Nk)
-            if isinstance(self.backend, Fp8Backend) and not poison:
-                x = rows_MH.to(dt)
-                check_operands(x, w13, layout, self.backend)
-                check_operands(x.new_empty(layout.capacity, w2.shape[1]), w2, layout, self.backend)
-                y = fp8_expert_mlp(x, w13, w2, row_weight_M, layout, self.backend, acc, landed=fp8_rows)
-                return (y, None) if with_ahead else y
-            mark = _poisoner(layout, poison)
-            x = mark(rows_MH.to(dt))
-            h13 = mark(grouped_mm(x, w13, layout, self.backend, wgrad=(acc, "w13") if acc is not None else None))
-            h = swiglu(h13, layout)
-            if row_weight_M is not None:
-                h = h * row_weight_M.to(h.dtype).unsqueeze(1)
-            y = mark(grouped_mm(mark(h), w2, layout, self.backend, wgrad=(acc, "w2") if acc is not None else None))
-            return (y, None) if with_ahead else y
+            rows = rows_MH.to(dt) if source is None else RowSource(source.x_NH.to(dt), source.src_M, source.dest_Nk)
+            return self.path(rows, layout, row_weight_M, weights, fp8_rows)

@@ -140,12 +140,13 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(args.hidden_size, args.moe_intermediate_size,
                                       self.dispatcher.num_local_experts, gemm=args.gemm,
                                       expert_offset=self.dispatcher.expert_offset,
-                                      recompute_swiglu=args.recompute_swiglu, recompute_fc1=args.recompute_fc1)
+                                      recompute_swiglu=args.recompute_swiglu, recompute_fc1=args.recompute_fc1,
+                                      recompute_gather=args.recompute_gather, poison=args.poison_padding)
         check_alignment = getattr(self.experts.backend, "check_alignment", None)
         if check_alignment is not None:  # e.g. gemm=deep_gemm reads the layout's ends at its own M alignment
             check_alignment(args.expert_alignment)
         if (isinstance(self.experts.backend, Fp8Backend) and self.dispatcher.lands_fp8
-                and not self.experts.takes_fp8_rows(args.poison_padding)):  # shown once per process
+                and not self.experts.takes_fp8_rows):  # shown once per process
             warnings.warn(f"gemm={args.gemm} with dispatcher={self.dispatcher.name}: the rows are dispatched in the "
                           "compute dtype, not as FP8 codes + scales, because recompute_fc1, recompute_swiglu or "
                           "poison_padding is on (those paths quantise the landed rows themselves); turn them off "
@@ -217,12 +218,12 @@ class MoE(nn.Module):
         """FC1's row quantisation for FP8 dispatch (docs/design.md#fp8-dispatch), or None to dispatch rows.
 
         FP8 dispatch needs an FP8 backend whose FC1 reads the codes as dispatched
-        (:meth:`~dropless.experts.GroupedExperts.takes_fp8_rows`) and a dispatcher that moves them
+        (:attr:`~dropless.experts.GroupedExperts.takes_fp8_rows`) and a dispatcher that moves them
         (:attr:`~dropless.dispatch.Dispatcher.lands_fp8`: ``a2a``, ``agrs``); the constructor warns
         once where the backend is FP8 but the rows cannot go as FP8.
         """
         be = self.experts.backend
-        if not (self.dispatcher.lands_fp8 and self.experts.takes_fp8_rows(self.args.poison_padding)):
+        if not (self.dispatcher.lands_fp8 and self.experts.takes_fp8_rows):
             return None
         return RowQuantiser(lambda x_MK: be.quant_act(x_MK, None), dtype)
 
@@ -258,7 +259,7 @@ class MoE(nn.Module):
         n_chunks = max(1, min(a.num_token_chunks, x_TH.shape[0])) if x_TH.shape[0] else 1
         bounds = [x_TH.shape[0] * c // n_chunks for c in range(n_chunks + 1)]
         disp = self.dispatcher
-        regather = a.recompute_gather and not a.poison_padding  # the poisoned debug path lands the rows
+        regather = self.experts.gathers  # recompute_gather; the poisoned debug path lands the rows
         weights = None
         if not _is_fsdp_managed(self.experts):  # FSDP2 gathers the weights in experts' forward
             weights = self.experts.weights(compute_dtype(x_TH), accumulate_wgrad=n_chunks > 1)
@@ -280,9 +281,9 @@ class MoE(nn.Module):
             d = pending.wait()
             if c + 1 < n_chunks:
                 pending = issue(c + 1)  # next chunk's dispatch overlaps this chunk's experts
-            y_MH, ahead = self.experts(d.rows_MH, d.layout, d.row_weight_M, poison=a.poison_padding,
-                                       weights=weights, source=d.source if regather else None, with_ahead=True,
-                                       fp8_rows=d.fp8)
+            y_MH = self.experts(d.rows_MH, d.layout, d.row_weight_M, weights=weights,
+                                source=d.source if regather else None, fp8_rows=d.fp8)
+            ahead = self.experts.ahead(y_MH)
             live.append(d.layout.counts.sum())
             cap = max(cap, d.layout.capacity)
             pending_y = disp.combine_async(y_MH, d.handle,

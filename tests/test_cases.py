@@ -26,10 +26,11 @@ import torch
 
 from dropless import ModelArgs
 from dropless.dispatch import LocalDispatcher
-from dropless.experts import GroupedExperts, swiglu
+from dropless.experts import GroupedExperts
 from dropless.layout import ExpertLayout
 from dropless.moe import MoE
 from dropless.ops import grouped_mm
+from dropless.ops.swiglu import swiglu
 from tests.conftest import py_layout
 
 try:
@@ -51,7 +52,8 @@ def py_segments(counts, a):
 
 
 def make_experts(e, gemm, seed=1, std=0.2):
-    ex = GroupedExperts(H, I, e, gemm=gemm).to(DTYPE[gemm])
+    """Experts that poison their padding rows (NaN in every intermediate's padding and its gradient)."""
+    ex = GroupedExperts(H, I, e, gemm=gemm, poison=True).to(DTYPE[gemm])
     ex.init_weights(seed, layer_id=0, std=std)
     return ex
 
@@ -99,7 +101,7 @@ def padding_leak_pass(experts, idx, x, w, gy, alignment, capacity, fold):
     assert d.layout.counts.tolist() == ROWS03
     live = d.layout.live_mask()
     assert int((~live).sum()) == capacity - 2048 > 0
-    y_MH = experts(d.rows_MH, d.layout, d.row_weight_M, poison=True)
+    y_MH = experts(d.rows_MH, d.layout, d.row_weight_M)
     assert torch.isnan(y_MH[~live]).all()          # the poison is really there
     out = disp.combine(y_MH, d.handle)
     out.backward(gy)
@@ -178,7 +180,7 @@ def test_swiglu_experts_row_by_row_across_tiles(gemm, close):
     ex = make_experts(3, gemm, seed=4)
     g = torch.Generator().manual_seed(5)
     x = torch.randn(385, H, generator=g, dtype=torch.float64).to(DTYPE[gemm])
-    y = ex(x, lay, poison=True)
+    y = ex(x, lay)
     w13, w2 = ex.w13.detach().double(), ex.w2.detach().double()
     for r, e in enumerate(owner):
         if e >= 0:

@@ -323,7 +323,7 @@ def experts_ref(x, w13, w2, seg, row_w=None):
     return y
 
 
-def assert_experts_match_loop(ex, ref_ex, x, lay, seg, live, g, fold=False, poison=False, empty=1):
+def assert_experts_match_loop(ex, ref_ex, x, lay, seg, live, g, fold=False, empty=1):
     """FP8 experts ``ex`` against float64 (forward: a real FP8 error, 0.005 < rel < FP8_MLP_TOL) and
     against the ``loop`` experts ``ref_ex`` with the same weights (gradients of x, W13, W2 and the
     folded row weight within 1.2·FP8_MLP_TOL; expert ``empty`` gets an exactly zero dW). Padding rows
@@ -331,7 +331,7 @@ def assert_experts_match_loop(ex, ref_ex, x, lay, seg, live, g, fold=False, pois
     row_w = torch.rand(x.shape[0], generator=g) if fold else None
     xs = [x.clone().requires_grad_(True) for _ in range(2)]
     rws = [row_w.clone().requires_grad_(True) if row_w is not None else None for _ in range(2)]
-    y = ex(xs[0], lay, rws[0], poison=poison)
+    y = ex(xs[0], lay, rws[0])
     y_ref = ref_ex(xs[1], lay, rws[1])
     err = rel(y[live], experts_ref(x, ex.w13.detach(), ex.w2.detach(), seg, row_w)[live])
     assert 0.005 < err < FP8_MLP_TOL
@@ -355,13 +355,13 @@ def test_grouped_experts_fp8_paths(opts):
     torch.manual_seed(0)
     counts, h_dim, i_dim = [40, 0, 75, 9], 64, 128
     lay, x, _, seg, live, g = make(counts, a=16, k_dim=h_dim)
-    kw = dict(recompute_swiglu=opts.get("recompute_swiglu", False), recompute_fc1=opts.get("recompute_fc1", False))
+    kw = dict(recompute_swiglu=opts.get("recompute_swiglu", False), recompute_fc1=opts.get("recompute_fc1", False),
+              poison=opts.get("poison", False))
     ex = GroupedExperts(h_dim, i_dim, len(counts), gemm=Fp8Backend(emulate=True), **kw)
     ref_ex = GroupedExperts(h_dim, i_dim, len(counts), gemm="loop")
     ex.init_weights(1, 2, std=0.1)
     ref_ex.load_state_dict(ex.state_dict())
-    assert_experts_match_loop(ex, ref_ex, x, lay, seg, live, g, fold=opts.get("fold", False),
-                              poison=opts.get("poison", False))
+    assert_experts_match_loop(ex, ref_ex, x, lay, seg, live, g, fold=opts.get("fold", False))
 
 
 MOE_SMALL = dict(hidden_size=64, moe_intermediate_size=128, n_routed_experts=8, num_experts_per_tok=2, n_group=2,

@@ -243,8 +243,9 @@ def test_fp8_dispatch_deep_gemm_1x128_scales():
 
 
 def test_fp8_rows_reject_a_non_fp8_path():
-    m = _fp8_moe("a2a")
+    m = _fp8_moe("a2a", poison_padding=True)
+    assert not m.experts.takes_fp8_rows
     lay = ExpertLayout.from_counts(torch.tensor([1] * 8), alignment=1, num_rows=8)
     rows = Fp8Rows(torch.zeros(8, 16, dtype=FP8_DTYPE), torch.ones(8))
     with pytest.raises(ValueError, match="FP8"):
-        m.experts(torch.zeros(8, 16), lay, poison=True, fp8_rows=rows)
+        m.experts(torch.zeros(8, 16), lay, fp8_rows=rows)

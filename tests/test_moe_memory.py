@@ -36,7 +36,8 @@ B = 4
 
 def saved_bytes(recompute_swiglu: bool, recompute_fc1: bool, fold: bool, gather: bool = False) -> int:
     torch.manual_seed(0)
-    ex = GroupedExperts(H, I, E, recompute_swiglu=recompute_swiglu, recompute_fc1=recompute_fc1)
+    ex = GroupedExperts(H, I, E, recompute_swiglu=recompute_swiglu, recompute_fc1=recompute_fc1,
+                        recompute_gather=gather)
     ex.init_weights(0, 0)
     x = torch.randn(T, H, requires_grad=True)
     idx = torch.randint(0, E, (T, K))

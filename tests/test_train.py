@@ -21,6 +21,7 @@ import torch
 from omegaconf import OmegaConf
 
 from dropless.train.config import compose
+from dropless.train.console import Console
 from dropless.train.metrics import REQUIRED_KEYS
 from dropless.train.trainer import Trainer, lr_at
 
@@ -509,3 +510,28 @@ def test_a_resume_on_another_rank_count_says_what_changes(tmp_path):
     assert warnings_of_resume(steps=2) == []  # nothing left to train: no data order to change
     (step / ckpt.MARKER).write_text("step 2\n")  # a checkpoint from before the line existed
     assert warnings_of_resume() == [] and ckpt.saved_world_size(step) is None
+
+
+def test_progress_bar_shows_each_steps_own_loss(tmp_path, monkeypatch):
+    """Each redraw of the bar (``update``) shows the loss of the step it counts, not the one before."""
+    shown = []
+
+    class Bar:
+        postfix = None
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def set_postfix(self, refresh=True, **kw):
+            self.postfix = kw["loss"]
+
+        def update(self, n):
+            shown.append(self.postfix)
+
+    monkeypatch.setattr(Console, "progress", lambda self, total, initial: Bar())
+    rd = tmp_path / "run"
+    run([f"run_dir={rd}", "train.steps=3", "train.val_every=0", "logging.mode=disabled"])
+    assert shown == [f"{r['loss']:.3f}" for r in records(rd) if r["step"] > 0]

@@ -62,6 +62,14 @@ class RecomputeAhead:
     def __init__(self, fc2_node):
         self._fc2 = fc2_node  # the _FC2Recompute node (it holds what the rebuild needs)
 
+    @classmethod
+    def of(cls, y_MH: torch.Tensor) -> RecomputeAhead | None:
+        """The handle of ``y_MH``, an output of :func:`expert_mlp_recompute` (its FC2 node); None where
+        ``y_MH`` has no such node: no autograd graph, or one node (while ``torch.compile`` traces)."""
+        if torch.compiler.is_compiling():
+            return None
+        return cls(y_MH.grad_fn) if isinstance(y_MH.grad_fn, _FC2Recompute._backward_cls) else None
+
     def attach(self, y_TH: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and y_TH.requires_grad:
             fc2 = self._fc2
@@ -300,8 +308,7 @@ class _ExpertMLPOneNode(torch.autograd.Function):
 
 
 def expert_mlp_recompute(x_in, w13, w2, row_w, layout, backend, recompute_fc1: bool,
-                         source: RowSource | None = None, wgrad: WgradAccumulator | None = None,
-                         with_ahead: bool = False):
+                         source: RowSource | None = None, wgrad: WgradAccumulator | None = None):
     """(gather) -> FC1 -> SwiGLU (× row weight) -> FC2 with selective recompute (MegaBlocks' memory-optimised MLP idea).
 
     Args:
@@ -312,11 +319,9 @@ def expert_mlp_recompute(x_in, w13, w2, row_w, layout, backend, recompute_fc1: b
         recompute_fc1: do not save ``h13``; FC2's backward reruns the FC1 GEMM.
         source: :class:`~dropless.permute.RowSource` of the rows (``recompute_gather``).
         wgrad: accumulator for ``dW13``/``dW2`` (chunked layer calls), or None to return them.
-        with_ahead: also return a :class:`RecomputeAhead` (None unless ``recompute_fc1``)
-            for the caller to attach to the combined output.
     Returns:
         ``[M, H]`` expert outputs (padding rows unspecified), in ``x_in``'s dtype; with
-        ``with_ahead``, the pair ``(outputs, ahead)``.
+        ``recompute_fc1``, :meth:`RecomputeAhead.of` them is the handle to attach to the combined output.
     Saved for backward: the landed rows ``[M, H]`` (with ``source``: nothing beyond the
     source tokens and the int64 indices ``src_M``, ``dest_Nk``), ``h13 [M, 2I]`` unless
     ``recompute_fc1``, the row weights ``[M]`` if folded; never the SwiGLU output. Two
@@ -332,11 +337,7 @@ def expert_mlp_recompute(x_in, w13, w2, row_w, layout, backend, recompute_fc1: b
         if wgrad is not None:
             raise ValueError("expert_mlp_recompute: a WgradAccumulator cannot be traced by torch.compile; "
                              "GroupedExperts.weights() makes none while compiling")
-        y = _ExpertMLPOneNode.apply(x_in, w13, w2, row_w, src_M, dest_Nk, layout, backend, recompute_fc1)
-        return (y, None) if with_ahead else y
+        return _ExpertMLPOneNode.apply(x_in, w13, w2, row_w, src_M, dest_Nk, layout, backend, recompute_fc1)
     box = _RecomputeBox()
     h, h13 = _FC1SwiGLU.apply(x_in, w13, row_w, src_M, dest_Nk, layout, backend, recompute_fc1, box, wgrad)
-    y = _FC2Recompute.apply(h, w2, x_in, w13, row_w, h13, src_M, layout, backend, box, wgrad)
-    if not with_ahead:
-        return y
-    return y, (RecomputeAhead(y.grad_fn) if recompute_fc1 and y.grad_fn is not None else None)
+    return _FC2Recompute.apply(h, w2, x_in, w13, row_w, h13, src_M, layout, backend, box, wgrad)

@@ -263,8 +263,9 @@ class Trainer(StepLoop):
                         rec["val_loss"] = last_val = self._validation()
                         con.print(f"[dropless] step {self.step} loss {rec['loss']:.4f} val_loss {last_val:.4f}")
                     self._log(rec, last)
-                    bar.update(1)
+                    # the postfix first: update() redraws the bar, so it then shows this step's loss
                     bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}", refresh=False)
+                    bar.update(1)
                     if self._checkpoint_or_stop(last):
                         break
             except BaseException as e:
