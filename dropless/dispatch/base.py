@@ -15,7 +15,9 @@ FP8 dispatch (:attr:`Dispatcher.lands_fp8`; docs/design.md#fp8-dispatch): given 
 quantises the ``T`` tokens once, moves their e4m3 codes and scales instead of the rows, and
 lands them as :class:`~dropless.ops.fp8_rows.Fp8Rows` (``Dispatched.fp8``); ``rows_MH`` is then
 the :func:`~dropless.ops.fp8_rows.grad_port` through which the landed rows' gradient returns to
-the tokens in the compute dtype. The combine is unchanged.
+the tokens in the compute dtype. The combine is unchanged. ``local`` (and ``fsdp``) move nothing:
+their gather writes the codes and scales as it lands the rows, with the rows themselves
+(``Fp8Rows.rows_kept``; docs/design.md#fp8-quantisation-in-the-row-kernels).
 """
 
 from __future__ import annotations
@@ -109,7 +111,8 @@ class Dispatcher(ABC):
     #: True when the landed rows are a local gather of the rank's tokens (EP = 1), so the
     #: experts can re-gather them in backward (``recompute_gather``; :meth:`dispatch_source`).
     gathers_locally: bool = False
-    #: True when :meth:`dispatch_async` takes ``quant`` and can move the rows as FP8 codes + scales.
+    #: True when :meth:`dispatch_async` takes ``quant`` and lands the rows as FP8 codes + scales: moved as
+    #: such (``a2a``, ``agrs``), or written by the gather that lands the rows (``local``, ``fsdp``).
     lands_fp8: bool = False
 
     @classmethod
