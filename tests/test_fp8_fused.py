@@ -13,6 +13,7 @@ Triton quantiser's only; the scales with the torch reference's too). The MoE lay
 from __future__ import annotations
 
 import os
+import weakref
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from dropless.ops import rows as rw
 from dropless.ops import select
 from dropless.ops.deep_gemm_backend import DeepGemmBackend
 from dropless.ops.fp8_backend import Fp8Backend
+from dropless.ops.fp8_mlp import fp8_expert_mlp
 from dropless.ops.fp8_quant import _quant_torch, quant_rows
 from dropless.ops.fp8_rows import RowQuantiser, permute_fp8
 from dropless.permute import sort_by_expert
@@ -300,3 +302,25 @@ def test_moe_layer_fused_equals_separate_passes_kernel_path(path, fold):
         res[fused] = _run(m.to(DEV))
     for a, b in zip(res[True], res[False]):
         assert torch.equal(a, b)
+
+
+def test_landed_codes_freed_after_fc1():
+    """The local gather's codes are handed to FC1 once and nothing keeps them afterwards (FC1 saves the bf16 rows
+    for dW13): they do not stay alive through FC2 and the backward; a second hand-over is an error."""
+    n, k, e, h, i = 24, 2, 4, 32, 16
+    lay, dest, src = _routing(n, k, e, alignment=8)
+    x = _tokens(n, h, torch.float32)
+    x[7] = 1.0
+    x.requires_grad_()
+    be = Fp8Backend(emulate=True)
+    rows, fp8 = permute_fp8(x, src, dest, RowQuantiser(lambda a: be.quant_act(a, None), torch.float32, group=0))
+    alive = weakref.ref(fp8.codes_MH)
+    g = torch.Generator().manual_seed(3)
+    w13 = (torch.randn(e, h, 2 * i, generator=g) * 0.1).requires_grad_()
+    w2 = (torch.randn(e, i, h, generator=g) * 0.1).requires_grad_()
+    y = fp8_expert_mlp(rows, w13, w2, None, lay, be, landed=fp8)
+    assert fp8.codes_MH is None and alive() is None
+    y[lay.live_mask()].sum().backward()
+    assert x.grad is not None and torch.isfinite(w13.grad).all()
+    with pytest.raises(ValueError, match="codes"):
+        fp8.release()

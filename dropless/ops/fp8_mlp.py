@@ -172,7 +172,8 @@ def fp8_expert_mlp(x_MH: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, row_
         layout: the rows' :class:`ExpertLayout`. backend: an :class:`Fp8Backend`.
         wgrad: accumulator for ``dW13``/``dW2`` (chunked layer calls), or None to return them.
         landed: the rows as the dispatcher landed them in FP8 (codes + scales of the backend's
-            ``quant_act``), or None to quantise ``x_MH`` here. With ``landed.rows_kept``
+            ``quant_act``), or None to quantise ``x_MH`` here; its codes are taken over
+            (:meth:`~dropless.ops.fp8_rows.Fp8Rows.release`). With ``landed.rows_kept``
             (``local``'s :func:`~dropless.ops.fp8_rows.permute_fp8`) ``x_MH`` holds the rows.
         plan: which GEMMs run in FP8 (:func:`~dropless.ops.fp8_policy.plan_fp8`); the others run
             in bf16 through the ``torch`` backend. FC1 in bf16 needs the rows (not FP8-only ``landed``).
@@ -184,7 +185,7 @@ def fp8_expert_mlp(x_MH: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, row_
         RuntimeError: (device-side, asynchronous on CUDA) a live row of an FP8 operand is not finite.
     Under ``torch.compile`` it runs eagerly (a graph break; ``fullgraph=True`` refuses it).
     """
-    codes, scales, kept = (landed.codes_MH, landed.scales, landed.rows_kept) if landed is not None else (None, None,
-                                                                                                         False)
+    codes, scales, kept = landed.release() if landed is not None else (None, None, False)
     h13 = _Fp8FC1.apply(x_MH, w13, codes, scales, layout, backend, wgrad, kept, plan)
+    del codes, scales  # with rows_kept nothing holds the codes any more: freed before FC2 runs
     return _Fp8SwiGLUFC2.apply(h13, w2, row_w, layout, backend, wgrad, plan)

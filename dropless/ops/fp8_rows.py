@@ -52,9 +52,22 @@ class Fp8Rows:
             :func:`grad_port` and the weight gradient reads the dequantised codes.
     """
 
-    codes_MH: torch.Tensor
-    scales: torch.Tensor
+    codes_MH: torch.Tensor | None
+    scales: torch.Tensor | None
     rows_kept: bool = False
+
+    def release(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """``(codes_MH, scales, rows_kept)``, handed over once: this object lets go of the codes, so that
+        they are freed as soon as FC1 is done with them (it saves them only without ``rows_kept``).
+
+        Raises:
+            ValueError: the codes were released already.
+        """
+        if self.codes_MH is None:
+            raise ValueError("Fp8Rows: the codes were handed to FC1 already; dispatch the rows again")
+        out = (self.codes_MH, self.scales, self.rows_kept)
+        self.codes_MH = self.scales = None
+        return out
 
 
 @dataclass(frozen=True)
