@@ -306,6 +306,7 @@ def main(argv=None) -> int:
     unknown = sorted(set(only) - set(MEASUREMENTS))
     if unknown:
         p.error(f"--only: unknown {unknown}; choose from {MEASUREMENTS}")
+    t0 = time.perf_counter()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not a.smoke:
         p.error("needs a CUDA device (FP8 tensor cores); --smoke runs tiny shapes on the CPU")
@@ -335,6 +336,7 @@ def main(argv=None) -> int:
     if "crossover" in only:
         sizes = [16, 64] if a.smoke else [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
         crossover(H, I, len(counts), 128, sizes, device, a.ue8m0)
+    emit(device=device.type, bench="wall", only=only, seconds=round(time.perf_counter() - t0, 1))
     return 0
 
 

@@ -21,6 +21,7 @@ def test_fp8_fused_benchmark_smoke_json_lines(capsys):
     assert ("scatter_quant_rows", 128, 96) in ops and ("combine_bwd_quant", 0, 512) in ops
     assert ("quant_rows_full_buffer", 0, 96) in ops and ("scatter_rows", None, 96) in ops
     assert all(r["rows_alloc"] == 512 and r["us"] > 0 and r["gbps"] >= 0 for r in kern)
+    assert lines[-1]["bench"] == "wall" and lines[-1]["seconds"] > 0
 
 
 def test_fp8_fused_benchmark_refuses_an_unknown_measurement():
