@@ -203,7 +203,7 @@ def test_permute_fp8_gradient_and_no_grad_placeholder():
     quant = RowQuantiser(lambda a: quant_rows(a), torch.float32, group=0)
     rows, fp8 = permute_fp8(x, src, dest, quant)
     assert fp8.rows_kept
-    gr = torch.randn(rows.shape)
+    gr = torch.randn(rows.shape, device=DEV)
     (gx,) = torch.autograd.grad(rows, x, gr)
     assert torch.equal(gx, rw.gather_sum(gr, dest, None))
     with torch.no_grad():
@@ -325,8 +325,8 @@ def test_landed_codes_freed_after_fc1():
     rows, fp8 = permute_fp8(x, src, dest, RowQuantiser(lambda a: be.quant_act(a, None), torch.float32, group=0))
     alive = weakref.ref(fp8.codes_MH)
     g = torch.Generator().manual_seed(3)
-    w13 = (torch.randn(e, h, 2 * i, generator=g) * 0.1).requires_grad_()
-    w2 = (torch.randn(e, i, h, generator=g) * 0.1).requires_grad_()
+    w13 = (torch.randn(e, h, 2 * i, generator=g) * 0.1).to(DEV).requires_grad_()
+    w2 = (torch.randn(e, i, h, generator=g) * 0.1).to(DEV).requires_grad_()
     y = fp8_expert_mlp(rows, w13, w2, None, lay, be, landed=fp8)
     assert fp8.codes_MH is None and alive() is None
     y[lay.live_mask()].sum().backward()
