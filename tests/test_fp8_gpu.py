@@ -255,3 +255,26 @@ def test_fp8_moe_forward_backward_has_no_host_sync(wgrad):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("extra,ue8m0", [(dict(), False), (dict(fold_routing_weights=True, expert_alignment=128), True),
+                                         (dict(num_token_chunks=2), False)])
+def test_fused_quantisation_equals_separate_passes_on_gpu(extra, ue8m0):
+    """The FP8 codes written by the landing gather and the combine's backward (dropless/ops/fp8_fused_rows.py)
+    are the separate quantisation passes' bit for bit, so the layer's output and every gradient are too."""
+    args = dict(hidden_size=1024, moe_intermediate_size=512, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+                topk_group=2, n_shared_experts=1, **extra)
+    res = []
+    for fused in (True, False):
+        m = MoE(ModelArgs(**args, gemm="fp8"), 1)
+        m.experts.backend = Fp8Backend(ue8m0=ue8m0, fused_quant=fused)
+        m.init_weights(0)
+        m = m.cuda().bfloat16()
+        x = torch.randn(2, 512, 1024, device="cuda", generator=torch.Generator("cuda").manual_seed(1)).bfloat16()
+        x.requires_grad_(True)
+        y = m(x)
+        y.backward(torch.randn(y.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(2)).bfloat16())
+        res.append([y.detach(), x.grad] + [p.grad for p in m.parameters() if p.grad is not None])
+    assert len(res[0]) == len(res[1]) >= 6
+    for i, (a, b) in enumerate(zip(*res)):
+        assert torch.equal(a, b), f"value {i}: {rel(a, b):.2e}"
