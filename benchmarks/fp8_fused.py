@@ -301,6 +301,8 @@ def main(argv=None) -> int:
     p.add_argument("--alignment", type=int, default=128, help="expert_alignment (a multiple of 16)")
     p.add_argument("--ue8m0", action="store_true", help="power-of-two scales")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, runs on the CPU too (checks the script)")
+    p.add_argument("--crossover-shapes", default="7168x2048",
+                   help="comma-separated HxI (hidden x moe_intermediate) shapes for the crossover measurement")
     a = p.parse_args(argv)
     only = a.only.split(",")
     unknown = sorted(set(only) - set(MEASUREMENTS))
@@ -335,7 +337,9 @@ def main(argv=None) -> int:
         quant_kernels(M, live, H, A, device, a.ue8m0)
     if "crossover" in only:
         sizes = [16, 64] if a.smoke else [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
-        crossover(H, I, len(counts), 128, sizes, device, a.ue8m0)
+        shapes = [(H, I)] if a.smoke else [tuple(int(v) for v in s.split("x")) for s in a.crossover_shapes.split(",")]
+        for ch, ci in shapes:
+            crossover(ch, ci, len(counts), 128, sizes, device, a.ue8m0)
     emit(device=device.type, bench="wall", only=only, seconds=round(time.perf_counter() - t0, 1))
     return 0
 
