@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from dropless.config import ConfigError
+from dropless.dispatch.base import Dispatcher
 
 __all__ = ["compile_blocks", "check_compile", "check_compile_moe", "eager_regions"]
 
@@ -42,20 +43,19 @@ def eager_regions(model: nn.Module) -> list[str]:
     return out
 
 
-def check_compile_moe(dispatcher: str, activation_checkpointing: bool) -> None:
+def check_compile_moe(kind: type[Dispatcher], activation_checkpointing: bool) -> None:
     """Check that ``train.compile_moe=true`` can be honoured (see the module docstring).
 
     Args:
-        dispatcher: ``dispatcher.name``; only ``local`` compiles with the block.
+        kind: the dispatcher class; only one without
+            :attr:`~dropless.dispatch.base.Dispatcher.collectives` (``local``) compiles with the block.
         activation_checkpointing: ``train.activation_checkpointing``; must be False.
     Raises:
         ConfigError: naming the option that conflicts and how to fix it.
     """
-    if dispatcher != "local":
-        why = ("FSDP2 gathers the expert weights in hooks around the experts" if dispatcher == "fsdp"
-               else "its collectives take host sizes")
-        raise ConfigError(f"train.compile_moe=true needs dispatcher=local (got dispatcher={dispatcher}: {why}); "
-                          "set train.compile_moe=false to keep the routed part eager")
+    if kind.collectives:
+        raise ConfigError(f"train.compile_moe=true needs dispatcher=local (got dispatcher={kind.name}: "
+                          f"{kind.collectives}); set train.compile_moe=false to keep the routed part eager")
     if activation_checkpointing:
         raise ConfigError("train.compile_moe=true with train.activation_checkpointing=true would count each "
                           "checkpoint recompute's tokens into the router's balancing load again; set one of them "

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from dropless.config import ConfigError
 from dropless.dispatch.collectives import CollectiveError
 from dropless.dispatch.mesh import build_mesh, check_ep_size, start_process_group
-from dropless.dispatch.registry import check_dispatcher_ep, default_ep_size
+from dropless.train.schema import DispatcherConfig, RunConfig
 
 __all__ = ["DEVICES", "check_device", "DIST_BACKENDS", "check_dist_backend", "resolve_dist_backend",
            "DistEnv", "resolve_ep_size", "check_mesh", "init_distributed",
@@ -139,22 +139,12 @@ class DistEnv:
             dist.barrier()
 
 
-def resolve_ep_size(dispatcher_cfg: Any, world_size: int) -> int:
-    """``dispatcher.ep_size``, with null meaning the world size (a2a/agrs/deepep) or 1 (local/fsdp).
-
-    Raises:
-        ConfigError: not a positive integer; ``> 1`` for a dispatcher that keeps every expert
-            on every rank (:func:`dropless.dispatch.registry.check_dispatcher_ep`).
-    """
-    ep = dispatcher_cfg.ep_size
-    name = str(dispatcher_cfg.name)
-    if ep is None:
-        return default_ep_size(name, world_size)
-    ep = int(ep)
-    if ep <= 0:
-        raise ConfigError(f"dispatcher.ep_size={ep}: must be a positive integer (or null)")
-    check_dispatcher_ep(name, ep)
-    return ep
+def resolve_ep_size(dispatcher: DispatcherConfig, world_size: int) -> int:
+    """``dispatcher.ep_size`` (validated: :meth:`DispatcherConfig.validate`), with null meaning the world
+    size (a2a/agrs/deepep) or 1 (local/fsdp): :meth:`~dropless.dispatch.base.Dispatcher.default_ep_size`."""
+    if dispatcher.ep_size is None:
+        return dispatcher.kind.default_ep_size(world_size)
+    return int(dispatcher.ep_size)
 
 
 def check_mesh(world_size: int, ep_size: int, n_routed_experts: int) -> int:
@@ -206,8 +196,9 @@ def _device(device_cfg: str, local_rank: int, recipe: str | None = None) -> torc
     return torch.device("cpu")
 
 
-def init_distributed(cfg: Any, n_routed_experts: int) -> DistEnv:
-    """Set up the process group (under torchrun), the device and the mesh.
+def init_distributed(cfg: RunConfig, n_routed_experts: int) -> DistEnv:
+    """Set up the process group (under torchrun), the device and the mesh, for the checked config
+    (:func:`~dropless.train.startup.check_train_config`'s typed :class:`RunConfig`).
 
     The mesh shape is checked before any collective is made, so a world size that does
     not fit fails at once on every rank with the same :class:`ConfigError`.

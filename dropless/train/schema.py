@@ -31,11 +31,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, List, Optional
 
 from omegaconf import MISSING
 
 from dropless.config import ConfigError
+from dropless.dispatch.base import Dispatcher
+from dropless.dispatch.registry import dispatcher_class
 from dropless.model.loss import LOSS_IMPLS
 
 __all__ = ["BinDataConfig", "DispatcherConfig", "FIELD_DOCS", "GemmConfig", "LoggingConfig", "OptimConfig", "RunConfig",
@@ -192,10 +195,24 @@ class LoggingConfig:
 
 @dataclass
 class DispatcherConfig:
-    """``dispatcher.*`` (``configs/dispatcher/``)."""
+    """``dispatcher.*`` (``configs/dispatcher/``); :attr:`kind` is the class ``name`` names, resolved once."""
 
     name: str = MISSING
     ep_size: Optional[int] = MISSING
+
+    @cached_property
+    def kind(self) -> type[Dispatcher]:
+        """The :class:`~dropless.dispatch.base.Dispatcher` subclass of ``name``
+        (:func:`~dropless.dispatch.registry.dispatcher_class`: ConfigError for an unknown name)."""
+        return dispatcher_class(self.name)
+
+    def validate(self) -> None:
+        """A known ``name``; ``ep_size`` null or >= 1, and 1 where the dispatcher keeps every expert on every rank."""
+        kind = self.kind  # an unknown name raises here
+        need(self.ep_size is None or self.ep_size >= 1, "dispatcher.ep_size", self.ep_size,
+             "must be a positive integer (or null: the world size for an expert-parallel dispatcher)")
+        if self.ep_size is not None:
+            kind.check_ep(self.ep_size)
 
 
 @dataclass
@@ -227,7 +244,7 @@ class RunConfig:
 
     def validate(self) -> None:
         """Every group's own rules (``validate()`` of each), then the top level's own fields."""
-        for group in (self.train, self.optim, self.logging):
+        for group in (self.train, self.optim, self.logging, self.dispatcher):
             group.validate()
         need(0 <= self.seed < 2**63, "seed", self.seed, "must be an integer in [0, 2^63) (it seeds torch and numpy)")
         need(self.num_threads is None or self.num_threads >= 1, "num_threads", self.num_threads,
