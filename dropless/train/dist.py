@@ -35,29 +35,8 @@ from dropless.dispatch.collectives import CollectiveError
 from dropless.dispatch.mesh import build_mesh, check_ep_size, start_process_group
 from dropless.train.schema import DispatcherConfig, RunConfig
 
-__all__ = ["DEVICES", "check_device", "DIST_BACKENDS", "check_dist_backend", "resolve_dist_backend",
-           "DistEnv", "resolve_ep_size", "check_mesh", "init_distributed",
+__all__ = ["resolve_dist_backend", "DistEnv", "resolve_ep_size", "check_mesh", "init_distributed",
            "default_num_threads", "usable_cores", "collective_failure", "elastic_restart"]
-
-#: the values ``device`` takes (``auto``: CUDA where torch sees a GPU, else the CPU)
-DEVICES = ("auto", "cpu", "cuda")
-
-
-def check_device(device_cfg: Any) -> None:
-    """Raise ConfigError unless ``device`` is one of :data:`DEVICES`."""
-    if str(device_cfg) not in DEVICES:
-        raise ConfigError(f"device={str(device_cfg)!r}: must be {', '.join(DEVICES[:-1])} or {DEVICES[-1]}")
-
-
-#: the values ``train.dist_backend`` takes (``auto``: ``nccl`` on CUDA, ``gloo`` on the CPU)
-DIST_BACKENDS = ("auto", "nccl", "gloo")
-
-
-def check_dist_backend(value: Any) -> None:
-    """Raise ConfigError unless ``train.dist_backend`` is one of :data:`DIST_BACKENDS`."""
-    if str(value) not in DIST_BACKENDS:
-        raise ConfigError(f"train.dist_backend={str(value)!r}: must be {', '.join(DIST_BACKENDS[:-1])} or "
-                          f"{DIST_BACKENDS[-1]}")
 
 
 def resolve_dist_backend(want: Any, device: torch.device, local_world_size: int, gpus: int | None = None) -> str:
@@ -68,15 +47,14 @@ def resolve_dist_backend(want: Any, device: torch.device, local_world_size: int,
     CUDA tensor of a collective through host memory).
 
     Args:
-        want: ``train.dist_backend``.
+        want: ``train.dist_backend`` (one of :data:`~dropless.train.schema.DIST_BACKENDS`: the schema checks it).
         device: this rank's device.
         local_world_size: processes on this node (torchrun's ``LOCAL_WORLD_SIZE``).
         gpus: CUDA devices this process sees (None: ``torch.cuda.device_count()``).
     Raises:
-        ConfigError: an unknown value; ``nccl`` on the CPU; ``nccl`` with more local processes
+        ConfigError: ``nccl`` on the CPU; ``nccl`` with more local processes
             than GPUs (NCCL takes one GPU per rank; the message names ``train.dist_backend=gloo``).
     """
-    check_dist_backend(want)
     name = str(want)
     if name == "auto":
         name = "nccl" if device.type == "cuda" else "gloo"
@@ -180,8 +158,7 @@ def usable_cores() -> int:
 
 
 def _device(device_cfg: str, local_rank: int, recipe: str | None = None) -> torch.device:
-    check_device(device_cfg)
-    want = str(device_cfg)
+    want = str(device_cfg)  # one of schema.DEVICES (RunConfig.validate)
     if want == "auto":
         want = "cuda" if torch.cuda.is_available() else "cpu"
     if want == "cuda":

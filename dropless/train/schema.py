@@ -46,6 +46,10 @@ __all__ = ["BinDataConfig", "DispatcherConfig", "FIELD_DOCS", "GemmConfig", "Log
 
 # OmegaConf reads these annotations at runtime: keep typing.List / Optional (not PEP 604) for Python 3.10.
 
+#: the values ``device`` takes (``auto``: CUDA where torch sees a GPU, else the CPU)
+DEVICES = ("auto", "cpu", "cuda")
+#: the values ``train.dist_backend`` takes (``auto``: ``nccl`` on CUDA, ``gloo`` on the CPU)
+DIST_BACKENDS = ("auto", "nccl", "gloo")
 _F32_MAX = 3.4028234663852886e38  # float32's largest finite value: the fused AdamW takes the hyperparameters as fp32
 
 
@@ -100,14 +104,13 @@ class TrainConfig:
         need(not self.compile_moe or self.compile, "train.compile_moe", self.compile_moe,
              "compiles the MoE part of each block compiled by train.compile; set train.compile=true as well")
         need(self.loss_impl in LOSS_IMPLS, "train.loss_impl", self.loss_impl, f"must be one of {LOSS_IMPLS}")
+        need(self.dist_backend in DIST_BACKENDS, "train.dist_backend", self.dist_backend,
+             "must be auto, nccl or gloo")
         need(math.isfinite(self.dist_timeout_s), "train.dist_timeout_s", self.dist_timeout_s,
              "must be a finite number of seconds")
         need(self.dist_timeout_s > 0, "train.dist_timeout_s", self.dist_timeout_s,
              "must be > 0 (seconds a collective may wait for the other ranks)")
         if self.cuda_graph:
-            need(self.loss_impl != "liger", "train.cuda_graph", True,
-                 "with train.loss_impl=liger: Liger-Kernel's fused loss reads a value on the host inside forward, "
-                 "which a capture forbids; set train.loss_impl=torch")
             need(not self.shard_dense, "train.cuda_graph", True,
                  "train.shard_dense=true all-gathers parameters inside forward and backward (FSDP2), which a "
                  "captured graph cannot hold; set one of them to false")
@@ -247,6 +250,7 @@ class RunConfig:
         for group in (self.train, self.optim, self.logging, self.dispatcher):
             group.validate()
         need(0 <= self.seed < 2**63, "seed", self.seed, "must be an integer in [0, 2^63) (it seeds torch and numpy)")
+        need(self.device in DEVICES, "device", self.device, "must be auto, cpu or cuda")
         need(self.num_threads is None or self.num_threads >= 1, "num_threads", self.num_threads,
              "must be >= 1 (CPU threads per process), or null for the cores divided by the local processes")
 

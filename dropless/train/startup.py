@@ -31,7 +31,7 @@ from dropless.ops.backends import check_backend_device, check_backend_shapes, li
 from dropless.train.compile import check_compile, check_compile_moe
 from dropless.train.config import model_args
 from dropless.train.data import check_data_config
-from dropless.train.dist import DistEnv, check_device, check_dist_backend, usable_cores
+from dropless.train.dist import DistEnv, usable_cores
 from dropless.train.metrics import wandb_problem
 from dropless.train.schema import RunConfig, need
 from dropless.train.shard import apply_fsdp, shard_dense_params
@@ -59,8 +59,6 @@ def check_train_config(cfg: DictConfig) -> RunConfig:
     run: RunConfig = OmegaConf.to_object(cfg)
     run.validate()
     t, kind = run.train, run.dispatcher.kind
-    check_device(run.device)
-    check_dist_backend(t.dist_backend)
     if t.compile and t.compile_moe:
         check_compile_moe(kind, t.activation_checkpointing)
     if t.cuda_graph:
@@ -77,8 +75,6 @@ def check_train_config(cfg: DictConfig) -> RunConfig:
     need(args.gemm in list_backends(), "gemm.backend (model.gemm)", args.gemm,
          f"not a grouped GEMM backend; choose one of {list_backends()} (gemm=NAME picks configs/gemm/NAME.yaml)")
     check_data_config(cfg.data, args.vocab_size, validates=t.val_every > 0)  # every data problem in one error
-    need(not args.tie_word_embeddings, "model.tie_word_embeddings", True,
-         "dropless builds DeepSeek-V3's untied output head; set model.tie_word_embeddings=false")
     if run.init_from and not run.resume:  # (a resumed run may never read it)
         resolve_source(run.init_from)
     if t.seq_len > args.max_position_embeddings:
@@ -101,7 +97,7 @@ def check_machine(cfg: RunConfig, args: ModelArgs, env: DistEnv, dtype: torch.dt
     check_state_fits(total_params, dtype, env, async_staging=bool(t.ckpt_async))
     if t.compile:
         check_compile(env.device, str(t.compile_backend))
-    if t.cuda_graph and env.device.type != "cuda":  # (loss_impl=liger: check_train_config refuses it)
+    if t.cuda_graph and env.device.type != "cuda":  # (loss_impl=liger: resolve_loss_impl refuses it)
         raise ConfigError(f"train.cuda_graph=true: CUDA graphs need a CUDA GPU, but the run's device is "
                           f"{env.device}; set train.cuda_graph=false (or device=cuda on a GPU machine)")
     check_logging(cfg, env)
