@@ -282,7 +282,7 @@ def test_wandb_problem_reads_the_credentials_without_the_network(tmp_path, monke
     assert wandb_problem("online") is None
     monkeypatch.setitem(sys.modules, "wandb", None)    # `import wandb` raises ImportError
     for mode in ("online", "offline"):
-        assert wandb_problem(mode).startswith(f"logging.mode={mode} logs to wandb, which does not import")
+        assert wandb_problem(mode).startswith(f"logging.mode={mode} ")
         assert "pip install wandb" in wandb_problem(mode) and "logging.mode=disabled" in wandb_problem(mode)
     assert wandb_problem("disabled") is None
 
