@@ -62,11 +62,27 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens-per-rank", type=int, default=None,
                    help="T (default: train.micro_batch_size x train.seq_len)")
     p.add_argument("--seq-len", type=int, default=None, help="S for FLOPs per token")
+    p.add_argument("--world", type=int, default=None,
+                   help="ranks of the job, for the training state per rank (default: $WORLD_SIZE; without "
+                        "either, no state table)")
+    p.add_argument("--device-gib", type=float, default=None,
+                   help="GiB of one device to check the state against (e.g. 139 for an H200 as torch counts it)")
     return p
 
 
-def _from_hydra(overrides: Sequence[str]) -> tuple[ModelArgs, int | None, int | None, int | None]:
-    """(args, ep, tokens_per_rank, seq_len) from the training config."""
+def _layout(cfg) -> dict:
+    """``train.shard_experts``, ``train.shard_dense`` and the compute dtype's bytes from the training config
+    (``train.dtype=auto``: bf16 on ``device=cuda``, else fp32, as the trainer resolves it on that device)."""
+    train = cfg.get("train") or {}
+    dtype = str(train.get("dtype", "auto"))
+    if dtype == "auto":
+        dtype = "bf16" if str(cfg.get("device", "auto")) == "cuda" else "fp32"
+    return {"shard_experts": bool(train.get("shard_experts", False)),
+            "shard_dense": bool(train.get("shard_dense", False)), "compute_bytes": 2 if dtype == "bf16" else 4}
+
+
+def _from_hydra(overrides: Sequence[str]) -> tuple[ModelArgs, int | None, int | None, int | None, dict]:
+    """(args, ep, tokens_per_rank, seq_len, layout) from the training config."""
     cfg = compose(list(overrides))
     args = model_args(cfg)
     ep = None
@@ -83,7 +99,7 @@ def _from_hydra(overrides: Sequence[str]) -> tuple[ModelArgs, int | None, int | 
         seq_len = int(train.get("seq_len"))
         if train.get("micro_batch_size") is not None:
             tokens = int(train.get("micro_batch_size")) * seq_len
-    return args, (int(ep) if ep is not None else None), tokens, seq_len
+    return args, (int(ep) if ep is not None else None), tokens, seq_len, _layout(cfg)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -96,6 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ValueError(f"override {o!r} is not key=value (e.g. dispatcher=a2a "
                                  "model.hidden_size=1024)")
         defaults: dict[str, int] = {}
+        layout: dict = {"compute_bytes": 2}
         if ns.model is not None:
             if ns.overrides:
                 raise ValueError("--model and Hydra overrides do not mix: drop --model to compose "
@@ -114,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ep, tokens, seq_len = defaults.get("ep"), defaults.get("tokens_per_rank"), \
                 defaults.get("seq_len")
         else:
-            args, ep, tokens, seq_len = _from_hydra(ns.overrides)
+            args, ep, tokens, seq_len, layout = _from_hydra(ns.overrides)
         if ns.ep is not None:
             ep = ns.ep
         if ep is None:
@@ -133,7 +150,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         shape = RankShape.from_args(args, tokens, ep, ns.alignment)
         counts = _int_list("--counts", ns.counts) if ns.counts else None
         cfs = _float_list("--capacity-factor", ns.capacity_factor) if ns.capacity_factor else []
-        result = plan(shape, counts, cfs, ns.tile, ns.fp8_dispatch, args=args, seq_len=seq_len)
+        world = ns.world if ns.world is not None else (int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ
+                                                       else None)
+        device = None if ns.device_gib is None else int(ns.device_gib * 2**30)
+        result = plan(shape, counts, cfs, ns.tile, ns.fp8_dispatch, args=args, seq_len=seq_len, world=world,
+                      device_bytes=device, **layout)
     except ValueError as exc:
         parser.exit(2, f"dropless-plan: error: {exc}\n")
     text = json.dumps(result, indent=2) if ns.json else format_plan(result)

@@ -43,6 +43,7 @@ from dropless.plan.cost import (
     tile_overhead_bound,
     tile_visits,
 )
+from dropless.plan.state import RankState, rank_state
 
 __all__ = ["RankShape", "format_plan", "plan"]
 
@@ -96,7 +97,9 @@ class RankShape:
 def plan(shape: RankShape, counts: Sequence[int] | None = None,
          capacity_factors: Sequence[float] = (1.0, 1.5), tile: int = 128,
          fp8_dispatch: bool | None = None, decode_sequences: Sequence[int] = (4, 16, 64, 512),
-         args: ModelArgs | None = None, seq_len: int | None = None) -> dict[str, Any]:
+         args: ModelArgs | None = None, seq_len: int | None = None, world: int | None = None,
+         shard_experts: bool = False, shard_dense: bool = False, compute_bytes: int = 2,
+         device_bytes: int | None = None) -> dict[str, Any]:
     """The whole per-rank, per-MoE-layer plan as a JSON-ready dict.
 
     Args:
@@ -112,6 +115,10 @@ def plan(shape: RankShape, counts: Sequence[int] | None = None,
         decode_sequences: decode batch sizes for the decode table.
         args: the full model, for the totals (parameters, FLOPs per token).
         seq_len: sequence length for FLOPs per token (needs ``args``).
+        world: ranks of the job; with ``args``, the training state per rank (``"state"``:
+            :func:`dropless.plan.state.rank_state`) for the layout of ``shard_experts``
+            (``train.shard_experts``) and ``shard_dense`` (``train.shard_dense``), in the compute dtype of
+            ``compute_bytes`` (2: bf16 with fp32 masters; 4: fp32), against ``device_bytes`` if given.
     Returns: nested dict; bytes in bytes, FLOPs in FLOPs, fractions as fractions.
     Raises:
         ValueError: bad EP, counts, capacity factor or tile (the message names the fix).
@@ -208,10 +215,28 @@ def plan(shape: RankShape, counts: Sequence[int] | None = None,
         pc = param_counts(args)
         out["model"] = {"params": asdict(pc), "num_hidden_layers": args.num_hidden_layers,
                         "num_moe_layers": args.num_moe_layers}
+        if world is not None:
+            out["state"] = _state_dict(rank_state(pc.routed_experts, pc.total - pc.routed_experts, world, s.ep_size,
+                                                  e, H, I, shard_experts=shard_experts, shard_dense=shard_dense,
+                                                  compute_bytes=compute_bytes), device_bytes)
         if seq_len is not None:
             out["model"]["seq_len"] = seq_len
             out["model"]["flops_per_token"] = model_flops_per_token(args, seq_len)
     return out
+
+
+def _state_dict(st: RankState, device_bytes: int | None) -> dict[str, Any]:
+    """:class:`RankState` as plain dicts (each StateBytes with its ``total``)."""
+    def sb(x):
+        return {**asdict(x), "total": x.total}
+    total = st.total.total + st.transient
+    return {"world": st.world, "ep_size": st.ep_size, "dp_size": st.dp_size, "shard_experts": st.shard_experts,
+            "shard_dense": st.shard_dense,
+            "experts": {"replicated": sb(st.experts_replicated), "sharded": sb(st.experts_sharded)},
+            "dense": {"replicated": sb(st.dense_replicated), "sharded": sb(st.dense_sharded)},
+            "layout": sb(st.total), "transient": st.transient, "layout_with_transient": total,
+            "comm_per_layer": {**asdict(st.comm), "total": st.comm.total},
+            "device_bytes": device_bytes, "fits": None if device_bytes is None else total <= device_bytes}
 
 
 # --------------------------------------------------------------------------- text output
@@ -339,6 +364,8 @@ def format_plan(p: dict[str, Any]) -> str:
         ["sequences/rank", "rows/expert", "computed", "work"],
         [[_fmt_int(d["sequences_per_rank"]), _fmt_int(d["rows_per_expert"]),
           _fmt_int(d["computed_rows_per_expert"]), f"{d['work_factor']:.2f}x"] for d in p["decode"]])]
+    if "state" in p:
+        parts += ["", *_format_state(p["state"])]
     if "model" in p:
         m = p["model"]
         pc = m["params"]
@@ -350,3 +377,33 @@ def format_plan(p: dict[str, Any]) -> str:
         parts += ["", f"Model ({m['num_hidden_layers']} layers, {m['num_moe_layers']} MoE)",
                   _table(["", "value"], mrows)]
     return "\n".join(parts)
+
+
+def _format_state(st: dict[str, Any]) -> list[str]:
+    """The training-state section of :func:`format_plan`."""
+    def row(name, x):
+        return [name, _fmt_count(x["params"]), _fmt_bytes(x["weights"]), _fmt_bytes(x["grads"]),
+                _fmt_bytes(x["optimizer"]), _fmt_bytes(x["total"])]
+    mark = {True: " <- this layout", False: ""}
+    rows = [row(f"routed experts, replicated over dp {st['dp_size']}{mark[not st['shard_experts']]}",
+                st["experts"]["replicated"]),
+            row(f"routed experts, sharded over dp {st['dp_size']} (train.shard_experts){mark[st['shard_experts']]}",
+                st["experts"]["sharded"]),
+            row(f"other parameters, replicated{mark[not st['shard_dense']]}", st["dense"]["replicated"]),
+            row(f"other parameters, sharded over {st['world']} (train.shard_dense){mark[st['shard_dense']]}",
+                st["dense"]["sharded"]),
+            row("this layout", st["layout"])]
+    c = st["comm_per_layer"]
+    lines = [f"Training state per rank (world {st['world']} = dp {st['dp_size']} x ep {st['ep_size']}; "
+             "weights incl. fp32 masters, fp32 gradients, AdamW moments; no activations)",
+             _table(["", "params", "weights", "grads", "AdamW", "total"], rows)]
+    if st["shard_experts"] and st["dp_size"] > 1:
+        lines.append(f"train.shard_experts per MoE layer and rank: all-gather {_fmt_bytes(c['all_gather_forward'])} "
+                     f"forward + {_fmt_bytes(c['all_gather_backward'])} backward, reduce-scatter "
+                     f"{_fmt_bytes(c['reduce_scatter'])} (x num_token_chunks); gathered buffers at the peak "
+                     f"{_fmt_bytes(st['transient'])}")
+    if st["device_bytes"] is not None:
+        verdict = "fits" if st["fits"] else "does NOT fit"
+        lines.append(f"state + gathered buffers {_fmt_bytes(st['layout_with_transient'])} per rank {verdict} in "
+                     f"{_fmt_bytes(st['device_bytes'])} (--device-gib), before activations")
+    return lines

@@ -38,12 +38,16 @@ launches what is left, waits and divides by the world size. Groups:
   (``dropless/dispatch/mesh.py``); no collective when dp = 1;
 * both then ``/ world``: every rank's loss is a mean over its own tokens.
 
-FSDP2 DTensor parameters (``dispatcher=fsdp`` experts, ``train.shard_dense``) keep FSDP2's
-own reduce-scatter and are left out.
+FSDP2 DTensor parameters (``dispatcher=fsdp`` experts, ``train.shard_dense``, the experts of
+``train.shard_experts``) keep FSDP2's own reduce-scatter and are left out; so are their
+gradient sinks (FSDP2 hands the kernels its gathered weights, which carry none: their
+gradients come through autograd to FSDP2's reduce-scatter).
 
 :func:`grad_norm` is the global L2 norm of every gradient (device tensor, no host sync):
 replicated buckets once, EP-sharded buckets summed over the EP group, FSDP2 shards over their
-own mesh. :func:`clip_` scales every gradient by ``max_norm / (norm + 1e-6)`` where ``norm > max_norm``,
+own mesh, and the FSDP2 shards of ``train.shard_experts`` (each a piece of this EP rank's experts)
+over their dp mesh and then the EP group: every expert shard counted once. :func:`clip_` scales
+every gradient by ``max_norm / (norm + 1e-6)`` where ``norm > max_norm``,
 on the device. :func:`clipped_step` is the optimizer step on clipped gradients: where every
 param group runs the fused AdamW (CUDA, :func:`folds_clip`) the clip rides inside the optimizer's
 own kernel as ``optimizer.grad_scale = (norm + 1e-6) / max_norm`` (the kernel divides each
@@ -293,37 +297,47 @@ def _sq(ts: list[torch.Tensor], dev: torch.device) -> torch.Tensor:
     return torch.stack([n.float() for n in torch._foreach_norm(ts)]).pow(2).sum()
 
 
-def grad_norm(buckets: GradBuckets | None, dtensor_grads: list[torch.Tensor], env: Any) -> torch.Tensor:
+def grad_norm(buckets: GradBuckets | None, dtensor_grads: list[torch.Tensor], env: Any,
+              ep_dtensor_grads: list[torch.Tensor] = ()) -> torch.Tensor:
     """Global L2 norm of the main gradients and the FSDP2 gradients: fp32 0-dim device tensor.
 
     Replicated buckets count once; EP-sharded buckets are summed over ``env.ep_group``;
-    FSDP2 shards over their own mesh's group. No host sync.
+    FSDP2 shards (``dtensor_grads``) over their own mesh's group; ``ep_dtensor_grads``, the FSDP2
+    shards of this EP rank's experts (``train.shard_experts``: DTensors over the dp mesh), over
+    their mesh's group and then ``env.ep_group``. No host sync.
     """
     # per-parameter norms (in parameter order), as a per-tensor reduction: fp32 norms of whole
     # flat buckets lose precision on CPU (2e-5 relative at 1.5 M elements)
     pairs = list(zip(buckets.main, buckets.sharded)) if buckets else []
-    return _global_norm([g for g, sh in pairs if not sh], [g for g, sh in pairs if sh], dtensor_grads, env)
+    return _global_norm([g for g, sh in pairs if not sh], [g for g, sh in pairs if sh], dtensor_grads, env,
+                        list(ep_dtensor_grads))
 
 
 def _global_norm(replicated: list[torch.Tensor], ep_sharded: list[torch.Tensor],
-                 dtensor_grads: list[torch.Tensor], env: Any) -> torch.Tensor:
+                 dtensor_grads: list[torch.Tensor], env: Any,
+                 ep_dtensor_grads: list[torch.Tensor] = ()) -> torch.Tensor:
     """L2 norm over replicated tensors (counted once), EP shards (squares summed over
-    ``env.ep_group``) and FSDP2 DTensor shards (over their mesh's group): fp32 0-dim, no host sync."""
+    ``env.ep_group``), FSDP2 DTensor shards (over their mesh's group) and FSDP2 shards of EP shards
+    (over their mesh's group, then ``env.ep_group``): fp32 0-dim, no host sync."""
     dev = env.device
     total = _sq(replicated, dev)
-    if ep_sharded:
-        s = _sq(ep_sharded, dev)
+    ep_part = _sq(ep_sharded, dev) if ep_sharded else None
+    for g_ep, grads in ((False, dtensor_grads), (True, ep_dtensor_grads)):
+        by_group: dict[Any, list[torch.Tensor]] = {}
+        for g in grads:
+            by_group.setdefault(g.device_mesh.get_group(), []).append(g.to_local())
+        for group, shards in by_group.items():
+            s = _sq(shards, dev)
+            if env.distributed:
+                dist.all_reduce(s, group=group)
+            if g_ep:  # summed over dp: this EP rank's experts; the EP group adds the others'
+                ep_part = s if ep_part is None else ep_part + s
+            else:
+                total = total + s
+    if ep_part is not None:
         if env.distributed and env.ep_size > 1:
-            dist.all_reduce(s, group=env.ep_group)
-        total = total + s
-    by_group: dict[Any, list[torch.Tensor]] = {}
-    for g in dtensor_grads:
-        by_group.setdefault(g.device_mesh.get_group(), []).append(g.to_local())
-    for group, shards in by_group.items():
-        s = _sq(shards, dev)
-        if env.distributed:
-            dist.all_reduce(s, group=group)
-        total = total + s
+            dist.all_reduce(ep_part, group=env.ep_group)
+        total = total + ep_part
     return total.sqrt()
 
 

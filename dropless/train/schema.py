@@ -76,6 +76,7 @@ class TrainConfig:
     ckpt_threads: int = MISSING
     activation_checkpointing: bool = MISSING
     shard_dense: bool = MISSING
+    shard_experts: bool = False
     dtype: str = MISSING
     dist_timeout_s: float = MISSING
     dist_backend: str = MISSING
@@ -298,6 +299,9 @@ FIELD_DOCS: dict[type, dict[str, str]] = {
         "ckpt_threads": "threads writing each rank's checkpoint files (DCP `FileSystemWriter(thread_count)`)",
         "activation_checkpointing": "recompute each decoder layer in backward",
         "shard_dense": "shard the non-expert parameters over all ranks with FSDP2 (no-op in one process)",
+        "shard_experts": "shard each rank's routed experts over the dp ranks holding the same experts with FSDP2 "
+                         "(EP × FSDP; `a2a`, `agrs`, `deepep`; no-op at dp = 1): their weights, gradients and "
+                         "AdamW state / dp",
         "dtype": "`auto` (bf16 on CUDA, fp32 on CPU) | `bf16` (bf16 parameters, fp32 masters, main gradients "
                  "and AdamW moments) | `fp32`",
         "dist_timeout_s": "seconds a collective may wait for a peer before the run fails (every process group "

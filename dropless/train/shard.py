@@ -1,8 +1,19 @@
-"""FSDP2 over a built model, applied from the training side: the experts (``dispatcher=fsdp``)
-and the non-expert parameters (``train.shard_dense``).
+"""FSDP2 over a built model, applied from the training side: the experts (``dispatcher=fsdp``,
+or ``train.shard_experts`` under an expert-parallel dispatcher) and the non-expert parameters
+(``train.shard_dense``).
 
 :func:`apply_fsdp` shards every MoE layer's ``experts`` over the dp ranks (the ``fsdp``
 dispatcher, EP = 1; the bytes it moves are described in :mod:`dropless.dispatch.fsdp`).
+
+:func:`shard_experts` shards every MoE layer's ``experts`` (its ``E/EP`` local experts) over the
+dp ranks that hold the same experts (the mesh's ``dp`` dimension: the ranks with this rank's EP
+coordinate), EP × FSDP as torchtitan's ``dp_shard_in_ep`` and Megatron-Core's expert-data-parallel
+optimizer do: each rank stores ``1/dp`` of its experts' fp32 weights, gradients and AdamW moments;
+FSDP2 all-gathers a layer's local experts just before they run (the next layer's gather is
+prefetched), again in backward, and reduce-scatters their gradients (summed over dp and divided by
+the world size: what the replicated path's dp all-reduce and ``/ world`` do, see
+``dropless/dispatch/mesh.py``). :func:`expert_shard_dim` picks the sharded dimension and refuses
+sizes that cannot be sharded.
 
 :func:`shard_dense_params` shards the non-expert parameters over all ranks.
 Without it every rank holds every non-expert parameter (attention, dense layers, shared
@@ -32,12 +43,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import Shard
 
+from dropless.config import ConfigError
 from dropless.dispatch.fsdp import FSDPDispatcher
-from dropless.dispatch.registry import check_dispatcher_ep
+from dropless.dispatch.registry import check_dispatcher_ep, dispatcher_class
 from dropless.moe import MoE
 
-__all__ = ["apply_fsdp", "shard_dense_params", "world_mesh"]
+__all__ = ["apply_fsdp", "ep_dp_mesh", "expert_shard_dim", "shard_dense_params", "shard_experts", "world_mesh"]
 
 
 def world_mesh(device_type: str) -> DeviceMesh:
@@ -182,3 +195,116 @@ def _chain_prefetch(sharded: list[nn.Module]) -> None:
 
 def _dtype_bytes(dtype: torch.dtype | None, p: torch.Tensor) -> int:
     return (torch.empty((), dtype=dtype).element_size() if dtype is not None else p.element_size())
+
+
+def expert_shard_dim(dispatcher: str, dp_size: int, ep_size: int, n_routed_experts: int, hidden_size: int,
+                     moe_intermediate_size: int) -> int:
+    """The dimension ``train.shard_experts`` shards the local expert weights on: THE check of its sizes.
+
+    ``w13 [e, H, 2I]`` and ``w2 [e, I, H]`` (``e = E / EP``) are split over the ``dp`` ranks on dim 0
+    (whole experts per rank) when ``dp`` divides ``e``, else on dim 1 (``H`` of ``w13``, ``I`` of
+    ``w2``; FSDP2 needs an even split on a dimension other than 0) when ``dp`` divides both, as
+    torchtitan does where there are fewer local experts than dp ranks.
+
+    Args:
+        dispatcher: ``dispatcher.name``; must be expert-parallel (``a2a``, ``agrs``, ``deepep``).
+        dp_size, ep_size: the mesh (``dp = world / EP``).
+        n_routed_experts, hidden_size, moe_intermediate_size: ``E``, ``H``, ``I``.
+    Returns:
+        0 or 1.
+    Raises:
+        ConfigError: ``dispatcher`` is ``local`` (nothing to shard over: every rank holds every expert
+            and trains it on its own tokens) or ``fsdp`` (its experts are FSDP2-sharded already), or
+            ``dp`` divides neither ``e`` nor both ``H`` and ``I``; the message names
+            ``train.shard_experts`` and the sizes.
+    """
+    if dispatcher == "fsdp":
+        raise ConfigError("train.shard_experts=true: dispatcher=fsdp shards the experts over the dp ranks already "
+                          "(EP = 1); set train.shard_experts=false, or use an expert-parallel dispatcher (a2a, agrs, "
+                          "deepep) to shard the experts over EP and dp")
+    if not dispatcher_class(dispatcher).expert_parallel:
+        raise ConfigError(f"train.shard_experts=true: dispatcher={dispatcher} keeps every expert on every rank with "
+                          "no dp group to shard them over; use an expert-parallel dispatcher (a2a, agrs, deepep) or "
+                          "dispatcher=fsdp (which shards the experts over all ranks), or set train.shard_experts=false")
+    e = n_routed_experts // ep_size
+    if dp_size <= 1 or e % dp_size == 0:
+        return 0
+    if hidden_size % dp_size == 0 and moe_intermediate_size % dp_size == 0:
+        return 1
+    raise ConfigError(
+        f"train.shard_experts=true: the dp size {dp_size} (world / dispatcher.ep_size={ep_size}) divides neither "
+        f"the {e} local experts (model.n_routed_experts={n_routed_experts} / {ep_size}) nor both "
+        f"model.hidden_size={hidden_size} and model.moe_intermediate_size={moe_intermediate_size}, so FSDP2 cannot "
+        "split the expert weights evenly over dp; choose a world size whose dp divides one of them, another "
+        "dispatcher.ep_size, or train.shard_experts=false")
+
+
+def ep_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The ``("ep", "dp")`` DeviceMesh of a ``("dp", "ep")`` mesh from :func:`dropless.dispatch.mesh.build_mesh`:
+    the same ranks and process groups with the dimensions swapped, so that ``[Shard(0), Shard(d)]`` on it
+    places rank ``(dp i, ep j)``'s piece of a ``[E, ...]`` tensor where its experts are: EP block ``j``, dp
+    piece ``i`` of it (the layout :func:`shard_experts` gives the local experts)."""
+    names = getattr(mesh, "mesh_dim_names", None)
+    if not names or tuple(names) != ("dp", "ep"):
+        raise ValueError(f"ep_dp_mesh: need the ('dp', 'ep') mesh of build_mesh, got dims {names}")
+    ranks = mesh.mesh.t().contiguous()
+    return DeviceMesh.from_group([mesh["ep"].get_group(), mesh["dp"].get_group()], mesh.device_type, mesh=ranks,
+                                 mesh_dim_names=("ep", "dp"))
+
+
+def shard_experts(module: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool = True,
+                  mp_policy: Any = None, prefetch: bool = True, root: bool = True) -> list[nn.Module]:
+    """``train.shard_experts``: FSDP2-shard every MoE layer's local experts over the mesh's dp ranks.
+
+    Args:
+        module: a model (or an :class:`~dropless.moe.MoE`) whose MoE layers have an expert-parallel
+            dispatcher (``a2a``, ``agrs``, ``deepep``), in forward order as ``module.modules()`` lists them.
+        mesh: the ``("dp", "ep")`` mesh of :func:`dropless.dispatch.mesh.build_mesh`; each rank's experts
+            are sharded over ``mesh["dp"]`` (the ranks that hold the same experts).
+        reshard_after_forward: free the gathered weights after forward (gather again in backward).
+        mp_policy: an optional FSDP2 ``MixedPrecisionPolicy`` (the trainer's bf16:
+            ``param_dtype=bf16, reduce_dtype=fp32``: bf16 all-gathers, fp32 reduce-scatters).
+        prefetch: each layer's experts launch the next layer's gather in forward (the previous
+            layer's in backward).
+        root: also apply ``fully_shard`` to ``module`` with every other parameter ignored (one FSDP2
+            root for the prefetch); False where the caller shards ``module`` itself afterwards
+            (``train.shard_dense``).
+    Returns:
+        the sharded ``experts`` modules, in order; empty where dp = 1 (nothing to shard over).
+    Raises:
+        ConfigError: a layer's dispatcher is not expert-parallel, or the sizes cannot be sharded
+            (:func:`expert_shard_dim`).
+    Notes:
+        Gradients: the EP dispatcher leaves on each rank the sum of its EP group's contributions to its
+        experts; FSDP2 reduce-scatters them over dp with a SUM and divides by ``dp · EP`` (the world),
+        as the replicated path's dp all-reduce and ``/ world`` do. Call before the optimizer is built
+        (the parameters become DTensors ``[Shard(d)]`` over dp holding ``1/dp`` of the local experts).
+    """
+    dp_mesh, ep_size = mesh["dp"], mesh["ep"].size()
+    dp = dp_mesh.size()
+    layers = _moe_layers(module)
+    if not layers:
+        raise ValueError("shard_experts: no dropless.moe.MoE layer in the module")
+    dims = [expert_shard_dim(moe.dispatcher.name, dp, ep_size, moe.args.n_routed_experts, moe.args.hidden_size,
+                             moe.args.moe_intermediate_size) for moe in layers]  # every layer checked first
+    if dp <= 1:
+        return []
+    kwargs: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    sharded = []
+    for moe, dim in zip(layers, dims):
+        placement = Shard(dim)
+        fully_shard(moe.experts, shard_placement_fn=lambda p, placement=placement: placement, **kwargs)
+        # a SUM over dp, then / world (the replicated path's order); SUM also suits gloo, which has no AVG
+        moe.experts.set_gradient_divide_factor(float(dp * ep_size))
+        moe.experts.set_force_sum_reduction_for_comms(True)
+        sharded.append(moe.experts)
+    if root:
+        expert_ids = {id(p) for ex in sharded for p in ex.parameters()}
+        others = {p for p in module.parameters() if id(p) not in expert_ids}
+        fully_shard(module, mesh=dp_mesh, ignored_params=others)
+        _sum_reductions_on_gloo_cuda([module], dp_mesh)
+    if prefetch:
+        _chain_prefetch(sharded)
+    return sharded

@@ -31,10 +31,10 @@ from dropless.ops.backends import check_backend_device, check_backend_shapes, li
 from dropless.train.compile import check_compile, check_compile_moe
 from dropless.train.config import model_args
 from dropless.train.data import check_data_config
-from dropless.train.dist import DistEnv, usable_cores
+from dropless.train.dist import DistEnv, resolve_ep_size, usable_cores
 from dropless.train.metrics import wandb_problem
 from dropless.train.schema import RunConfig, need
-from dropless.train.shard import apply_fsdp, shard_dense_params
+from dropless.train.shard import apply_fsdp, expert_shard_dim, shard_dense_params, shard_experts
 
 
 def check_train_config(cfg: DictConfig) -> RunConfig:
@@ -44,7 +44,8 @@ def check_train_config(cfg: DictConfig) -> RunConfig:
     Each group checks its own fields (the schema's ``validate()``: :class:`RunConfig` calls them); the
     rules between groups are here: ``device``, ``dispatcher.ep_size`` (against torchrun's
     ``WORLD_SIZE``), the model (:func:`~dropless.train.config.model_args`) against the dispatcher
-    (``model.recompute_gather``: the dispatcher's own guard), the GEMM backend, CUDA graphs and
+    (``model.recompute_gather``: the dispatcher's own guard), ``train.shard_experts`` against the
+    dispatcher and the dp size (:func:`~dropless.train.shard.expert_shard_dim`), the GEMM backend, CUDA graphs and
     ``train.compile_moe`` against the dispatcher and the GEMM backend, the data
     (:func:`~dropless.train.data.check_data_config`), ``init_from`` and ``train.seq_len`` against
     ``model.max_position_embeddings``. ``dropless-train`` calls it before it prints the resolved
@@ -69,7 +70,13 @@ def check_train_config(cfg: DictConfig) -> RunConfig:
              f"is supported with gemm=torch only, got model.gemm={run.model.gemm} (gemm=loop reads the expert "
              "offsets on the host, which a capture forbids; the FP8 backends keep their weight cache in host logic "
              "that a replay would skip); use gemm=torch or train.cuda_graph=false")
+    # (torchrun's WORLD_SIZE stands in for the world size; the mesh itself is checked when the ranks start)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    ep = resolve_ep_size(run.dispatcher, world)
     args = model_args(cfg)
+    if t.shard_experts:
+        expert_shard_dim(kind.name, world // ep if world % ep == 0 else 1, ep, args.n_routed_experts, args.hidden_size,
+                         args.moe_intermediate_size)
     if args.recompute_gather:
         kind.check_regather("model.recompute_gather")
     need(args.gemm in list_backends(), "gemm.backend (model.gemm)", args.gemm,
@@ -328,7 +335,8 @@ def build_model(args: ModelArgs, cfg: RunConfig, env: DistEnv, dtype: torch.dtyp
     Each MoE layer gets a dispatcher of the configured class (``dropless.dispatch.build_dispatcher``)
     with this rank's EP group; one that :attr:`~dropless.dispatch.base.Dispatcher.shards_experts`
     (``fsdp``) has the experts FSDP2-sharded (``dropless.train.shard.apply_fsdp``) over the dp
-    mesh dimension. With
+    mesh dimension, and so does ``train.shard_experts`` with an EP dispatcher (each rank's local
+    experts over the dp ranks holding the same ones: :func:`dropless.train.shard.shard_experts`). With
     ``train.shard_dense`` the non-expert parameters are FSDP2-sharded over all ranks
     (:func:`dropless.train.shard.shard_dense_params`). With ``dtype`` bf16 those FSDP2
     calls get ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (inputs not
@@ -345,12 +353,15 @@ def build_model(args: ModelArgs, cfg: RunConfig, env: DistEnv, dtype: torch.dtyp
                             activation_checkpointing=bool(cfg.train.activation_checkpointing))
     model.init_weights(int(cfg.seed))
     shard_dense = bool(cfg.train.shard_dense) and env.world_size > 1
+    experts_sharded = bool(cfg.train.shard_experts) and env.dp_size > 1
+    fsdp_experts = kind.shards_experts and env.world_size > 1
     mp_policy = None
-    shard_experts = kind.shards_experts and env.world_size > 1
-    if dtype != torch.float32 and (shard_dense or shard_experts):
+    if dtype != torch.float32 and (shard_dense or experts_sharded or fsdp_experts):
         mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
-    if shard_experts:
+    if fsdp_experts:
         apply_fsdp(model, env.mesh, root=not shard_dense, mp_policy=mp_policy)  # shard_dense makes the root
+    if experts_sharded:
+        shard_experts(model, env.mesh, root=not shard_dense, mp_policy=mp_policy)
     if shard_dense:
         shard_dense_params(model, env.world_size, env.device.type, mp_policy=mp_policy)
     return model

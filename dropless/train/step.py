@@ -239,8 +239,11 @@ class StepLoop:
         """Grad norm, the metrics all-reduce and the optimizer step of a launched step; :attr:`step` += 1."""
         env, dev = self.env, self.env.device
         with record_function("dropless.grad_sync"):
-            fsdp_grads = [p.grad for p in self.fsdp_params if p.grad is not None]
-            gnorm = grad_norm(self.grads, fsdp_grads, env)
+            held = [p for p in self.fsdp_params if p.grad is not None]
+            fsdp_grads = [p.grad for p in held]
+            ep_ids = getattr(self, "ep_fsdp_ids", frozenset())  # train.shard_experts: shards of EP shards
+            gnorm = grad_norm(self.grads, [p.grad for p in held if id(p) not in ep_ids], env,
+                              [p.grad for p in held if id(p) in ep_ids])
             counts = self.balancer.counts()            # int64 [L, E], summed over ranks
             stop = 1.0 if self.signals.requested else 0.0
             red = torch.stack([fb.loss_sum / self.accum, fb.aux_sum / self.accum,  # means over micro-batches

@@ -167,6 +167,8 @@ class Trainer(StepLoop):
         self.expert_fqns = {names[id(p)] for p in expert if id(p) in names}
         self.moe_layers = self.model.moe_layers()
         self.fsdp_params = [p for p in self.model.parameters() if p.requires_grad and is_dtensor(p)]
+        #: train.shard_experts: the FSDP2 shards of this EP rank's experts (their norm adds over dp, then EP)
+        self.ep_fsdp_ids = {id(p) for p in expert if is_dtensor(p)} if env.ep_size > 1 else set()
         self.masters = MasterWeights(self.model, self.dtype, skip={id(p) for p in self.fsdp_params})
         if t.compile:
             compile_blocks(self.model, t.compile_backend, moe=t.compile_moe)
