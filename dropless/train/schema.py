@@ -104,6 +104,9 @@ class TrainConfig:
              self.compile_backend, "must be inductor, aot_eager or eager")
         need(not self.compile_moe or self.compile, "train.compile_moe", self.compile_moe,
              "compiles the MoE part of each block compiled by train.compile; set train.compile=true as well")
+        need(not (self.compile_moe and self.activation_checkpointing), "train.compile_moe", True,
+             "with train.activation_checkpointing=true would count each checkpoint recompute's tokens into the "
+             "router's balancing load again; set one of them to false")
         need(self.loss_impl in LOSS_IMPLS, "train.loss_impl", self.loss_impl, f"must be one of {LOSS_IMPLS}")
         need(self.dist_backend in DIST_BACKENDS, "train.dist_backend", self.dist_backend,
              "must be auto, nccl or gloo")

@@ -61,7 +61,7 @@ def check_train_config(cfg: DictConfig) -> RunConfig:
     run.validate()
     t, kind = run.train, run.dispatcher.kind
     if t.compile and t.compile_moe:
-        check_compile_moe(kind, t.activation_checkpointing)
+        check_compile_moe(kind)
     if t.cuda_graph:
         need(not kind.collectives, "train.cuda_graph", True,
              f"captures forward and backward without collectives, but with dispatcher={kind.name} "
