@@ -114,6 +114,8 @@ class Dispatcher(ABC):
     #: What the dispatcher runs between ranks inside forward and backward ("" for nothing), which a
     #: CUDA graph capture or a compiled MoE block cannot hold (``train.cuda_graph``, ``train.compile_moe``).
     collectives: str = "it moves the tokens between the EP ranks in collectives sized on the host"
+    #: Constructor keywords beyond ``(num_experts, group)`` (:func:`~dropless.dispatch.registry.build_dispatcher`).
+    options: tuple[str, ...] = ()
     #: True when FSDP2 shards the experts' weights and all-gathers them in each forward (the model
     #: then needs :func:`dropless.train.shard.apply_fsdp`).
     shards_experts: bool = False

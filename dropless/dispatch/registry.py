@@ -30,8 +30,6 @@ DISPATCHER_CLASSES: dict[str, type[Dispatcher]] = {
 #: the names, in the order of docs/design.md#dispatchers
 DISPATCHERS = tuple(DISPATCHER_CLASSES)
 
-_OPTIONS = {"deepep": ("version", "num_max_tokens_per_rank")}  # constructor keywords beyond (E, group)
-
 
 def dispatcher_class(name: str) -> type[Dispatcher]:
     """The class of ``dispatcher=name`` (case-insensitive).
@@ -72,9 +70,9 @@ def build_dispatcher(kind: str | type[Dispatcher], args: Any, ep_group: Any = No
     cls = dispatcher_class(kind) if isinstance(kind, str) else kind
     group = _ep_group(ep_group)
     cls.check_ep(group_size(group))
-    unknown = sorted(set(opts) - set(_OPTIONS.get(cls.name, ())))
+    unknown = sorted(set(opts) - set(cls.options))
     if unknown:
-        takes = ", ".join(_OPTIONS.get(cls.name, ())) or "none"
+        takes = ", ".join(cls.options) or "none"
         raise ConfigError(f"dispatcher={cls.name}: unknown options {unknown}; {cls.name} takes {takes} "
                           "(only deepep has options: version, num_max_tokens_per_rank)")
     num_experts = int(args.n_routed_experts)
