@@ -52,6 +52,7 @@ class LocalDispatcher(Dispatcher):
     name = "local"
     expert_parallel = False
     gathers_locally = True
+    collectives = ""
 
     def __init__(self, num_experts: int):
         super().__init__(num_experts)
