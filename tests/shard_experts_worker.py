@@ -17,6 +17,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from dropless.config import ModelArgs
+from dropless.convert import args_from_hf_config, load_hf, read_hf_config
+from dropless.convert.start import init_from
 from dropless.dispatch import build_dispatcher
 from dropless.dispatch.mesh import build_mesh
 from dropless.model import Transformer
@@ -220,3 +222,28 @@ def reference_grads(world: int, n_experts: int, max_norm: float) -> dict:
     clip_(grads, norm.float(), max_norm)
     names = {id(p): n for n, p in model.named_parameters()}
     return {"norm": norm.item(), "grads": {names[id(p)]: p.grad.clone() for p in model.expert_parameters()}}
+
+
+def import_worker(rank: int, world: int, ep: int, hf_dir: str, dcp_dir: str) -> dict:
+    """A model with ``a2a`` at EP ``ep`` and its experts sharded over dp, its weights imported from the
+    Hugging Face files (:func:`~dropless.convert.load_hf`) and from a DCP weights checkpoint
+    (:func:`~dropless.convert.start.init_from`): each one's expert weights gathered to ``[E, ...]``,
+    their placements, and the names read from the files."""
+    args, _ = args_from_hf_config(read_hf_config(hf_dir))
+    mesh = build_mesh(world, ep, "cpu")
+    env = DistEnv(rank, world, rank, world, torch.device("cpu"), ep, world // ep, mesh, mesh.get_group("ep"),
+                  mesh.get_group("dp"))
+    out: dict = {}
+    for src in ("hf", "dcp"):
+        model = Transformer(args, dispatcher_factory=lambda i: build_dispatcher("a2a", args, ep_group=env.ep_group))
+        model.init_weights(seed=99)
+        shard_experts(model, mesh)
+        if src == "hf":
+            out["names_read"] = load_hf(model, hf_dir).names_read
+        else:
+            init_from(model, dcp_dir, mesh=mesh)
+        names = {id(p): n for n, p in model.named_parameters()}
+        experts = model.expert_parameters()
+        out[src] = {names[id(p)]: _full_env(p.detach(), env) for p in experts}
+        out[src + "_placements"] = [str(p.placements) for p in experts if isinstance(p, DTensor)]
+    return out

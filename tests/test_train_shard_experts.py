@@ -29,12 +29,15 @@ import pytest
 import torch
 
 from dropless.config import ConfigError
+from dropless.convert import args_from_hf_config, load_hf, read_hf_config, save_model_dcp
+from dropless.model import Transformer
 from dropless.train.config import compose
 from dropless.train.shard import expert_shard_dim
 from dropless.train.startup import check_train_config
 from dropless.train.trainer import Trainer
 from tests import dist_harness as H
 from tests import shard_experts_worker as W
+from tests.hf_tiny import make_hf_dir
 from tests.test_train import _env
 
 STEPS = 20
@@ -150,3 +153,26 @@ def test_cli_exits_2_naming_the_option():
                        timeout=300)
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     assert "train.shard_experts" in r.stderr + r.stdout
+
+
+def test_weights_import_into_experts_sharded_over_dp(tmp_path):
+    """``init_from`` (Hugging Face files and a DCP weights checkpoint) at dp 2 × ep 2 with the experts
+    FSDP2-sharded: each rank reads only its EP rank's experts and the weights equal one process's import."""
+    hf_dir = tmp_path / "hf"
+    make_hf_dir(hf_dir, mtp=1, max_shard_size="40KB")
+    args, _ = args_from_hf_config(read_hf_config(hf_dir))
+    full = Transformer(args)
+    load_hf(full, hf_dir)
+    ref = full.state_dict()
+    dcp_dir = save_model_dcp(full, tmp_path / "dcp")
+    res = H.run_world("tests.shard_experts_worker:import_worker", 4, 2, str(hf_dir), str(dcp_dir), deadline_s=300)
+    e = args.n_routed_experts // 2
+    for r, out in enumerate(res):
+        assert out["hf_placements"] and all("Shard(dim=0)" in p for p in out["hf_placements"])
+        experts_read = {int(n.split(".mlp.experts.")[1].split(".")[0]) for n in out["names_read"]
+                        if ".mlp.experts." in n}
+        assert experts_read == set(range((r % 2) * e, (r % 2) * e + e))   # its EP rank's experts only
+        for src in ("hf", "dcp"):
+            assert out[src]
+            for k, v in out[src].items():
+                assert torch.equal(v, ref[k]), (r, src, k)
