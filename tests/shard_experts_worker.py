@@ -8,6 +8,7 @@ tensors gathered over dp (FSDP2 shards) and EP, the router biases, the records' 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from pathlib import Path
@@ -246,4 +247,36 @@ def import_worker(rank: int, world: int, ep: int, hf_dir: str, dcp_dir: str) -> 
         experts = model.expert_parameters()
         out[src] = {names[id(p)]: _full_env(p.detach(), env) for p in experts}
         out[src + "_placements"] = [str(p.placements) for p in experts if isinstance(p, DTensor)]
+    return out
+
+
+def collectives_worker(rank: int, world: int, ep: int) -> dict:
+    """How many all-gathers and reduce-scatters one forward/backward of the tiny model issues with its
+    experts sharded over dp, at ``num_token_chunks`` 1 and 2 (every such torch.distributed call counted)."""
+    counts: dict[str, int] = {}
+
+    def counted(name, f):
+        def call(*a, **k):
+            counts[name] = counts.get(name, 0) + 1
+            return f(*a, **k)
+        return call
+
+    for name in ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor",
+                 "all_gather", "reduce_scatter"):
+        if hasattr(dist, name):
+            setattr(dist, name, counted(name, getattr(dist, name)))
+    out = {}
+    mesh = build_mesh(world, ep, "cpu")
+    group = mesh["ep"].get_group()
+    for n in (1, 2):
+        args = dataclasses.replace(tiny_args(8), num_token_chunks=n)
+        model = Transformer(args, dispatcher_factory=lambda i: build_dispatcher("a2a", args, ep_group=group))
+        model.init_weights(5)
+        shard_experts(model, mesh)
+        tokens, targets = global_batch(world, args)
+        counts.clear()
+        model.loss(tokens[rank * SEQS:(rank + 1) * SEQS], targets[rank * SEQS:(rank + 1) * SEQS]).loss.backward()
+        out[n] = {"gathers": sum(v for k, v in counts.items() if "gather" in k),
+                  "reduce_scatters": sum(v for k, v in counts.items() if "scatter" in k),
+                  "moe_layers": len(model.moe_layers())}
     return out

@@ -31,9 +31,10 @@ import torch
 from dropless.config import ConfigError
 from dropless.convert import args_from_hf_config, load_hf, read_hf_config, save_model_dcp
 from dropless.model import Transformer
-from dropless.train.config import compose
+from dropless.train.config import compose, model_args
+from dropless.train.dist import DistEnv
 from dropless.train.shard import expert_shard_dim
-from dropless.train.startup import check_train_config
+from dropless.train.startup import check_train_config, shard_experts_note
 from dropless.train.trainer import Trainer
 from tests import dist_harness as H
 from tests import shard_experts_worker as W
@@ -176,3 +177,24 @@ def test_weights_import_into_experts_sharded_over_dp(tmp_path):
             assert out[src]
             for k, v in out[src].items():
                 assert torch.equal(v, ref[k]), (r, src, k)
+
+
+def test_token_chunks_gather_once_per_chunk_and_reduce_scatter_once():
+    """What dropless-plan and the start-up note say of model.num_token_chunks: per MoE layer, a gather per
+    chunk in forward and in backward, one gradient reduce-scatter."""
+    out = H.run_world("tests.shard_experts_worker:collectives_worker", 4, 2, deadline_s=300)[0]
+    layers = out[1]["moe_layers"]
+    assert out[1] == {"gathers": 2 * layers, "reduce_scatters": layers, "moe_layers": layers}
+    assert out[2] == {"gathers": 4 * layers, "reduce_scatters": layers, "moe_layers": layers}
+
+
+@pytest.mark.parametrize("world, ep, chunks, named", [(4, 4, 1, "dp 1"), (4, 2, 2, "model.num_token_chunks=2"),
+                                                      (4, 2, 1, None)])
+def test_start_up_note_for_dp1_and_token_chunks(world, ep, chunks, named):
+    cfg = compose(W.COMMON + ["dispatcher=a2a", "train.shard_experts=true", f"model.num_token_chunks={chunks}"])
+    env = DistEnv(0, world, 0, world, torch.device("cpu"), ep, world // ep)
+    note = shard_experts_note(cfg, model_args(cfg), env)
+    if named is None:
+        assert note is None
+    else:
+        assert note is not None and named in note and "train.shard_experts" in note
