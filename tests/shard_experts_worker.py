@@ -200,11 +200,12 @@ def grad_norm_worker(rank: int, world: int, ep: int, n_experts: int, max_norm: f
         model.loss(tokens[mine], targets[mine]).loss.backward()
         buckets.finish()
         fsdp = [p.grad for p in model.parameters() if isinstance(p, DTensor)]
+        names = {id(p): n for n, p in model.named_parameters()}
+        unclipped = {names[id(p)]: _full_env(p.grad, env) for p in experts}
         norm = grad_norm(buckets, [], env, fsdp)
         clip_(buckets.flats + fsdp, norm, max_norm)
-        names = {id(p): n for n, p in model.named_parameters()}
         out[name] = {"norm": norm.item(), "placements": [str(p.placements) for p in experts if isinstance(p, DTensor)],
-                     "grads": {names[id(p)]: _full_env(p.grad, env) for p in experts}}
+                     "grads": {names[id(p)]: _full_env(p.grad, env) for p in experts}, "unclipped": unclipped}
         buckets.remove()
     return out
 

@@ -14,7 +14,8 @@ with ``num_token_chunks=2``, the memory options, gradient accumulation and an ac
   are the saved ones, bitwise;
 * the global gradient norm at dp 2 × ep 2, sharded and replicated, against one process's norm of
   the same batch (float64), and the clipped gradients after it, with the experts sharded on dim 0
-  (4 local experts over dp 2) and on dim 1 (1 local expert over dp 2).
+  (4 local experts over dp 2) and on dim 1 (1 local expert over dp 2); before the clip the sharded
+  expert gradients equal the replicated ones bitwise (a sum of two ranks, then ``/ world``, either way).
 
 Bad input (``local``, ``fsdp``, a dp size that cannot split the experts) is a ConfigError naming
 ``train.shard_experts`` and the sizes, before any work; ``dropless-train`` exits 2.
@@ -116,6 +117,8 @@ def test_grad_norm_and_clip_count_every_expert_shard_once(n_experts, placement):
     for r in range(4):
         out = res[r]
         assert out["sharded"]["placements"] and all(placement in p for p in out["sharded"]["placements"])
+        for k, want in out["replicated"]["unclipped"].items():  # a sum of two ranks either way: bitwise
+            assert torch.equal(out["sharded"]["unclipped"][k], want), (r, k)
         for name in ("replicated", "sharded"):
             assert out[name]["norm"] == pytest.approx(ref["norm"], rel=2e-6), (r, name)
             for k, want in ref["grads"].items():
