@@ -112,10 +112,10 @@ def check_machine(cfg: RunConfig, args: ModelArgs, env: DistEnv, dtype: torch.dt
 
 def start_notes(cfg: RunConfig, args: ModelArgs, env: DistEnv) -> list[str]:
     """The start-up warnings that the config and the world give: :func:`alignment_note`,
-    :func:`schedule_note`, :func:`threads_note`, :func:`dispatcher_note`."""
+    :func:`schedule_note`, :func:`threads_note`, :func:`dispatcher_note`, :func:`shard_experts_note`."""
     tokens = int(cfg.train.micro_batch_size) * int(cfg.train.seq_len)
     notes = (alignment_note(args, tokens, env.ep_size), schedule_note(cfg), threads_note(cfg, env),
-             dispatcher_note(cfg.dispatcher.kind, env))
+             dispatcher_note(cfg.dispatcher.kind, env), shard_experts_note(cfg, args, env))
     return [n for n in notes if n]
 
 
@@ -244,6 +244,24 @@ def dispatcher_note(kind: type[Dispatcher], env: DistEnv) -> str | None:
                "dispatcher.ep_size to more than 1 (or null: all processes)")
     return (f"dispatcher={name}: {how}. At EP = 1 every expert is on every process and no row is sent: "
             "the MoE layers train as dispatcher=local")
+
+
+def shard_experts_note(cfg: RunConfig, args: ModelArgs, env: DistEnv) -> str | None:
+    """A warning where ``train.shard_experts`` does nothing (dp = 1: no rank holds this rank's experts
+    besides it) or gathers each layer's experts once per token chunk (``model.num_token_chunks`` > 1:
+    the experts' forward, where FSDP2 gathers them, runs once per chunk; valid, costs bytes). Else None."""
+    if not cfg.train.shard_experts or env.world_size == 1:
+        return None
+    if env.dp_size == 1:
+        return (f"train.shard_experts=true with dp 1 (world {env.world_size} = dispatcher.ep_size): no other rank "
+                "holds this rank's experts, so nothing is sharded; it shards over dp = world / dispatcher.ep_size")
+    n = int(args.num_token_chunks)
+    if n > 1:
+        return (f"train.shard_experts=true with model.num_token_chunks={n}: each MoE layer's experts are all-gathered "
+                f"{n} times per forward (once per chunk) and {n} times again in backward (their gradients are "
+                "reduce-scattered once; dropless-plan shows the bytes per gather); use num_token_chunks=1 unless "
+                "memory needs it")
+    return None
 
 
 def schedule_note(cfg: RunConfig | DictConfig) -> str | None:
