@@ -297,6 +297,8 @@ class ModelArgs:
             bad("bias_update_speed", "must be >= 0 (0 freezes the balancing bias)")
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             bad("capacity_factor", "must be > 0, or null for dropless")
+        if self.tie_word_embeddings:
+            bad("tie_word_embeddings", "dropless builds DeepSeek-V3's untied output head; set it to false")
         if self.qk_nope_head_dim < 0:
             bad("qk_nope_head_dim", "must be >= 0")
         if self.qk_rope_head_dim % 2:

@@ -137,11 +137,11 @@ class MoE(nn.Module):
                              f"n_routed_experts={args.n_routed_experts}")
         if args.recompute_gather:
             self.dispatcher.check_regather()
-        if args.num_token_chunks > 1 and self.dispatcher.name == "fsdp":  # shown once per process
-            warnings.warn(f"num_token_chunks={args.num_token_chunks} with dispatcher=fsdp runs the FSDP2-sharded "
-                          "experts once per chunk, so each MoE layer all-gathers its expert weights "
-                          f"{args.num_token_chunks} times per forward (and again in backward); use "
-                          "num_token_chunks=1 with fsdp unless memory needs it", stacklevel=1)
+        if args.num_token_chunks > 1 and self.dispatcher.shards_experts:  # shown once per process
+            warnings.warn(f"num_token_chunks={args.num_token_chunks} with dispatcher={self.dispatcher.name} runs "
+                          "the FSDP2-sharded experts once per chunk, so each MoE layer all-gathers its expert "
+                          f"weights {args.num_token_chunks} times per forward (and again in backward); use "
+                          f"num_token_chunks=1 with {self.dispatcher.name} unless memory needs it", stacklevel=1)
         self.router = Router(args, layer_id)
         self.experts = GroupedExperts(args.hidden_size, args.moe_intermediate_size,
                                       self.dispatcher.num_local_experts, gemm=args.gemm,

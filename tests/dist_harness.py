@@ -123,6 +123,7 @@ def _entry(rank, world, port, fn_name, out_dir, args, pg_timeout_s):
     # tells where it was (a rank that never reached the collective its peer timed out in)
     stack = open(Path(out_dir) / f"rank{rank}.stack", "w")  # noqa: SIM115 - open until the process ends
     faulthandler.register(signal.SIGUSR1, file=stack, all_threads=True)
+    faulthandler.enable(file=stack, all_threads=True)  # a crash (SIGSEGV, SIGABRT, ...) writes its stack too
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
@@ -153,7 +154,10 @@ def _failure_report(tmp: Path, world: int, alive: list[int]) -> str:
             parts.append(f"--- rank {r} was still running; its stack:\n"
                          + (st.read_text() if st.exists() else "(none written)"))
         else:
-            parts.append(f"--- rank {r}: " + ("finished" if res is not None else "exited without a result"))
+            st = tmp / f"rank{r}.stack"
+            crash = st.read_text() if res is None and st.exists() else ""
+            parts.append(f"--- rank {r}: " + ("finished" if res is not None else "exited without a result")
+                         + (f"; the stack of its crash:\n{crash}" if crash.strip() else ""))
     return "\n".join(parts)
 
 

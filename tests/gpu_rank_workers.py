@@ -93,8 +93,10 @@ def _grads(moe: MoE, name: str, world: int, w13, w2) -> dict:
                shared_grads=[_sum_ranks(p.grad) for p in (sh.w1.weight, sh.w3.weight, sh.w2.weight)])
     ex = moe.experts
     if name == "fsdp":  # FSDP2 averages over dp: times the world size is the sum
-        out["w13_grad"], out["w2_grad"] = (_cpu(ex.w13.grad.full_tensor()) * world,
-                                           _cpu(ex.w2.grad.full_tensor()) * world)
+        # the dim-0 shards gathered on the host (DTensor.full_tensor's functional all-gather of CUDA
+        # tensors crashes gloo in torch 2.11)
+        out["w13_grad"], out["w2_grad"] = (_gather_ranks(ex.w13.grad.to_local()) * world,
+                                           _gather_ranks(ex.w2.grad.to_local()) * world)
         out["w13"], out["w2"] = w13, w2
     elif name == "local":  # data parallel: each rank's gradient is its slice's part
         out["w13_grad"], out["w2_grad"] = _sum_ranks(ex.w13.grad), _sum_ranks(ex.w2.grad)

@@ -8,6 +8,7 @@ tensors gathered over dp (FSDP2 shards) and EP, the router biases, the records' 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from pathlib import Path
@@ -17,6 +18,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from dropless.config import ModelArgs
+from dropless.convert import args_from_hf_config, load_hf, read_hf_config
+from dropless.convert.start import init_from
 from dropless.dispatch import build_dispatcher
 from dropless.dispatch.mesh import build_mesh
 from dropless.model import Transformer
@@ -197,11 +200,12 @@ def grad_norm_worker(rank: int, world: int, ep: int, n_experts: int, max_norm: f
         model.loss(tokens[mine], targets[mine]).loss.backward()
         buckets.finish()
         fsdp = [p.grad for p in model.parameters() if isinstance(p, DTensor)]
+        names = {id(p): n for n, p in model.named_parameters()}
+        unclipped = {names[id(p)]: _full_env(p.grad, env) for p in experts}
         norm = grad_norm(buckets, [], env, fsdp)
         clip_(buckets.flats + fsdp, norm, max_norm)
-        names = {id(p): n for n, p in model.named_parameters()}
         out[name] = {"norm": norm.item(), "placements": [str(p.placements) for p in experts if isinstance(p, DTensor)],
-                     "grads": {names[id(p)]: _full_env(p.grad, env) for p in experts}}
+                     "grads": {names[id(p)]: _full_env(p.grad, env) for p in experts}, "unclipped": unclipped}
         buckets.remove()
     return out
 
@@ -220,3 +224,60 @@ def reference_grads(world: int, n_experts: int, max_norm: float) -> dict:
     clip_(grads, norm.float(), max_norm)
     names = {id(p): n for n, p in model.named_parameters()}
     return {"norm": norm.item(), "grads": {names[id(p)]: p.grad.clone() for p in model.expert_parameters()}}
+
+
+def import_worker(rank: int, world: int, ep: int, hf_dir: str, dcp_dir: str) -> dict:
+    """A model with ``a2a`` at EP ``ep`` and its experts sharded over dp, its weights imported from the
+    Hugging Face files (:func:`~dropless.convert.load_hf`) and from a DCP weights checkpoint
+    (:func:`~dropless.convert.start.init_from`): each one's expert weights gathered to ``[E, ...]``,
+    their placements, and the names read from the files."""
+    args, _ = args_from_hf_config(read_hf_config(hf_dir))
+    mesh = build_mesh(world, ep, "cpu")
+    env = DistEnv(rank, world, rank, world, torch.device("cpu"), ep, world // ep, mesh, mesh.get_group("ep"),
+                  mesh.get_group("dp"))
+    out: dict = {}
+    for src in ("hf", "dcp"):
+        model = Transformer(args, dispatcher_factory=lambda i: build_dispatcher("a2a", args, ep_group=env.ep_group))
+        model.init_weights(seed=99)
+        shard_experts(model, mesh)
+        if src == "hf":
+            out["names_read"] = load_hf(model, hf_dir).names_read
+        else:
+            init_from(model, dcp_dir, mesh=mesh)
+        names = {id(p): n for n, p in model.named_parameters()}
+        experts = model.expert_parameters()
+        out[src] = {names[id(p)]: _full_env(p.detach(), env) for p in experts}
+        out[src + "_placements"] = [str(p.placements) for p in experts if isinstance(p, DTensor)]
+    return out
+
+
+def collectives_worker(rank: int, world: int, ep: int) -> dict:
+    """How many all-gathers and reduce-scatters one forward/backward of the tiny model issues with its
+    experts sharded over dp, at ``num_token_chunks`` 1 and 2 (every such torch.distributed call counted)."""
+    counts: dict[str, int] = {}
+
+    def counted(name, f):
+        def call(*a, **k):
+            counts[name] = counts.get(name, 0) + 1
+            return f(*a, **k)
+        return call
+
+    for name in ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor",
+                 "all_gather", "reduce_scatter"):
+        if hasattr(dist, name):
+            setattr(dist, name, counted(name, getattr(dist, name)))
+    out = {}
+    mesh = build_mesh(world, ep, "cpu")
+    group = mesh["ep"].get_group()
+    for n in (1, 2):
+        args = dataclasses.replace(tiny_args(8), num_token_chunks=n)
+        model = Transformer(args, dispatcher_factory=lambda i: build_dispatcher("a2a", args, ep_group=group))
+        model.init_weights(5)
+        shard_experts(model, mesh)
+        tokens, targets = global_batch(world, args)
+        counts.clear()
+        model.loss(tokens[rank * SEQS:(rank + 1) * SEQS], targets[rank * SEQS:(rank + 1) * SEQS]).loss.backward()
+        out[n] = {"gathers": sum(v for k, v in counts.items() if "gather" in k),
+                  "reduce_scatters": sum(v for k, v in counts.items() if "scatter" in k),
+                  "moe_layers": len(model.moe_layers())}
+    return out

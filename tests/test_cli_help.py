@@ -24,8 +24,7 @@ def test_ctrl_c_while_importing_is_one_line_and_exit_130(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "omegaconf", Interrupting("omegaconf"))
     assert main(["train.steps=1"]) == 130
     err = capsys.readouterr().err
-    assert err.strip() == ("dropless-train: interrupted during start-up, before the first step: nothing was "
-                           "trained or saved")
+    assert err.strip().startswith("dropless-train: interrupted during start-up") and len(err.strip().splitlines()) == 1
 
 
 def test_a_second_interrupt_aborts_with_one_line_naming_the_newest_checkpoint(tmp_path, monkeypatch, capsys):
@@ -46,9 +45,9 @@ def test_a_second_interrupt_aborts_with_one_line_naming_the_newest_checkpoint(tm
     assert main(quick + ["train.steps=4", "resume=true"]) == 130
     err = capsys.readouterr().err
     assert "Traceback" not in err
-    assert err.strip().splitlines()[-1] == (
-        "dropless-train: aborted by a second interrupt after step 3, without the checkpoint the first one asked "
-        f"for; resume=true run_dir={run.resolve()} continues from step 2")
+    last = err.strip().splitlines()[-1]  # the step reached, and the command that continues from the last checkpoint
+    assert last.startswith("dropless-train: aborted") and "after step 3" in last
+    assert last.endswith(f"resume=true run_dir={run.resolve()} continues from step 2"), last
     monkeypatch.setattr(Trainer, "train", train)
 
 

@@ -148,22 +148,22 @@ def test_bin_reports_every_missing_or_invalid_field_at_once(tmp_path, capsys):
 
     with pytest.raises(ConfigError) as e:
         load_tokens(compose(["data=bin"]).data)
-    assert str(e.value) == ("2 problems in the data config: data.path is required for data=bin: "
-                            "data.path=/path/train.bin; data.vocab_size is required for data=bin (the tokenizer's "
-                            "vocabulary size)")
+    msg = str(e.value)
+    assert msg.startswith("2 problems") and "data.path" in msg and "data.vocab_size" in msg
     cfg = _bin_cfg(tmp_path, dtype="int8", vocab_size=0, val_path=str(tmp_path / "val.bin"), val_fraction=2.0)
     with pytest.raises(ConfigError) as e:
         check_data_config(cfg, model_vocab_size=256)
-    assert str(e.value) == (                                 # (val_fraction is not used beside val_path)
-        f"4 problems in the data config: data.path={str(tmp_path)!r} is a directory; data=bin needs a .bin file "
-        "(for a directory of text files use data=stdlib data.path=DIR); "
-        "data.dtype='int8': must be one of ['uint16', 'uint32']; data.vocab_size=0: must be >= 1; "
-        f"data.val_path={str(tmp_path / 'val.bin')!r}: no such file. Point it at a flat .bin of token ids")
+    msg = str(e.value)
+    assert msg.startswith("4 problems")
+    for named in (f"data.path={str(tmp_path)!r}", "data.dtype='int8'", "['uint16', 'uint32']", "data.vocab_size=0",
+                  f"data.val_path={str(tmp_path / 'val.bin')!r}"):
+        assert named in msg
+    assert "val_fraction" not in msg  # not used beside val_path
     run_dir = tmp_path / "run"
     assert main(["data=bin", "data.path=/no/such/train.bin", "logging.mode=disabled", f"run_dir={run_dir}"]) == 2
     err = capsys.readouterr().err
-    assert "2 problems in the data config: data.path='/no/such/train.bin': no such file" in err
-    assert "data.vocab_size is required for data=bin" in err and not run_dir.exists()
+    assert "2 problems" in err and "data.path='/no/such/train.bin'" in err
+    assert "data.vocab_size" in err and not run_dir.exists()
 
 
 def test_data_vocab_larger_than_model_is_an_error(tmp_path):
@@ -228,9 +228,9 @@ def test_val_windows_fixed_disjoint_per_rank():
     assert not starts[0] & starts[1]
     again = val_windows(ids, 16, 4, 3, rank=0, world_size=2)
     assert all(torch.equal(a[0], b[0]) for a, b in zip(per[0], again))
-    with pytest.raises(ConfigError, match=r"validation split .* fewer than train.micro_batch_size=4\. "
-                                          r"Lower train.micro_batch_size or train.seq_len"):
+    with pytest.raises(ConfigError, match=r"train\.micro_batch_size=4") as e:
         val_windows(np.arange(20), 16, 4, 1)
+    assert "validation" in str(e.value) and "train.seq_len" in str(e.value)  # the split, and what to lower
 
 
 def test_too_little_data_for_a_batch():
@@ -242,8 +242,7 @@ def test_too_little_data_for_a_batch():
 def test_val_fraction_zero_trains_on_every_token_only_in_a_run_that_never_validates(tmp_path):
     (tmp_path / "a.txt").write_bytes(b"abcdefghij" * 10)
     cfg = _cfg(path=str(tmp_path), glob="*.txt", val_fraction=0.0)
-    with pytest.raises(ConfigError, match=r"data.val_fraction=0.0: must lie in \(0, 1\) \(0, training on every "
-                                          r"token, only with train.val_every=0\)"):
+    with pytest.raises(ConfigError, match=r"^data\.val_fraction=0\.0: .*train\.val_every=0"):
         load_tokens(cfg)
     d = load_tokens(cfg, validates=False)
     assert d.train.tobytes() == b"abcdefghij" * 10 and len(d.val) == 0

@@ -92,10 +92,12 @@ def test_gloo_takes_cuda_tensors_for_every_collective_used():
             assert got[f"all_gather_into_tensor/{dt}"] == base + [v + 100 for v in base]
             assert got[f"all_reduce_sum/{dt}"] == [2 * v + 100 for v in base]
             assert got[f"reduce_scatter_tensor_sum/{dt}"] == [2 * v + 100 for v in base[3 * rank:3 * rank + 3]]
-            # rank r receives from rank j its (j + r) % 3 first rows
+            # rank j sends (j + t) % 3 rows to rank t, its rows in rank order: rank r receives from
+            # rank j the (j + r) % 3 rows that start after those j sends to the ranks before r
             want = []
             for j in range(2):
-                want += [float(i + 100 * j) for i in range((j + rank) % 3)]
+                start = sum((j + t) % 3 for t in range(rank))
+                want += [float(start + i + 100 * j) for i in range((j + rank) % 3)]
             assert got[f"all_to_all_single/{dt}"] == want
 
 

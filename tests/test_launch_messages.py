@@ -105,15 +105,17 @@ def test_an_expert_parallel_dispatcher_in_one_process_is_warned_about_once(tmp_p
 
 
 def test_local_dispatcher_and_ep_over_processes_are_not_warned_about():
-    from dropless.train.config import compose
+    from dropless.dispatch.a2a import A2ADispatcher
+    from dropless.dispatch.fsdp import FSDPDispatcher
+    from dropless.dispatch.local import LocalDispatcher
     from dropless.train.dist import DistEnv
     from dropless.train.startup import dispatcher_note
 
     def env(world, ep):
         return DistEnv(0, world, 0, world, None, ep, world // ep)
 
-    assert dispatcher_note(compose(QUICK), env(1, 1)) is None                      # local
-    assert dispatcher_note(compose(QUICK + ["dispatcher=fsdp"]), env(2, 1)) is None  # EP 1 by design
-    assert dispatcher_note(compose(QUICK + ["dispatcher=a2a"]), env(2, 2)) is None
-    note = dispatcher_note(compose(QUICK + ["dispatcher=a2a", "dispatcher.ep_size=1"]), env(2, 1))
+    assert dispatcher_note(LocalDispatcher, env(1, 1)) is None
+    assert dispatcher_note(FSDPDispatcher, env(2, 1)) is None  # EP 1 by design
+    assert dispatcher_note(A2ADispatcher, env(2, 2)) is None
+    note = dispatcher_note(A2ADispatcher, env(2, 1))
     assert note.startswith("dispatcher=a2a: dispatcher.ep_size=1 over 2 processes")

@@ -282,7 +282,8 @@ def test_resume_without_a_checkpoint_starts_at_step_0_and_says_so(tmp_path, caps
                            "logging.mode=disabled"])
         assert tr.resumed_from is None and summary["steps"] == 1
         assert [r["step"] for r in records(d)] == [1]
-        assert "resume=true but no checkpoint in run_dir: starting at step 0" in capsys.readouterr().out
+        said = [line for line in capsys.readouterr().out.splitlines() if "resume=true" in line]
+        assert len(said) == 1 and "no checkpoint" in said[0] and said[0].endswith("step 0"), said
 
 
 def _val_batches(rd: Path, n: int) -> int:
@@ -295,8 +296,8 @@ def _val_batches(rd: Path, n: int) -> int:
 def test_val_batches_beyond_the_validation_split_are_capped_and_said(tmp_path, capsys):
     n = _val_batches(tmp_path / "a", 100000)
     assert 0 < n < 100000
-    assert (f"train.val_batches=100000: the validation split holds {n} micro-batch(es) per rank"
-            in capsys.readouterr().out)
+    said = [line for line in capsys.readouterr().out.splitlines() if "train.val_batches=100000" in line]
+    assert len(said) == 1 and f" {n} " in said[0]
     assert _val_batches(tmp_path / "b", n) == n and "validation split holds" not in capsys.readouterr().out
 
 
@@ -478,10 +479,9 @@ def test_resume_from_a_damaged_checkpoint_names_it_and_the_older_ones(tmp_path, 
         f.unlink()
     else:
         f.write_bytes(f.read_bytes()[:100])
-    with pytest.raises(ConfigError, match=r"step_00000004: the checkpoint cannot be read \(.*\): one of its files is "
-                                          r"missing or damaged; the older complete checkpoint\(s\) step_00000002 "
-                                          r"remain: move step_00000004 out of"):
+    with pytest.raises(ConfigError, match=r"step_00000004: ") as e:  # the damaged one, and the older one to use
         Trainer(compose(QUICK + common + ["resume=true", "train.steps=6"]))
+    assert "step_00000002" in str(e.value)
     shutil.move(str(newest), str(tmp_path / "aside"))
     summary, tr = run(common + ["resume=true", "train.steps=6"])
     assert tr.resumed_from == 2 and summary["steps"] == 6
@@ -505,8 +505,7 @@ def test_a_resume_on_another_rank_count_says_what_changes(tmp_path):
     assert warnings_of_resume() == []
     (step / ckpt.MARKER).write_text("step 2\nworld_size 4\n")  # as a 4-rank job would have written it
     (w,) = warnings_of_resume()
-    assert w.startswith("resume: step_00000002 was saved by 4 rank(s), this run has 1: the weights and optimizer "
-                        "state carry over") and "tokens per step scale with the ranks" in w
+    assert w.startswith("resume: step_00000002 ") and "4 rank(s)" in w and "this run has 1" in w
     assert warnings_of_resume(steps=2) == []  # nothing left to train: no data order to change
     (step / ckpt.MARKER).write_text("step 2\n")  # a checkpoint from before the line existed
     assert warnings_of_resume() == [] and ckpt.saved_world_size(step) is None

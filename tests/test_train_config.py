@@ -14,6 +14,7 @@ from dropless.config import ConfigError, ModelArgs
 from dropless.train.config import compose, config_dir, list_recipes, model_args
 from dropless.train.dist import check_mesh, default_num_threads, init_distributed, resolve_ep_size
 from dropless.train.optim import lr_at
+from dropless.train.schema import DispatcherConfig
 from dropless.train.startup import alignment_note, check_train_config
 
 V3_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
@@ -138,8 +139,8 @@ def test_cuda_graph_config_errors(tmp_path):
     from dropless.train.trainer import Trainer
     for ov, other in ((["dispatcher=a2a"], "dispatcher=a2a"), (["dispatcher=fsdp"], "dispatcher=fsdp"),
                       (["train.shard_dense=true"], "train.shard_dense"), (["gemm=loop"], "model.gemm=loop"),
-                      (["gemm=fp8"], "model.gemm=fp8"), (["model.gemm=loop"], "model.gemm=loop"),
-                      (["train.loss_impl=liger"], "train.loss_impl=liger")):
+                      (["gemm=fp8"], "model.gemm=fp8"), (["model.gemm=loop"], "model.gemm=loop")):
+        # (train.loss_impl=liger: refused by resolve_loss_impl, tests/test_loss.py)
         # the field, then the one it conflicts with
         with pytest.raises(ConfigError, match=rf"^train\.cuda_graph=true: .*{re.escape(other)}"):
             check_train_config(compose(["train.cuda_graph=true", *ov]))
@@ -173,10 +174,18 @@ def test_alignment_note_warns_when_padding_outgrows_the_routed_rows():
 
 
 def test_mesh_checks(monkeypatch):
-    assert resolve_ep_size(OmegaConf.create({"name": "a2a", "ep_size": None}), 4) == 4
-    assert resolve_ep_size(OmegaConf.create({"name": "local", "ep_size": None}), 4) == 1
-    with pytest.raises(ConfigError, match="EP = 1"):
-        resolve_ep_size(OmegaConf.create({"name": "fsdp", "ep_size": 2}), 4)
+    assert resolve_ep_size(DispatcherConfig("a2a", None), 4) == 4
+    assert resolve_ep_size(DispatcherConfig("local", None), 4) == 1
+    assert resolve_ep_size(DispatcherConfig("a2a", 2), 4) == 2
+    for name, ep in (("fsdp", 2), ("local", 4)):  # they keep every expert on every rank
+        with pytest.raises(ConfigError, match=rf"^dispatcher={name} .*dispatcher\.ep_size=1"):
+            check_train_config(compose([f"dispatcher={name}", f"dispatcher.ep_size={ep}"]))
+    for bad in ("0", "-2"):
+        with pytest.raises(ConfigError, match=rf"^dispatcher\.ep_size={bad}:"):
+            check_train_config(compose(["dispatcher=a2a", f"dispatcher.ep_size={bad}"]))
+    with pytest.raises(ConfigError, match=r"^dispatcher\.name='nope': .*a2a"):  # lists the known names
+        check_train_config(compose(["dispatcher.name=nope"]))
+    fixed, null = (check_train_config(compose(["dispatcher=a2a", *ep])) for ep in (["dispatcher.ep_size=2"], []))
     assert check_mesh(8, 4, 8) == 2
     with pytest.raises(ConfigError, match="world size 6 does not fit the mesh"):
         check_mesh(6, 4, 8)
@@ -187,14 +196,12 @@ def test_mesh_checks(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     import torch.distributed as dist
     with pytest.raises(ConfigError, match="world size 3 does not fit"):
-        init_distributed(compose(["dispatcher=a2a", "dispatcher.ep_size=2"]), 8)
-    # ep_size left null: EP is the world size, which the message says (the user never wrote ep_size=3)
-    with pytest.raises(ConfigError, match=r"^dispatcher.ep_size is null, so dispatcher=a2a spreads the experts "
-                                          r"over all 3 processes \(EP = 3\), and 3 does not divide "
-                                          r"model.n_routed_experts=8: set dispatcher.ep_size to one of \[1\] "
-                                          r"\(dividing both 3 and 8\), or launch a number of processes from "
-                                          r"\[1, 2, 4, 8\]$"):
-        init_distributed(compose(["dispatcher=a2a"]), 8)
+        init_distributed(fixed, 8)
+    # ep_size left null: EP is the world size, which the message says (the user never wrote ep_size=3),
+    # with the sizes that fit (dividing 3 and 8) and the process counts that would
+    with pytest.raises(ConfigError, match=r"^dispatcher\.ep_size is null, .*EP = 3") as e:
+        init_distributed(null, 8)
+    assert "model.n_routed_experts=8" in str(e.value) and "[1]" in str(e.value) and "[1, 2, 4, 8]" in str(e.value)
     assert not dist.is_initialized()
 
 
@@ -352,8 +359,9 @@ def test_a_dict_override_sets_a_field_that_is_null_and_merges_into_one_that_is_n
     merged = compose(["model=deepseek_v3_671b", "model.rope_scaling={factor:8}"]).model.rope_scaling
     assert merged.factor == 8 and {k: v for k, v in merged.items() if k != "factor"} == \
         {k: v for k, v in v3.items() if k != "factor"}
-    with pytest.raises(ConfigError, match=r"cannot be set alone: set the whole field, e.g. 'model.rope_scaling="):
+    with pytest.raises(ConfigError, match=r"model\.rope_scaling\.factor=4") as e:  # the key, and the whole field
         compose(["model.rope_scaling.factor=4"])
+    assert "'model.rope_scaling={" in str(e.value)
 
 
 @pytest.mark.parametrize("override, field", [

@@ -204,9 +204,9 @@ def test_compile_moe_is_one_graph_for_every_moe_layer_and_counts_once_per_step(t
 
 
 @pytest.mark.parametrize("over, match", [
-    (["dispatcher=a2a"], "train.compile_moe=true needs dispatcher=local .*host sizes"),
-    (["dispatcher=fsdp"], "train.compile_moe=true needs dispatcher=local .*FSDP2"),
-    (["train.activation_checkpointing=true"], "train.compile_moe=true with train.activation_checkpointing=true"),
+    (["dispatcher=a2a"], "^train.compile_moe=true .*dispatcher=a2a"),
+    (["dispatcher=fsdp"], "^train.compile_moe=true .*dispatcher=fsdp"),
+    (["train.activation_checkpointing=true"], "^train.compile_moe=true: .*train.activation_checkpointing=true"),
     (["train.compile_moe=maybe"], "compile_moe"),
     (["train.compile=false"], "train.compile_moe=true: compiles the MoE part .* set train.compile=true"),
 ])
@@ -282,7 +282,7 @@ def test_wandb_problem_reads_the_credentials_without_the_network(tmp_path, monke
     assert wandb_problem("online") is None
     monkeypatch.setitem(sys.modules, "wandb", None)    # `import wandb` raises ImportError
     for mode in ("online", "offline"):
-        assert wandb_problem(mode).startswith(f"logging.mode={mode} logs to wandb, which does not import")
+        assert wandb_problem(mode).startswith(f"logging.mode={mode} ")
         assert "pip install wandb" in wandb_problem(mode) and "logging.mode=disabled" in wandb_problem(mode)
     assert wandb_problem("disabled") is None
 

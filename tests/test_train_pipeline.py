@@ -232,6 +232,7 @@ def test_an_interrupt_during_the_last_step_completes_the_run(tmp_path, capsys):
         tr.close()
     assert summary["steps"] == 3 and not summary["interrupted"]
     out = capsys.readouterr().out
-    assert "interrupted during the last step: the run completes" in out and "[dropless] done: 3 steps" in out
+    said = [line for line in out.splitlines() if "interrupted" in line]
+    assert len(said) == 1 and "train.steps=3" in said[0] and "[dropless] done: 3 steps" in out, said
     from dropless.train.checkpoint import latest_checkpoint
     assert latest_checkpoint(tmp_path)[0] == 3

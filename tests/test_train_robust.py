@@ -138,8 +138,8 @@ def test_resuming_a_finished_run_says_so(tmp_path, capsys):
     summary, tr = run(common + ["resume=true"])
     out = capsys.readouterr().out
     assert summary["steps"] == 2 and tr.resumed_from == 2
-    assert "already finished: its newest checkpoint is at step 2 and train.steps=2" in out
-    assert "nothing to train" in out and "val_every=0" not in out
+    said = next(line for line in out.splitlines() if "already finished" in line)
+    assert "step 2" in said and "train.steps=2" in said and "nothing to train" in out and "val_every=0" not in out
 
 
 def test_cli_divergence_exits_3_and_skip_says_so(tmp_path, capsys):
@@ -158,9 +158,9 @@ def test_cli_divergence_exits_3_and_skip_says_so(tmp_path, capsys):
     assert main(common + [f"run_dir={tmp_path / 'b'}", "train.nonfinite=skip"]) == 3
     out, err = capsys.readouterr()
     assert "optimizer step skipped (train.nonfinite=skip" in out and "3 optimizer steps skipped: non-finite" in out
-    assert ("dropless-train: error: training diverged (train.nonfinite=skip): 3 of 4 optimizer steps were skipped "
-            "for a non-finite loss or gradient norm; the last step (4) among them, with no validation "
-            "(train.val_every=0) to show that the final weights give a finite loss") in err
+    said = next(line for line in err.splitlines() if line.startswith("dropless-train: error: "))
+    # the option, the count of skipped steps, the last step among them, and why no validation clears it
+    assert all(f in said for f in ("train.nonfinite=skip", "3 of 4", "(4)", "train.val_every=0")), said
     assert "Traceback" not in err
 
 
@@ -175,17 +175,16 @@ def test_cli_nonfinite_validation_loss_is_not_a_success(tmp_path, capsys):
               "logging.progress=false", "train.ckpt_every=0", "num_threads=1"]
     assert main(common + [f"run_dir={tmp_path / 'a'}"]) == 3
     out, err = capsys.readouterr()
-    assert ("dropless-train: error: step 2: non-finite validation loss (nan): the weights after step 2 give NaN/Inf "
-            "on the validation data. Lower optim.lr or check the data") in err
+    said = next(line for line in err.splitlines() if line.startswith("dropless-train: error: "))
+    assert said.startswith("dropless-train: error: step 2: ") and "validation" in said and "optim.lr" in said
     assert "step 0 val_loss" in out and "step 2 loss" not in out
     assert main(common + [f"run_dir={tmp_path / 'b'}", "train.nonfinite=skip"]) == 3
     out, err = capsys.readouterr()
-    for step in (2, 4):
-        assert (f"WARNING: step {step}: non-finite validation loss (nan): the weights after step {step} give "
-                "NaN/Inf on the validation data; train.nonfinite=skip trains on, but the run will end with exit "
-                "status 3") in out
-    assert "dropless-train: error: training diverged (train.nonfinite=skip): 2 of 4 optimizer steps were skipped" in err
-    assert "the validation loss was non-finite at steps 2, 4. The checkpoint of step 4" in err
+    warned = [line for line in out.splitlines() if "WARNING: step" in line and "validation" in line]
+    assert [w.split("WARNING: step ")[1].split(":")[0] for w in warned] == ["2", "4"]
+    assert all("train.nonfinite=skip" in w and "exit status 3" in w for w in warned), warned
+    said = next(line for line in err.splitlines() if line.startswith("dropless-train: error: "))
+    assert all(f in said for f in ("train.nonfinite=skip", "2 of 4", "steps 2, 4", "step 4")), said
     assert [r.get("val_loss") for r in records(tmp_path / "b") if "val_loss" in r] == [pytest.approx(5.6095, abs=1e-3),
                                                                                     None, None]
     assert (tmp_path / "b" / "checkpoints" / "step_00000004").is_dir()
@@ -220,9 +219,8 @@ def test_skip_run_verdict(tmp_path, val_every, poisoned, diverged):
     if diverged is None:
         assert summary["diverged"] is None
     else:
-        assert summary["diverged"] == (f"training diverged (train.nonfinite=skip): {diverged}. The checkpoint of "
-                                       "step 3 holds the weights of the last step applied; lower optim.lr or check "
-                                       "the data")
+        said = summary["diverged"]  # the option, what diverged, the checkpoint to use and what to lower
+        assert all(f in said for f in ("train.nonfinite=skip", diverged, "step 3", "optim.lr")), said
 
 
 def test_state_that_cannot_fit_is_refused_before_the_run_dir(tmp_path, monkeypatch):
@@ -294,7 +292,7 @@ def test_deepep_without_its_package_fails_before_the_run_dir(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
-@pytest.mark.parametrize("bad,match", [("model.tie_word_embeddings=true", "model.tie_word_embeddings=true: dropless"),
+@pytest.mark.parametrize("bad,match", [("model.tie_word_embeddings=true", r"^model\.tie_word_embeddings="),
                                        ("init_from=/nonexistent/dir", "not a Hugging Face model directory")])
 def test_config_errors_come_before_the_run_dir(tmp_path, bad, match):
     """A tied head and an init_from that is none of the known kinds are errors of the config alone: raised
@@ -324,7 +322,7 @@ def test_a_gpu_recipe_without_cuda_points_to_the_cpu_recipe(tmp_path):
     """recipe=h200_single where torch sees no GPU: the error says the recipe is sized for GPUs and names
     the CPU recipe (plain "set device=cpu" led to the memory error of its 1.88 B model)."""
     from dropless.config import ConfigError
-    with pytest.raises(ConfigError, match=r"recipe=h200_single is sized for GPUs: on a CPU use the default recipe"):
+    with pytest.raises(ConfigError, match=r"^device=cuda \(recipe=h200_single\).*cpu_default"):
         Trainer(compose(["recipe=h200_single", f"run_dir={tmp_path / 'r'}", "logging.mode=disabled"]))
     assert not (tmp_path / "r").exists()
     with pytest.raises(ConfigError, match=r"set device=cpu \(or auto\)$"):   # no recipe: the plain advice
@@ -362,7 +360,7 @@ def test_ctrl_c_during_start_up_exits_130_with_one_line(tmp_path, monkeypatch, c
     assert main([*QUICK, f"run_dir={tmp_path}", "logging.mode=disabled"]) == 130
     err = capsys.readouterr().err
     assert built == [str(tmp_path)]
-    assert "interrupted during start-up, before the first step: nothing was trained or saved" in err
+    assert "interrupted during start-up" in err and "nothing was trained or saved" in err
     assert ckpt.latest_checkpoint(tmp_path) is None
 
 
@@ -385,8 +383,7 @@ def test_out_of_gpu_memory_in_a_step_is_one_line_naming_what_to_lower(tmp_path, 
     assert len(line) == 1 and "Traceback" not in err, err
     assert "at step 1 (CUDA out of memory" in line[0] and "Tried to allocate 7.88 GiB" in line[0]
     assert "train.micro_batch_size (now 4;" in line[0] and "train.activation_checkpointing=true" in line[0]
-    assert "If reserved" not in line[0] and line[0].endswith("no checkpoint was saved before it, so a new run "
-                                                            "starts from step 0"), line[0]
+    assert "If reserved" not in line[0] and "no checkpoint" in line[0] and line[0].endswith("step 0"), line[0]
     # after a checkpoint, the line names the one a resume starts from
     monkeypatch.setattr(Trainer, "_loss", lambda self, x, y: oom(self, x, y) if self.step >= 2 else real(self, x, y))
     assert main(QUICK + [f"run_dir={tmp_path / 'b'}", "train.steps=4", "train.ckpt_every=2", "train.val_every=0",
@@ -407,8 +404,8 @@ def test_out_of_gpu_memory_at_start_up_is_one_line(tmp_path, monkeypatch, capsys
     assert main(QUICK + [f"run_dir={tmp_path}", "logging.mode=disabled"]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
-    assert ("dropless-train: error: out of GPU memory during start-up (CUDA out of memory. Tried to allocate "
-            "3.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 0.5 GiB is free): ") in err
+    line = next(x for x in err.splitlines() if x.startswith("dropless-train: error: out of GPU memory"))
+    assert "during start-up" in line and "Tried to allocate 3.00 GiB" in line and "0.5 GiB is free" in line
     assert "dispatcher=fsdp" in err and "nothing was trained or saved" in err and "Including" not in err
 
 

@@ -14,7 +14,8 @@ with ``num_token_chunks=2``, the memory options, gradient accumulation and an ac
   are the saved ones, bitwise;
 * the global gradient norm at dp 2 × ep 2, sharded and replicated, against one process's norm of
   the same batch (float64), and the clipped gradients after it, with the experts sharded on dim 0
-  (4 local experts over dp 2) and on dim 1 (1 local expert over dp 2).
+  (4 local experts over dp 2) and on dim 1 (1 local expert over dp 2); before the clip the sharded
+  expert gradients equal the replicated ones bitwise (a sum of two ranks, then ``/ world``, either way).
 
 Bad input (``local``, ``fsdp``, a dp size that cannot split the experts) is a ConfigError naming
 ``train.shard_experts`` and the sizes, before any work; ``dropless-train`` exits 2.
@@ -29,12 +30,16 @@ import pytest
 import torch
 
 from dropless.config import ConfigError
-from dropless.train.config import compose
+from dropless.convert import args_from_hf_config, load_hf, read_hf_config, save_model_dcp
+from dropless.model import Transformer
+from dropless.train.config import compose, model_args
+from dropless.train.dist import DistEnv
 from dropless.train.shard import expert_shard_dim
-from dropless.train.startup import check_train_config
+from dropless.train.startup import check_train_config, shard_experts_note
 from dropless.train.trainer import Trainer
 from tests import dist_harness as H
 from tests import shard_experts_worker as W
+from tests.hf_tiny import make_hf_dir
 from tests.test_train import _env
 
 STEPS = 20
@@ -112,6 +117,8 @@ def test_grad_norm_and_clip_count_every_expert_shard_once(n_experts, placement):
     for r in range(4):
         out = res[r]
         assert out["sharded"]["placements"] and all(placement in p for p in out["sharded"]["placements"])
+        for k, want in out["replicated"]["unclipped"].items():  # a sum of two ranks either way: bitwise
+            assert torch.equal(out["sharded"]["unclipped"][k], want), (r, k)
         for name in ("replicated", "sharded"):
             assert out[name]["norm"] == pytest.approx(ref["norm"], rel=2e-6), (r, name)
             for k, want in ref["grads"].items():
@@ -150,3 +157,47 @@ def test_cli_exits_2_naming_the_option():
                        timeout=300)
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     assert "train.shard_experts" in r.stderr + r.stdout
+
+
+def test_weights_import_into_experts_sharded_over_dp(tmp_path):
+    """``init_from`` (Hugging Face files and a DCP weights checkpoint) at dp 2 × ep 2 with the experts
+    FSDP2-sharded: each rank reads only its EP rank's experts and the weights equal one process's import."""
+    hf_dir = tmp_path / "hf"
+    make_hf_dir(hf_dir, mtp=1, max_shard_size="40KB")
+    args, _ = args_from_hf_config(read_hf_config(hf_dir))
+    full = Transformer(args)
+    load_hf(full, hf_dir)
+    ref = full.state_dict()
+    dcp_dir = save_model_dcp(full, tmp_path / "dcp")
+    res = H.run_world("tests.shard_experts_worker:import_worker", 4, 2, str(hf_dir), str(dcp_dir), deadline_s=300)
+    e = args.n_routed_experts // 2
+    for r, out in enumerate(res):
+        assert out["hf_placements"] and all("Shard(dim=0)" in p for p in out["hf_placements"])
+        experts_read = {int(n.split(".mlp.experts.")[1].split(".")[0]) for n in out["names_read"]
+                        if ".mlp.experts." in n}
+        assert experts_read == set(range((r % 2) * e, (r % 2) * e + e))   # its EP rank's experts only
+        for src in ("hf", "dcp"):
+            assert out[src]
+            for k, v in out[src].items():
+                assert torch.equal(v, ref[k]), (r, src, k)
+
+
+def test_token_chunks_gather_once_per_chunk_and_reduce_scatter_once():
+    """What dropless-plan and the start-up note say of model.num_token_chunks: per MoE layer, a gather per
+    chunk in forward and in backward, one gradient reduce-scatter."""
+    out = H.run_world("tests.shard_experts_worker:collectives_worker", 4, 2, deadline_s=300)[0]
+    layers = out[1]["moe_layers"]
+    assert out[1] == {"gathers": 2 * layers, "reduce_scatters": layers, "moe_layers": layers}
+    assert out[2] == {"gathers": 4 * layers, "reduce_scatters": layers, "moe_layers": layers}
+
+
+@pytest.mark.parametrize("world, ep, chunks, named", [(4, 4, 1, "dp 1"), (4, 2, 2, "model.num_token_chunks=2"),
+                                                      (4, 2, 1, None)])
+def test_start_up_note_for_dp1_and_token_chunks(world, ep, chunks, named):
+    cfg = compose(W.COMMON + ["dispatcher=a2a", "train.shard_experts=true", f"model.num_token_chunks={chunks}"])
+    env = DistEnv(0, world, 0, world, torch.device("cpu"), ep, world // ep)
+    note = shard_experts_note(cfg, model_args(cfg), env)
+    if named is None:
+        assert note is None
+    else:
+        assert note is not None and named in note and "train.shard_experts" in note

@@ -8,9 +8,9 @@ makes); :func:`load_model_dcp` loads the ``model`` entry of either kind into a b
 (``dropless-train init_from=``); :class:`DCPSource` reads one tensor at a time for an export.
 
 Expert parallelism: pass the run's ``("dp", "ep")`` mesh to :func:`load_model_dcp`; each
-rank's ``w13``/``w2`` (its ``E/EP`` experts) is wrapped as a DTensor
-``[Replicate(), Shard(0)]`` of the global tensor, as the trainer saves them, so DCP reads
-only that rank's rows.
+rank's ``w13``/``w2`` (its ``E/EP`` experts, or its FSDP2 shard of them with ``train.shard_experts``)
+is wrapped as a DTensor of the global tensor (:mod:`dropless.expert_dtensor`), as the trainer saves
+them, so DCP reads only that rank's rows.
 """
 
 from __future__ import annotations
@@ -30,11 +30,7 @@ from torch import nn
 
 from dropless.config import ConfigError, ModelArgs
 from dropless.convert.hf_config import args_from_hf_config
-
-try:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-except ImportError:  # pragma: no cover - torch without distributed
-    DTensor = None
+from dropless.expert_dtensor import global_experts
 
 _STEP = re.compile(r"^step_(\d+)$")
 
@@ -179,13 +175,11 @@ def load_model_dcp(model: nn.Module, path: str | Path, mesh=None) -> None:
             problems.append(f"{key} is missing (model shape {list(t.shape)})")
             continue
         want = tuple(md.size)
-        is_d = DTensor is not None and isinstance(t, DTensor)
-        if key in expert_names and not is_d and tuple(t.shape) != want and mesh is not None \
-                and tuple(t.shape[1:]) == want[1:]:
-            d = DTensor.from_local(t, mesh, [Replicate(), Shard(0)], run_check=False)
-            if tuple(d.shape) == want:
-                state[key] = d
-                pairs.append((d, t))
+        if key in expert_names and tuple(t.shape) != want and mesh is not None and tuple(t.shape[1:]) == want[1:]:
+            got = global_experts(t, mesh)  # this EP rank's experts (or its FSDP2 shard of them) in [E, ...]
+            if got is not None and tuple(got[0].shape) == want:
+                state[key] = got[0]
+                pairs.append(got)
                 continue
         if tuple(t.shape) != want:
             problems.append(f"{key}: checkpoint {list(want)}, model {list(t.shape)}")

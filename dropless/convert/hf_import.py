@@ -9,8 +9,9 @@ dequantised, rope rows permuted for a ``rope_interleave = false`` checkpoint.
 
 Expert parallelism: a rank whose MoE layers hold experts ``offset .. offset + e - 1``
 (``GroupedExperts.expert_offset``) reads only those experts' tensors. Parameters that are
-DTensors (FSDP2: ``dispatcher=fsdp`` experts, ``train.shard_dense``) are read whole and this
-rank keeps its shard (``distribute_tensor`` without communication).
+DTensors (FSDP2: ``dispatcher=fsdp`` experts, ``train.shard_dense``, this EP rank's experts under
+``train.shard_experts``) are assembled whole on every rank that shares them and this rank keeps its
+shard (``distribute_tensor`` without communication).
 """
 
 from __future__ import annotations
@@ -53,14 +54,14 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 
 
 def _expert_ranges(model: nn.Module) -> dict[str, range]:
-    """``w13``/``w2`` FQN -> global ids of this rank's experts (plain tensors only: a DTensor
-    holds all experts' global shape and is read whole)."""
+    """``w13``/``w2`` FQN -> global ids of this rank's experts (all of them for ``dispatcher=fsdp``; this EP
+    rank's, whether plain or an FSDP2 shard over dp with ``train.shard_experts``)."""
     names = {id(p): n for n, p in model.named_parameters()}
     out: dict[str, range] = {}
     for moe in model.moe_layers():
         ex = moe.experts
         for p in (ex.w13, ex.w2):
-            if id(p) in names and not _is_dtensor(p):
+            if id(p) in names:
                 out[names[id(p)]] = range(ex.expert_offset, ex.expert_offset + ex.num_local_experts)
     return out
 
@@ -151,9 +152,9 @@ def load_hf(model: nn.Module, path: str | Path, *, check_config: bool = True) ->
             dest = targets[t.ours]
             if _is_dtensor(dest):
                 full = staged.get(t.ours)
-                if full is None:
+                if full is None:  # the global shape: all experts (fsdp) or this EP rank's (shard_experts)
                     full = staged[t.ours] = torch.empty(tuple(dest.shape), dtype=dest.dtype)
-                _place(full, t, value, I, 0)
+                _place(full, t, value, I, _expert_offset(model, t) if t.expert is not None else 0)
                 pieces_left[t.ours] -= 1
                 if pieces_left[t.ours] == 0:
                     # every rank holds the same full tensor: take the local shard, no communication

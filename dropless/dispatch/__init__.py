@@ -8,12 +8,14 @@ Typical use under torchrun::
 
     from dropless.dispatch import build_dispatcher
     from dropless.dispatch.mesh import build_mesh, start_process_group
+    from dropless.dispatch.registry import dispatcher_class
     from dropless.train.shard import apply_fsdp
 
     start_process_group(timeout_s=300)                   # gloo on CPU, nccl on GPU
     mesh = build_mesh(world, ep_size, "cpu", n_routed_experts=args.n_routed_experts)
-    model = Transformer(args, dispatcher_factory=lambda layer: build_dispatcher(name, args, mesh))
-    if name == "fsdp":
+    kind = dispatcher_class(name)                        # e.g. "a2a" -> A2ADispatcher, once
+    model = Transformer(args, dispatcher_factory=lambda layer: build_dispatcher(kind, args, mesh))
+    if kind.shards_experts:                              # fsdp
         apply_fsdp(model, mesh)
 """
 

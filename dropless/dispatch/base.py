@@ -114,6 +114,28 @@ class Dispatcher(ABC):
     #: True when :meth:`dispatch_async` takes ``quant`` and lands the rows as FP8 codes + scales: moved as
     #: such (``a2a``, ``agrs``), or written by the gather that lands the rows (``local``, ``fsdp``).
     lands_fp8: bool = False
+    #: What the dispatcher runs between ranks inside forward and backward ("" for nothing), which a
+    #: CUDA graph capture or a compiled MoE block cannot hold (``train.cuda_graph``, ``train.compile_moe``).
+    collectives: str = "it moves the tokens between the EP ranks in collectives sized on the host"
+    #: Constructor keywords beyond ``(num_experts, group)`` (:func:`~dropless.dispatch.registry.build_dispatcher`).
+    options: tuple[str, ...] = ()
+    #: True when FSDP2 shards the experts' weights and all-gathers them in each forward (the model
+    #: then needs :func:`dropless.train.shard.apply_fsdp`).
+    shards_experts: bool = False
+
+    @classmethod
+    def check_ep(cls, ep_size: int) -> None:
+        """Raise :class:`ConfigError` when a dispatcher that keeps every expert on every rank
+        (:attr:`expert_parallel` false) is given an EP size other than 1."""
+        if not cls.expert_parallel and ep_size != 1:
+            raise ConfigError(f"dispatcher={cls.name} with EP = {ep_size}: {cls.name} keeps every expert on every "
+                              "rank (EP = 1); set dispatcher.ep_size=1, or use dispatcher=a2a or agrs for expert "
+                              "parallelism")
+
+    @classmethod
+    def default_ep_size(cls, world_size: int) -> int:
+        """What ``dispatcher.ep_size: null`` means: the world size where :attr:`expert_parallel`, else 1."""
+        return world_size if cls.expert_parallel else 1
 
     @classmethod
     def check_regather(cls, field: str = "recompute_gather") -> None:

@@ -277,6 +277,7 @@ class DeepEPDispatcher(Dispatcher):
     """
 
     name = "deepep"
+    options = ("version", "num_max_tokens_per_rank")
 
     @classmethod
     def check_available(cls) -> None:

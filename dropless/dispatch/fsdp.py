@@ -54,6 +54,8 @@ class FSDPDispatcher(LocalDispatcher):
     """
 
     name = "fsdp"
+    collectives = "FSDP2 all-gathers the expert weights in hooks around the experts"
+    shards_experts = True
 
     def __init__(self, num_experts: int):
         super().__init__(num_experts)

@@ -59,6 +59,7 @@ class LocalDispatcher(Dispatcher):
     expert_parallel = False
     gathers_locally = True
     lands_fp8 = True
+    collectives = ""
 
     def __init__(self, num_experts: int):
         super().__init__(num_experts)

@@ -1,9 +1,10 @@
-"""The dispatchers by name (``dispatcher=…``), and the rules a name puts on the EP size.
+"""The dispatchers by name (``dispatcher=…``).
 
-:data:`DISPATCHER_CLASSES` is the one name -> class table; :func:`build_dispatcher` builds from
-it, :func:`check_dispatcher_ep` is THE check that a dispatcher keeping every expert on every
-rank (``local``, ``fsdp``: :attr:`~dropless.dispatch.base.Dispatcher.expert_parallel` False)
-runs with EP = 1, and :func:`default_ep_size` says what ``dispatcher.ep_size: null`` means.
+:data:`DISPATCHER_CLASSES` is the one name -> class table and :func:`dispatcher_class` the one
+lookup in it: a run resolves its ``dispatcher.name`` once
+(:attr:`dropless.train.schema.DispatcherConfig.kind`) and passes the class on, whose class
+attributes and class methods say what the dispatcher needs (EP size, collectives, FSDP2).
+:func:`build_dispatcher` builds one from a class or a name.
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ from dropless.dispatch.fsdp import FSDPDispatcher
 from dropless.dispatch.local import LocalDispatcher
 from dropless.dispatch.mesh import ep_group as _ep_group
 
-__all__ = ["DISPATCHERS", "DISPATCHER_CLASSES", "build_dispatcher", "check_dispatcher_ep", "default_ep_size",
-           "dispatcher_class"]
+__all__ = ["DISPATCHERS", "DISPATCHER_CLASSES", "build_dispatcher", "check_dispatcher_ep", "dispatcher_class"]
 
 DISPATCHER_CLASSES: dict[str, type[Dispatcher]] = {
     "local": LocalDispatcher, "a2a": A2ADispatcher, "agrs": AGRSDispatcher, "fsdp": FSDPDispatcher,
@@ -29,8 +29,6 @@ DISPATCHER_CLASSES: dict[str, type[Dispatcher]] = {
 }
 #: the names, in the order of docs/design.md#dispatchers
 DISPATCHERS = tuple(DISPATCHER_CLASSES)
-
-_OPTIONS = {"deepep": ("version", "num_max_tokens_per_rank")}  # constructor keywords beyond (E, group)
 
 
 def dispatcher_class(name: str) -> type[Dispatcher]:
@@ -46,23 +44,15 @@ def dispatcher_class(name: str) -> type[Dispatcher]:
 
 
 def check_dispatcher_ep(name: str, ep_size: int) -> None:
-    """Raise :class:`ConfigError` if ``dispatcher=name`` keeps every expert on every rank and ``ep_size != 1``."""
-    cls = dispatcher_class(name)
-    if not cls.expert_parallel and ep_size != 1:
-        raise ConfigError(f"dispatcher={cls.name} with EP = {ep_size}: {cls.name} keeps every expert on every rank "
-                          "(EP = 1); set dispatcher.ep_size=1, or use dispatcher=a2a or agrs for expert parallelism")
+    """:meth:`Dispatcher.check_ep <dropless.dispatch.base.Dispatcher.check_ep>` of ``dispatcher=name``."""
+    dispatcher_class(name).check_ep(ep_size)
 
 
-def default_ep_size(name: str, world_size: int) -> int:
-    """What ``dispatcher.ep_size: null`` means: the world size for an expert-parallel dispatcher, else 1."""
-    return world_size if dispatcher_class(name).expert_parallel else 1
-
-
-def build_dispatcher(name: str, args: Any, ep_group: Any = None, **opts: Any) -> Dispatcher:
-    """Build the dispatcher named by the config flag.
+def build_dispatcher(kind: str | type[Dispatcher], args: Any, ep_group: Any = None, **opts: Any) -> Dispatcher:
+    """Build a dispatcher of class ``kind`` (or named ``kind``: one of :data:`DISPATCHERS`).
 
     Args:
-        name: one of :data:`DISPATCHERS`.
+        kind: a :class:`~dropless.dispatch.base.Dispatcher` subclass, or its ``dispatcher=`` name.
         args: the :class:`~dropless.config.ModelArgs` (reads ``n_routed_experts``).
         ep_group: the expert-parallel process group, or a mesh from
             :func:`dropless.dispatch.mesh.build_mesh` (its ``"ep"`` dimension is used).
@@ -77,12 +67,12 @@ def build_dispatcher(name: str, args: Any, ep_group: Any = None, **opts: Any) ->
             by the EP size; an EP group > 1 for ``local``/``fsdp``; an option the dispatcher
             does not take.
     """
-    cls = dispatcher_class(name)
+    cls = dispatcher_class(kind) if isinstance(kind, str) else kind
     group = _ep_group(ep_group)
-    check_dispatcher_ep(cls.name, group_size(group))
-    unknown = sorted(set(opts) - set(_OPTIONS.get(cls.name, ())))
+    cls.check_ep(group_size(group))
+    unknown = sorted(set(opts) - set(cls.options))
     if unknown:
-        takes = ", ".join(_OPTIONS.get(cls.name, ())) or "none"
+        takes = ", ".join(cls.options) or "none"
         raise ConfigError(f"dispatcher={cls.name}: unknown options {unknown}; {cls.name} takes {takes} "
                           "(only deepep has options: version, num_max_tokens_per_rank)")
     num_experts = int(args.n_routed_experts)

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dropless.config import ConfigError, ModelArgs
+from dropless.config import ModelArgs
 from dropless.mlp import FeedForward
 from dropless.model.attention import MLA
 from dropless.model.loss import linear_cross_entropy
@@ -122,9 +122,8 @@ class Transformer(nn.Module):
     :meth:`init_weights`.
 
     Raises:
-        ConfigError: ``args`` fails :meth:`ModelArgs.validate`, or
-            ``tie_word_embeddings`` is true (DeepSeek-V3's head is untied; tying
-            is not supported).
+        ConfigError: ``args`` fails :meth:`ModelArgs.validate` (e.g. ``tie_word_embeddings``
+            true: DeepSeek-V3's head is untied; tying is not supported).
     """
 
     def __init__(self, args: ModelArgs,
@@ -132,9 +131,6 @@ class Transformer(nn.Module):
                  activation_checkpointing: bool = False) -> None:
         super().__init__()
         args.validate()
-        if args.tie_word_embeddings:
-            raise ConfigError("tie_word_embeddings=True: dropless builds DeepSeek-V3's untied "
-                              "output head; set tie_word_embeddings to false")
         self.args = args
         self.yarn = args.yarn()  # None: plain RoPE
         self.activation_checkpointing = bool(activation_checkpointing)

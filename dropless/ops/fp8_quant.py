@@ -39,8 +39,7 @@ import torch
 
 from dropless.layout import ExpertLayout
 from dropless.ops import select
-from dropless.ops.swiglu import FP8_MAX  # the one definition (448, largest finite e4m3)
-from dropless.ops.ue8m0 import pow2_ceil
+from dropless.ops.ue8m0 import FP8_MAX, amax_scale, pow2_ceil  # FP8_MAX: the one definition (448)
 
 FP8_DTYPE = torch.float8_e4m3fn
 SCALE_EPS = 1e-12  # floor of amax, so an all-zero row gets a finite scale
@@ -253,7 +252,7 @@ def _quant_torch(a: torch.Tensor, ue8m0: bool, group: int = 0) -> tuple[torch.Te
     bad = (~torch.isfinite(a)).sum()
     m, k = a.shape
     a3 = a.view(m, 1, k) if group == 0 else a.view(m, k // group, group)
-    scale = a3.abs().amax(-1).clamp_min(SCALE_EPS) / FP8_MAX
+    scale = amax_scale(a3.abs().amax(-1), SCALE_EPS)
     if ue8m0:
         scale = pow2_ceil(scale)
     q = (a3 / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(m, k)
@@ -397,7 +396,7 @@ def quant_token_blocks(x_MK: torch.Tensor, layout: ExpertLayout, ue8m0: bool = F
         a = torch.where(layout.live_mask().unsqueeze(1), x_MK.float(), torch.zeros((), device=x_MK.device))
         bad = (~torch.isfinite(a)).sum()
         a = torch.cat([a, a.new_zeros(mp - m, k)]).view(nblk, TOKEN_BLOCK, k)
-        s = a.abs().amax(1).clamp_min(SCALE_EPS) / FP8_MAX
+        s = amax_scale(a.abs().amax(1), SCALE_EPS)
         if ue8m0:
             s = pow2_ceil(s)
         q = (a / s.unsqueeze(1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(mp, k).t().contiguous()
@@ -438,7 +437,7 @@ def quant_expert_columns(x_MK: torch.Tensor, layout: ExpertLayout, ue8m0: bool =
         if nblk and k and e:
             _quant_tok_kernel[grid](x, q, amax, flag, layout.start, layout.end, e, k, x.stride(0), q.stride(0),
                                     PASS=1, **args)
-        s = amax.clamp_min(SCALE_EPS) / FP8_MAX
+        s = amax_scale(amax, SCALE_EPS)
         if ue8m0:
             s = pow2_ceil(s)
         if nblk and k and e:
@@ -452,7 +451,7 @@ def quant_expert_columns(x_MK: torch.Tensor, layout: ExpertLayout, ue8m0: bool =
         rex = layout.row_expert().clamp(0, max(e - 1, 0))
         amax = torch.zeros(e, k, dtype=torch.float32, device=x_MK.device)
         amax.scatter_reduce_(0, rex[live].unsqueeze(1).expand(-1, k), a[live].abs(), reduce="amax")
-        s = amax.clamp_min(SCALE_EPS) / FP8_MAX
+        s = amax_scale(amax, SCALE_EPS)
         if ue8m0:
             s = pow2_ceil(s)
         q = (a / s[rex]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
@@ -533,7 +532,7 @@ def quant_weight_blocks(w_eKN: torch.Tensor, contract_dim: int = 1, ue8m0: bool 
     # one fp32 copy, [e, N, K] contiguous (w_NK may be a transposed view)
     blocks = torch.empty((e, n, k), dtype=torch.float32, device=w.device).copy_(w_NK)
     blocks = blocks.view(e, n // BLOCK, BLOCK, k // BLOCK, BLOCK)
-    scale = blocks.abs().amax(dim=(2, 4)).clamp_min(SCALE_EPS) / FP8_MAX
+    scale = amax_scale(blocks.abs().amax(dim=(2, 4)), SCALE_EPS)
     if ue8m0:
         scale = pow2_ceil(scale)
     q = (blocks / scale[:, :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).reshape(e, n, k)

@@ -35,9 +35,8 @@ import torch.nn.functional as F
 from dropless.layout import ExpertLayout
 from dropless.ops import select
 from dropless.ops.backward import first_order_only
-from dropless.ops.ue8m0 import pow2_ceil
+from dropless.ops.ue8m0 import FP8_MAX, amax_scale, pow2_ceil
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 QUANT_GROUP = 128  # columns per scale (1×128)
 
 OP_FWD, OP_BWD, OP_QUANT = 0, 1, 2
@@ -327,7 +326,7 @@ def quant_fp8_torch(a_MI: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tens
     """
     m, i = a_MI.shape
     a = a_MI.float().view(m, i // QUANT_GROUP, QUANT_GROUP)
-    scale = a.abs().amax(-1).clamp_min(1e-10) / FP8_MAX
+    scale = amax_scale(a.abs().amax(-1), 1e-10)
     if ue8m0:
         scale = pow2_ceil(scale)
     q = (a / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)

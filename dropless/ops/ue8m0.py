@@ -12,10 +12,15 @@ element is clipped.
   called inside the quantising kernels (:mod:`dropless.ops.fp8_quant`, :mod:`dropless.ops.swiglu`).
 
 Both take positive fp32 scales (the quantisers floor ``amax`` first); a subnormal ``s`` gets its
-exact power-of-two ceiling too, and ``inf`` / NaN pass through unchanged. The kernels form
-``s = amax / 448`` with ``tl.math.div_rn`` (IEEE round-to-nearest, as torch and DeepGEMM divide;
-Triton's ``/`` on fp32 may lower to an approximate division on the GPU), so ``s`` and with it
-the ceiling equal the torch references' bit for bit.
+exact power-of-two ceiling too, and ``inf`` / NaN pass through unchanged.
+
+* :func:`amax_scale` — ``s = max(amax, eps) / 448`` itself, the torch form. The quotient is the
+  IEEE round-to-nearest one on every device, as the kernels' ``tl.math.div_rn(amax, 448.0)``
+  (Triton's ``/`` on fp32 may lower to an approximate division on the GPU). A Python-number
+  divisor would not do: on CUDA, torch divides by a host scalar by multiplying with its fp32
+  reciprocal, which for some ``amax`` is one ulp off the quotient (then the scales, the codes and
+  the power-of-two ceilings of the torch references and the kernels differ), so the divisor is a
+  tensor on ``amax``'s device.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from __future__ import annotations
 import torch
 
 from dropless.ops import select
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 if select.HAS_TRITON:
     import triton
@@ -48,3 +55,13 @@ def pow2_ceil(s: torch.Tensor) -> torch.Tensor:
     m, e = torch.frexp(s)
     p = torch.ldexp(torch.ones_like(s), e - (m == 0.5).to(e.dtype))
     return torch.where(torch.isfinite(s), p, s)
+
+
+def amax_scale(amax: torch.Tensor, eps: float) -> torch.Tensor:
+    """``max(amax, eps) / 448`` in ``amax``'s dtype, the round-to-nearest quotient on CPU and CUDA alike.
+
+    Args:
+        amax: per-row (or per-block) absolute maxima, fp32, any shape and device.
+        eps: the floor of ``amax`` (an all-zero row still gets a finite, positive scale).
+    """
+    return amax.clamp_min(eps) / amax.new_full((), FP8_MAX)

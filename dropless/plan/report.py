@@ -400,8 +400,8 @@ def _format_state(st: dict[str, Any]) -> list[str]:
     if st["shard_experts"] and st["dp_size"] > 1:
         lines.append(f"train.shard_experts per MoE layer and rank: all-gather {_fmt_bytes(c['all_gather_forward'])} "
                      f"forward + {_fmt_bytes(c['all_gather_backward'])} backward, reduce-scatter "
-                     f"{_fmt_bytes(c['reduce_scatter'])} (x num_token_chunks); gathered buffers at the peak "
-                     f"{_fmt_bytes(st['transient'])}")
+                     f"{_fmt_bytes(c['reduce_scatter'])} (the gathers once per token chunk); gathered buffers at "
+                     f"the peak {_fmt_bytes(st['transient'])}")
     if st["device_bytes"] is not None:
         verdict = "fits" if st["fits"] else "does NOT fit"
         lines.append(f"state + gathered buffers {_fmt_bytes(st['layout_with_transient'])} per rank {verdict} in "

@@ -110,7 +110,8 @@ def expert_shard_comm_bytes(n_local: int, hidden_size: int, moe_intermediate_siz
     ``w = e·3·H·I`` elements of local experts; each collective moves ``(dp − 1)/dp · w`` elements
     per rank: the gathers at ``param_bytes`` (bf16 under the trainer's mixed precision), the
     reduce-scatter at ``grad_bytes`` (fp32). 0 at dp = 1. With ``model.num_token_chunks = N`` the
-    experts' forward runs once per chunk, and so does each collective (N times these).
+    experts' forward runs once per chunk, and so does each all-gather (N times these, forward and
+    backward); the gradients are still reduce-scattered once.
     DeepSeek-V3 at EP 64, dp 2 (4 local experts): 168 MiB per gather, 336 MiB reduce-scattered.
     """
     positive_int("dp", dp)

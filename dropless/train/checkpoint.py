@@ -63,10 +63,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager, BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from dropless.config import ConfigError
-from dropless.train.shard import ep_dp_mesh
+from dropless.expert_dtensor import ep_dp_mesh, global_experts
 
 __all__ = ["MARKER", "Checkpointer", "PendingSave", "SaveError", "checkpoint_dir", "finish_save", "host_stager",
            "saved_world_size",
@@ -162,37 +161,23 @@ def _set_rng_state(st: dict[str, torch.Tensor], device: torch.device) -> None:
 
 
 def _wrap_experts(model_sd: dict, optim_sd: dict, expert_fqns: set[str], mesh: Any) -> list[tuple[Any, torch.Tensor]]:
-    """Replace this EP rank's expert tensors by DTensors of the global ``[E, ...]`` tensor.
-
-    A plain tensor (the experts replicated over dp) becomes ``[Replicate(), Shard(0)]`` on the
-    ``(dp, ep)`` mesh; an FSDP2 shard of them (``train.shard_experts``: ``[Shard(d)]`` over the dp
-    mesh) becomes ``[Shard(0), Shard(d)]`` on the ``(ep, dp)`` mesh (:func:`~dropless.train.shard.ep_dp_mesh`:
-    EP block first, then the dp piece of it). Either way DCP stores each expert once, in one global
-    tensor that loads at any dp and EP (EP 1 included), sharded or not.
+    """Replace this EP rank's expert tensors by DTensors of the global ``[E, ...]`` tensor
+    (:func:`dropless.expert_dtensor.global_experts`: ``[Replicate() over dp, Shard(0) over ep]``, or for
+    an FSDP2 shard over dp, ``train.shard_experts``, ``[Shard(0) over ep, Shard(d) over dp]``). Either
+    way DCP stores each expert once, in one global tensor that loads at any dp and EP (EP 1
+    included), sharded or not.
 
     Returns ``(dtensor, original local tensor)`` pairs so that a load can copy the loaded shard back.
     """
     pairs = []
-    swapped = []  # the (ep, dp) mesh, made at the first FSDP2 shard
+    swapped = ep_dp_mesh(mesh)
 
     def wrap(t: torch.Tensor):
-        if t.dim() == 0:
+        got = global_experts(t, mesh, swapped)
+        if got is None:
             return t
-        if isinstance(t, DTensor):
-            if t.device_mesh.mesh_dim_names != ("dp",):  # not an FSDP2 shard over dp (train.shard_experts)
-                return t
-            if not swapped:
-                swapped.append(ep_dp_mesh(mesh))
-            local = t.to_local()
-            ep = mesh["ep"].size()
-            shape = (t.shape[0] * ep, *t.shape[1:])
-            d = DTensor.from_local(local, swapped[0], [Shard(0), t.placements[0]], run_check=False, shape=shape,
-                                   stride=torch.empty(shape, device="meta").stride())
-            pairs.append((d, local))
-            return d
-        d = DTensor.from_local(t, mesh, [Replicate(), Shard(0)], run_check=False)
-        pairs.append((d, t))
-        return d
+        pairs.append(got)
+        return got[0]
 
     for k in list(model_sd):
         if k in expert_fqns:

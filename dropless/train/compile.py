@@ -13,7 +13,8 @@ dispatch, the grouped GEMMs and SwiGLU (custom ops with fake implementations), t
 needs the ``local`` dispatcher (the collectives of the others take host sizes) and no activation
 checkpointing: a compiled router cannot tell a checkpoint's recompute from the forward
 (:func:`dropless.routing.in_backward_recompute` is False under compile), so it would count the
-recomputed tokens into the balancing load twice. :func:`check_compile_moe` says so before any step.
+recomputed tokens into the balancing load twice. :func:`check_compile_moe` (the dispatcher) and
+:meth:`~dropless.train.schema.TrainConfig.validate` (activation checkpointing) say so before any step.
 
 :func:`check_compile` raises :class:`~dropless.config.ConfigError` where compile cannot run
 (no Triton for the inductor backend on CUDA, no C++ compiler for inductor on CPU, a Python or
@@ -29,6 +30,7 @@ import torch
 from torch import nn
 
 from dropless.config import ConfigError
+from dropless.dispatch.base import Dispatcher
 
 __all__ = ["compile_blocks", "check_compile", "check_compile_moe", "eager_regions"]
 
@@ -42,24 +44,18 @@ def eager_regions(model: nn.Module) -> list[str]:
     return out
 
 
-def check_compile_moe(dispatcher: str, activation_checkpointing: bool) -> None:
-    """Check that ``train.compile_moe=true`` can be honoured (see the module docstring).
+def check_compile_moe(kind: type[Dispatcher]) -> None:
+    """Check that ``train.compile_moe=true`` can be honoured with the dispatcher class ``kind`` (see the
+    module docstring): only one without :attr:`~dropless.dispatch.base.Dispatcher.collectives`
+    (``local``) compiles with the block. (Its rule with ``train.activation_checkpointing`` is
+    :meth:`dropless.train.schema.TrainConfig.validate`'s.)
 
-    Args:
-        dispatcher: ``dispatcher.name``; only ``local`` compiles with the block.
-        activation_checkpointing: ``train.activation_checkpointing``; must be False.
     Raises:
         ConfigError: naming the option that conflicts and how to fix it.
     """
-    if dispatcher != "local":
-        why = ("FSDP2 gathers the expert weights in hooks around the experts" if dispatcher == "fsdp"
-               else "its collectives take host sizes")
-        raise ConfigError(f"train.compile_moe=true needs dispatcher=local (got dispatcher={dispatcher}: {why}); "
-                          "set train.compile_moe=false to keep the routed part eager")
-    if activation_checkpointing:
-        raise ConfigError("train.compile_moe=true with train.activation_checkpointing=true would count each "
-                          "checkpoint recompute's tokens into the router's balancing load again; set one of them "
-                          "to false")
+    if kind.collectives:
+        raise ConfigError(f"train.compile_moe=true needs dispatcher=local (got dispatcher={kind.name}: "
+                          f"{kind.collectives}); set train.compile_moe=false to keep the routed part eager")
 
 
 def check_compile(device: torch.device, backend: str) -> None:

@@ -132,6 +132,11 @@ def _bin_file_problem(path: Path, what: str, dtype: str | None) -> str | None:
     return None
 
 
+def _no_match(root: Path, glob: str) -> str:
+    return (f"data.path={str(root)!r}: no file matches data.glob={glob!r} (searched recursively). "
+            "Put text files there or change data.glob.")
+
+
 def _data_problems(data_cfg: Any, model_vocab_size: int | None, validates: bool = True) -> list[str]:
     """Every problem of ``cfg.data`` that the config and a stat of its paths show (see :func:`check_data_config`)."""
     kind = str(data_cfg.kind)
@@ -149,8 +154,7 @@ def _data_problems(data_cfg: Any, model_vocab_size: int | None, validates: bool 
                            "(data.path=DIR data.glob='*.txt'), or leave data.path null for the Python standard "
                            "library.")
             elif root.is_dir() and not text_files(root, glob):
-                out.append(f"data.path={str(root)!r}: no file matches data.glob={glob!r} (searched recursively). "
-                           "Put text files there or change data.glob.")
+                out.append(_no_match(root, glob))
         vocab = 256 if _missing(data_cfg, "vocab_size") else int(data_cfg.vocab_size)
         if vocab != 256:
             out.append(f"data.vocab_size={vocab}: byte-level text has 256 token ids; set it to 256")
@@ -249,8 +253,7 @@ def load_tokens(data_cfg: Any, model_vocab_size: int | None = None, validates: b
         glob = str(data_cfg.get("glob", "*.py"))
         files = [root] if root.is_file() else text_files(root, glob)
         if not files:
-            raise ConfigError(f"data.path={str(root)!r}: no file matches data.glob={glob!r} "
-                              "(searched recursively). Put text files there or change data.glob.")
+            raise ConfigError(_no_match(root, glob))
         blob = b"".join(_text_bytes(f) for f in files)
         if not blob:
             raise ConfigError(f"data.path={str(root)!r}: the {len(files)} files matching "

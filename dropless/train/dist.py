@@ -33,31 +33,10 @@ import torch.distributed as dist
 from dropless.config import ConfigError
 from dropless.dispatch.collectives import CollectiveError
 from dropless.dispatch.mesh import build_mesh, check_ep_size, start_process_group
-from dropless.dispatch.registry import check_dispatcher_ep, default_ep_size
+from dropless.train.schema import DispatcherConfig, RunConfig
 
-__all__ = ["DEVICES", "check_device", "DIST_BACKENDS", "check_dist_backend", "resolve_dist_backend",
-           "DistEnv", "resolve_ep_size", "check_mesh", "init_distributed",
+__all__ = ["resolve_dist_backend", "DistEnv", "resolve_ep_size", "check_mesh", "init_distributed",
            "default_num_threads", "usable_cores", "collective_failure", "elastic_restart"]
-
-#: the values ``device`` takes (``auto``: CUDA where torch sees a GPU, else the CPU)
-DEVICES = ("auto", "cpu", "cuda")
-
-
-def check_device(device_cfg: Any) -> None:
-    """Raise ConfigError unless ``device`` is one of :data:`DEVICES`."""
-    if str(device_cfg) not in DEVICES:
-        raise ConfigError(f"device={str(device_cfg)!r}: must be {', '.join(DEVICES[:-1])} or {DEVICES[-1]}")
-
-
-#: the values ``train.dist_backend`` takes (``auto``: ``nccl`` on CUDA, ``gloo`` on the CPU)
-DIST_BACKENDS = ("auto", "nccl", "gloo")
-
-
-def check_dist_backend(value: Any) -> None:
-    """Raise ConfigError unless ``train.dist_backend`` is one of :data:`DIST_BACKENDS`."""
-    if str(value) not in DIST_BACKENDS:
-        raise ConfigError(f"train.dist_backend={str(value)!r}: must be {', '.join(DIST_BACKENDS[:-1])} or "
-                          f"{DIST_BACKENDS[-1]}")
 
 
 def resolve_dist_backend(want: Any, device: torch.device, local_world_size: int, gpus: int | None = None) -> str:
@@ -68,15 +47,14 @@ def resolve_dist_backend(want: Any, device: torch.device, local_world_size: int,
     CUDA tensor of a collective through host memory).
 
     Args:
-        want: ``train.dist_backend``.
+        want: ``train.dist_backend`` (one of :data:`~dropless.train.schema.DIST_BACKENDS`: the schema checks it).
         device: this rank's device.
         local_world_size: processes on this node (torchrun's ``LOCAL_WORLD_SIZE``).
         gpus: CUDA devices this process sees (None: ``torch.cuda.device_count()``).
     Raises:
-        ConfigError: an unknown value; ``nccl`` on the CPU; ``nccl`` with more local processes
+        ConfigError: ``nccl`` on the CPU; ``nccl`` with more local processes
             than GPUs (NCCL takes one GPU per rank; the message names ``train.dist_backend=gloo``).
     """
-    check_dist_backend(want)
     name = str(want)
     if name == "auto":
         name = "nccl" if device.type == "cuda" else "gloo"
@@ -139,22 +117,12 @@ class DistEnv:
             dist.barrier()
 
 
-def resolve_ep_size(dispatcher_cfg: Any, world_size: int) -> int:
-    """``dispatcher.ep_size``, with null meaning the world size (a2a/agrs/deepep) or 1 (local/fsdp).
-
-    Raises:
-        ConfigError: not a positive integer; ``> 1`` for a dispatcher that keeps every expert
-            on every rank (:func:`dropless.dispatch.registry.check_dispatcher_ep`).
-    """
-    ep = dispatcher_cfg.ep_size
-    name = str(dispatcher_cfg.name)
-    if ep is None:
-        return default_ep_size(name, world_size)
-    ep = int(ep)
-    if ep <= 0:
-        raise ConfigError(f"dispatcher.ep_size={ep}: must be a positive integer (or null)")
-    check_dispatcher_ep(name, ep)
-    return ep
+def resolve_ep_size(dispatcher: DispatcherConfig, world_size: int) -> int:
+    """``dispatcher.ep_size`` (validated: :meth:`DispatcherConfig.validate`), with null meaning the world
+    size (a2a/agrs/deepep) or 1 (local/fsdp): :meth:`~dropless.dispatch.base.Dispatcher.default_ep_size`."""
+    if dispatcher.ep_size is None:
+        return dispatcher.kind.default_ep_size(world_size)
+    return int(dispatcher.ep_size)
 
 
 def check_mesh(world_size: int, ep_size: int, n_routed_experts: int) -> int:
@@ -190,8 +158,7 @@ def usable_cores() -> int:
 
 
 def _device(device_cfg: str, local_rank: int, recipe: str | None = None) -> torch.device:
-    check_device(device_cfg)
-    want = str(device_cfg)
+    want = str(device_cfg)  # one of schema.DEVICES (RunConfig.validate)
     if want == "auto":
         want = "cuda" if torch.cuda.is_available() else "cpu"
     if want == "cuda":
@@ -206,8 +173,9 @@ def _device(device_cfg: str, local_rank: int, recipe: str | None = None) -> torc
     return torch.device("cpu")
 
 
-def init_distributed(cfg: Any, n_routed_experts: int) -> DistEnv:
-    """Set up the process group (under torchrun), the device and the mesh.
+def init_distributed(cfg: RunConfig, n_routed_experts: int) -> DistEnv:
+    """Set up the process group (under torchrun), the device and the mesh, for the checked config
+    (:func:`~dropless.train.startup.check_train_config`'s typed :class:`RunConfig`).
 
     The mesh shape is checked before any collective is made, so a world size that does
     not fit fails at once on every rank with the same :class:`ConfigError`.

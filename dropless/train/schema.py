@@ -31,11 +31,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, List, Optional
 
 from omegaconf import MISSING
 
 from dropless.config import ConfigError
+from dropless.dispatch.base import Dispatcher
+from dropless.dispatch.registry import dispatcher_class
 from dropless.model.loss import LOSS_IMPLS
 
 __all__ = ["BinDataConfig", "DispatcherConfig", "FIELD_DOCS", "GemmConfig", "LoggingConfig", "OptimConfig", "RunConfig",
@@ -43,6 +46,10 @@ __all__ = ["BinDataConfig", "DispatcherConfig", "FIELD_DOCS", "GemmConfig", "Log
 
 # OmegaConf reads these annotations at runtime: keep typing.List / Optional (not PEP 604) for Python 3.10.
 
+#: the values ``device`` takes (``auto``: CUDA where torch sees a GPU, else the CPU)
+DEVICES = ("auto", "cpu", "cuda")
+#: the values ``train.dist_backend`` takes (``auto``: ``nccl`` on CUDA, ``gloo`` on the CPU)
+DIST_BACKENDS = ("auto", "nccl", "gloo")
 _F32_MAX = 3.4028234663852886e38  # float32's largest finite value: the fused AdamW takes the hyperparameters as fp32
 
 
@@ -97,15 +104,17 @@ class TrainConfig:
              self.compile_backend, "must be inductor, aot_eager or eager")
         need(not self.compile_moe or self.compile, "train.compile_moe", self.compile_moe,
              "compiles the MoE part of each block compiled by train.compile; set train.compile=true as well")
+        need(not (self.compile_moe and self.activation_checkpointing), "train.compile_moe", True,
+             "with train.activation_checkpointing=true would count each checkpoint recompute's tokens into the "
+             "router's balancing load again; set one of them to false")
         need(self.loss_impl in LOSS_IMPLS, "train.loss_impl", self.loss_impl, f"must be one of {LOSS_IMPLS}")
+        need(self.dist_backend in DIST_BACKENDS, "train.dist_backend", self.dist_backend,
+             "must be auto, nccl or gloo")
         need(math.isfinite(self.dist_timeout_s), "train.dist_timeout_s", self.dist_timeout_s,
              "must be a finite number of seconds")
         need(self.dist_timeout_s > 0, "train.dist_timeout_s", self.dist_timeout_s,
              "must be > 0 (seconds a collective may wait for the other ranks)")
         if self.cuda_graph:
-            need(self.loss_impl != "liger", "train.cuda_graph", True,
-                 "with train.loss_impl=liger: Liger-Kernel's fused loss reads a value on the host inside forward, "
-                 "which a capture forbids; set train.loss_impl=torch")
             need(not self.shard_dense, "train.cuda_graph", True,
                  "train.shard_dense=true all-gathers parameters inside forward and backward (FSDP2), which a "
                  "captured graph cannot hold; set one of them to false")
@@ -193,10 +202,24 @@ class LoggingConfig:
 
 @dataclass
 class DispatcherConfig:
-    """``dispatcher.*`` (``configs/dispatcher/``)."""
+    """``dispatcher.*`` (``configs/dispatcher/``); :attr:`kind` is the class ``name`` names, resolved once."""
 
     name: str = MISSING
     ep_size: Optional[int] = MISSING
+
+    @cached_property
+    def kind(self) -> type[Dispatcher]:
+        """The :class:`~dropless.dispatch.base.Dispatcher` subclass of ``name``
+        (:func:`~dropless.dispatch.registry.dispatcher_class`: ConfigError for an unknown name)."""
+        return dispatcher_class(self.name)
+
+    def validate(self) -> None:
+        """A known ``name``; ``ep_size`` null or >= 1, and 1 where the dispatcher keeps every expert on every rank."""
+        kind = self.kind  # an unknown name raises here
+        need(self.ep_size is None or self.ep_size >= 1, "dispatcher.ep_size", self.ep_size,
+             "must be a positive integer (or null: the world size for an expert-parallel dispatcher)")
+        if self.ep_size is not None:
+            kind.check_ep(self.ep_size)
 
 
 @dataclass
@@ -228,9 +251,10 @@ class RunConfig:
 
     def validate(self) -> None:
         """Every group's own rules (``validate()`` of each), then the top level's own fields."""
-        for group in (self.train, self.optim, self.logging):
+        for group in (self.train, self.optim, self.logging, self.dispatcher):
             group.validate()
         need(0 <= self.seed < 2**63, "seed", self.seed, "must be an integer in [0, 2^63) (it seeds torch and numpy)")
+        need(self.device in DEVICES, "device", self.device, "must be auto, cpu or cuda")
         need(self.num_threads is None or self.num_threads >= 1, "num_threads", self.num_threads,
              "must be >= 1 (CPU threads per process), or null for the cores divided by the local processes")
 

@@ -13,7 +13,8 @@ FSDP2 all-gathers a layer's local experts just before they run (the next layer's
 prefetched), again in backward, and reduce-scatters their gradients (summed over dp and divided by
 the world size: what the replicated path's dp all-reduce and ``/ world`` do, see
 ``dropless/dispatch/mesh.py``). :func:`expert_shard_dim` picks the sharded dimension and refuses
-sizes that cannot be sharded.
+sizes that cannot be sharded; checkpoints store the pieces as the global ``[E, ...]`` tensor
+(:mod:`dropless.expert_dtensor`, whose :func:`~dropless.expert_dtensor.ep_dp_mesh` is re-exported here).
 
 :func:`shard_dense_params` shards the non-expert parameters over all ranks.
 Without it every rank holds every non-expert parameter (attention, dense layers, shared
@@ -48,6 +49,7 @@ from torch.distributed.tensor import Shard
 from dropless.config import ConfigError
 from dropless.dispatch.fsdp import FSDPDispatcher
 from dropless.dispatch.registry import check_dispatcher_ep, dispatcher_class
+from dropless.expert_dtensor import ep_dp_mesh
 from dropless.moe import MoE
 
 __all__ = ["apply_fsdp", "ep_dp_mesh", "expert_shard_dim", "shard_dense_params", "shard_experts", "world_mesh"]
@@ -237,19 +239,6 @@ def expert_shard_dim(dispatcher: str, dp_size: int, ep_size: int, n_routed_exper
         f"model.hidden_size={hidden_size} and model.moe_intermediate_size={moe_intermediate_size}, so FSDP2 cannot "
         "split the expert weights evenly over dp; choose a world size whose dp divides one of them, another "
         "dispatcher.ep_size, or train.shard_experts=false")
-
-
-def ep_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The ``("ep", "dp")`` DeviceMesh of a ``("dp", "ep")`` mesh from :func:`dropless.dispatch.mesh.build_mesh`:
-    the same ranks and process groups with the dimensions swapped, so that ``[Shard(0), Shard(d)]`` on it
-    places rank ``(dp i, ep j)``'s piece of a ``[E, ...]`` tensor where its experts are: EP block ``j``, dp
-    piece ``i`` of it (the layout :func:`shard_experts` gives the local experts)."""
-    names = getattr(mesh, "mesh_dim_names", None)
-    if not names or tuple(names) != ("dp", "ep"):
-        raise ValueError(f"ep_dp_mesh: need the ('dp', 'ep') mesh of build_mesh, got dims {names}")
-    ranks = mesh.mesh.t().contiguous()
-    return DeviceMesh.from_group([mesh["ep"].get_group(), mesh["dp"].get_group()], mesh.device_type, mesh=ranks,
-                                 mesh_dim_names=("ep", "dp"))
 
 
 def shard_experts(module: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool = True,

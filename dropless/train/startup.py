@@ -23,15 +23,15 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from dropless.config import ConfigError, ModelArgs
 from dropless.convert.start import resolve_source
 from dropless.dispatch import build_dispatcher
+from dropless.dispatch.base import Dispatcher
 from dropless.dispatch.mesh import local_expert_count
-from dropless.dispatch.registry import dispatcher_class
 from dropless.layout import aligned_capacity
 from dropless.model import Transformer
 from dropless.ops.backends import check_backend_device, check_backend_shapes, list_backends
 from dropless.train.compile import check_compile, check_compile_moe
 from dropless.train.config import model_args
 from dropless.train.data import check_data_config
-from dropless.train.dist import DistEnv, check_device, check_dist_backend, resolve_ep_size, usable_cores
+from dropless.train.dist import DistEnv, resolve_ep_size, usable_cores
 from dropless.train.metrics import wandb_problem
 from dropless.train.schema import RunConfig, need
 from dropless.train.shard import apply_fsdp, expert_shard_dim, shard_dense_params, shard_experts
@@ -59,34 +59,29 @@ def check_train_config(cfg: DictConfig) -> RunConfig:
                           f"({missing[0]}=VALUE)")
     run: RunConfig = OmegaConf.to_object(cfg)
     run.validate()
-    t, name = run.train, run.dispatcher.name
-    check_device(run.device)
-    check_dist_backend(t.dist_backend)
+    t, kind = run.train, run.dispatcher.kind
     if t.compile and t.compile_moe:
-        check_compile_moe(name, t.activation_checkpointing)
+        check_compile_moe(kind)
     if t.cuda_graph:
-        need(name == "local", "train.cuda_graph", True,
-             f"captures forward and backward without collectives, but dispatcher={name} runs "
-             "collectives inside them (the EP dispatchers move tokens between ranks; fsdp all-gathers the "
-             "experts); use dispatcher=local or train.cuda_graph=false")
+        need(not kind.collectives, "train.cuda_graph", True,
+             f"captures forward and backward without collectives, but with dispatcher={kind.name} "
+             f"{kind.collectives}; use dispatcher=local or train.cuda_graph=false")
         need(run.model.gemm == "torch", "train.cuda_graph", True,
              f"is supported with gemm=torch only, got model.gemm={run.model.gemm} (gemm=loop reads the expert "
              "offsets on the host, which a capture forbids; the FP8 backends keep their weight cache in host logic "
              "that a replay would skip); use gemm=torch or train.cuda_graph=false")
     # (torchrun's WORLD_SIZE stands in for the world size; the mesh itself is checked when the ranks start)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    ep = resolve_ep_size(cfg.dispatcher, world)
+    ep = resolve_ep_size(run.dispatcher, world)
     args = model_args(cfg)
     if t.shard_experts:
-        expert_shard_dim(name, world // ep if world % ep == 0 else 1, ep, args.n_routed_experts, args.hidden_size,
+        expert_shard_dim(kind.name, world // ep if world % ep == 0 else 1, ep, args.n_routed_experts, args.hidden_size,
                          args.moe_intermediate_size)
     if args.recompute_gather:
-        dispatcher_class(name).check_regather("model.recompute_gather")
+        kind.check_regather("model.recompute_gather")
     need(args.gemm in list_backends(), "gemm.backend (model.gemm)", args.gemm,
          f"not a grouped GEMM backend; choose one of {list_backends()} (gemm=NAME picks configs/gemm/NAME.yaml)")
     check_data_config(cfg.data, args.vocab_size, validates=t.val_every > 0)  # every data problem in one error
-    need(not args.tie_word_embeddings, "model.tie_word_embeddings", True,
-         "dropless builds DeepSeek-V3's untied output head; set model.tie_word_embeddings=false")
     if run.init_from and not run.resume:  # (a resumed run may never read it)
         resolve_source(run.init_from)
     if t.seq_len > args.max_position_embeddings:
@@ -96,7 +91,7 @@ def check_train_config(cfg: DictConfig) -> RunConfig:
     return run
 
 
-def check_machine(cfg: DictConfig, args: ModelArgs, env: DistEnv, dtype: torch.dtype, total_params: int) -> None:
+def check_machine(cfg: RunConfig, args: ModelArgs, env: DistEnv, dtype: torch.dtype, total_params: int) -> None:
     """ConfigError for what the config asks of this machine and cannot get, before the data is read and
     the run directory made: the GEMM backend on this device (e.g. gemm=fp8 without FP8 tensor cores) and
     its row sizes, the dispatcher's package (e.g. deepep's), the training state in memory
@@ -104,23 +99,23 @@ def check_machine(cfg: DictConfig, args: ModelArgs, env: DistEnv, dtype: torch.d
     graphs on a CUDA device, and the wandb login (:func:`check_logging`)."""
     t = cfg.train
     check_backend_device(args.gemm, env.device)
-    dispatcher_class(cfg.dispatcher.name).check_available()
+    cfg.dispatcher.kind.check_available()
     check_backend_shapes(args.gemm, env.device, dtype, args.hidden_size, args.moe_intermediate_size)
     check_state_fits(total_params, dtype, env, async_staging=bool(t.ckpt_async))
     if t.compile:
         check_compile(env.device, str(t.compile_backend))
-    if t.cuda_graph and env.device.type != "cuda":  # (loss_impl=liger: check_train_config refuses it)
+    if t.cuda_graph and env.device.type != "cuda":  # (loss_impl=liger: resolve_loss_impl refuses it)
         raise ConfigError(f"train.cuda_graph=true: CUDA graphs need a CUDA GPU, but the run's device is "
                           f"{env.device}; set train.cuda_graph=false (or device=cuda on a GPU machine)")
     check_logging(cfg, env)
 
 
-def start_notes(cfg: DictConfig, args: ModelArgs, env: DistEnv) -> list[str]:
+def start_notes(cfg: RunConfig, args: ModelArgs, env: DistEnv) -> list[str]:
     """The start-up warnings that the config and the world give: :func:`alignment_note`,
-    :func:`schedule_note`, :func:`threads_note`, :func:`dispatcher_note`."""
+    :func:`schedule_note`, :func:`threads_note`, :func:`dispatcher_note`, :func:`shard_experts_note`."""
     tokens = int(cfg.train.micro_batch_size) * int(cfg.train.seq_len)
     notes = (alignment_note(args, tokens, env.ep_size), schedule_note(cfg), threads_note(cfg, env),
-             dispatcher_note(cfg, env))
+             dispatcher_note(cfg.dispatcher.kind, env), shard_experts_note(cfg, args, env))
     return [n for n in notes if n]
 
 
@@ -220,7 +215,7 @@ def check_state_fits(total_params: int, dtype: torch.dtype, env: DistEnv, have: 
             "use a smaller model (e.g. model=tiny, or the default recipe on a CPU), more ranks, or a larger device")
 
 
-def threads_note(cfg: DictConfig, env: DistEnv, cores: int | None = None) -> str | None:
+def threads_note(cfg: RunConfig | DictConfig, env: DistEnv, cores: int | None = None) -> str | None:
     """A warning when ``num_threads`` times the processes on this node exceeds the cores they may use
     (``cores``, default :func:`~dropless.train.dist.usable_cores`): intra-op threads then wait for
     each other and run much slower (valid, rarely meant). None for ``num_threads=null`` (the cores
@@ -234,12 +229,12 @@ def threads_note(cfg: DictConfig, env: DistEnv, cores: int | None = None) -> str
             f"set num_threads=null (the cores shared out: {max(1, cores // env.local_world_size)} each) or fewer")
 
 
-def dispatcher_note(cfg: DictConfig, env: DistEnv) -> str | None:
+def dispatcher_note(kind: type[Dispatcher], env: DistEnv) -> str | None:
     """A warning when an expert-parallel dispatcher (a2a, agrs, deepep) runs at EP = 1: every expert
     stays on this process and no row is sent, so the MoE layers train as ``dispatcher=local`` would
     (valid, rarely meant: one process started without torchrun, or ``dispatcher.ep_size=1``). Else None."""
-    name = str(cfg.dispatcher.name)
-    if env.ep_size > 1 or not dispatcher_class(name).expert_parallel:
+    name = kind.name
+    if env.ep_size > 1 or not kind.expert_parallel:
         return None
     if env.world_size == 1:
         how = (f"one process runs EP = 1; for expert parallelism start several: torchrun --nproc_per_node N "
@@ -251,7 +246,25 @@ def dispatcher_note(cfg: DictConfig, env: DistEnv) -> str | None:
             "the MoE layers train as dispatcher=local")
 
 
-def schedule_note(cfg: DictConfig) -> str | None:
+def shard_experts_note(cfg: RunConfig, args: ModelArgs, env: DistEnv) -> str | None:
+    """A warning where ``train.shard_experts`` does nothing (dp = 1: no rank holds this rank's experts
+    besides it) or gathers each layer's experts once per token chunk (``model.num_token_chunks`` > 1:
+    the experts' forward, where FSDP2 gathers them, runs once per chunk; valid, costs bytes). Else None."""
+    if not cfg.train.shard_experts or env.world_size == 1:
+        return None
+    if env.dp_size == 1:
+        return (f"train.shard_experts=true with dp 1 (world {env.world_size} = dispatcher.ep_size): no other rank "
+                "holds this rank's experts, so nothing is sharded; it shards over dp = world / dispatcher.ep_size")
+    n = int(args.num_token_chunks)
+    if n > 1:
+        return (f"train.shard_experts=true with model.num_token_chunks={n}: each MoE layer's experts are all-gathered "
+                f"{n} times per forward (once per chunk) and {n} times again in backward (their gradients are "
+                "reduce-scattered once; dropless-plan shows the bytes per gather); use num_token_chunks=1 unless "
+                "memory needs it")
+    return None
+
+
+def schedule_note(cfg: RunConfig | DictConfig) -> str | None:
     """A warning when ``optim.warmup_steps`` reaches ``train.steps``: the run ends inside the warm-up, so
     the learning rate never reaches ``optim.lr`` and never decays (valid, rarely meant). Else None."""
     warmup, steps = int(cfg.optim.warmup_steps), int(cfg.train.steps)
@@ -262,7 +275,7 @@ def schedule_note(cfg: DictConfig) -> str | None:
             f"lower optim.warmup_steps (e.g. {max(0, steps // 10)}) or raise train.steps")
 
 
-def check_logging(cfg: DictConfig, env: DistEnv) -> None:
+def check_logging(cfg: RunConfig | DictConfig, env: DistEnv) -> None:
     """ConfigError when ``logging.mode`` cannot start the wandb run (:func:`~dropless.train.metrics.wandb_problem`:
     wandb not importable; ``online`` without credentials), before the run directory and the model.
 
@@ -334,36 +347,36 @@ def compute_dtype(train_cfg: Any, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if want == "bf16" else torch.float32
 
 
-def build_model(args: ModelArgs, cfg: DictConfig, env: DistEnv, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def build_model(args: ModelArgs, cfg: RunConfig, env: DistEnv, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """The Transformer with the configured dispatcher in every MoE layer, initialised (fp32).
 
-    ``dispatcher=local``: the MoE default. Others: ``dropless.dispatch.build_dispatcher``
-    with this rank's EP group; ``fsdp`` additionally shards the experts with FSDP2
-    (``dropless.train.shard.apply_fsdp``) over the dp mesh dimension, and so does
-    ``train.shard_experts`` with an EP dispatcher (each rank's local experts over the dp ranks
-    holding the same ones: :func:`dropless.train.shard.shard_experts`). With
+    Each MoE layer gets a dispatcher of the configured class (``dropless.dispatch.build_dispatcher``)
+    with this rank's EP group; one that :attr:`~dropless.dispatch.base.Dispatcher.shards_experts`
+    (``fsdp``) has the experts FSDP2-sharded (``dropless.train.shard.apply_fsdp``) over the dp
+    mesh dimension, and so does ``train.shard_experts`` with an EP dispatcher (each rank's local
+    experts over the dp ranks holding the same ones: :func:`dropless.train.shard.shard_experts`). With
     ``train.shard_dense`` the non-expert parameters are FSDP2-sharded over all ranks
     (:func:`dropless.train.shard.shard_dense_params`). With ``dtype`` bf16 those FSDP2
     calls get ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (inputs not
     cast: the activations are bf16 already, the RoPE tables and routing weights stay fp32);
     the other parameters are cast later by :class:`~dropless.train.optim.MasterWeights`.
     """
-    name = str(cfg.dispatcher.name)
-    factory = None
-    if name != "local":
-        def factory(layer_id: int):
-            return build_dispatcher(name, args, ep_group=env.ep_group)
+    kind = cfg.dispatcher.kind
+
+    def factory(layer_id: int):
+        return build_dispatcher(kind, args, ep_group=env.ep_group)
 
     with torch.device(env.device):
         model = Transformer(args, dispatcher_factory=factory,
                             activation_checkpointing=bool(cfg.train.activation_checkpointing))
     model.init_weights(int(cfg.seed))
     shard_dense = bool(cfg.train.shard_dense) and env.world_size > 1
-    experts_sharded = bool(cfg.train.get("shard_experts", False)) and env.dp_size > 1
+    experts_sharded = bool(cfg.train.shard_experts) and env.dp_size > 1
+    fsdp_experts = kind.shards_experts and env.world_size > 1
     mp_policy = None
-    if dtype != torch.float32 and (shard_dense or experts_sharded or (name == "fsdp" and env.world_size > 1)):
+    if dtype != torch.float32 and (shard_dense or experts_sharded or fsdp_experts):
         mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
-    if name == "fsdp" and env.world_size > 1:
+    if fsdp_experts:
         apply_fsdp(model, env.mesh, root=not shard_dense, mp_policy=mp_policy)  # shard_dense makes the root
     if experts_sharded:
         shard_experts(model, env.mesh, root=not shard_dense, mp_policy=mp_policy)

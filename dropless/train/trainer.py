@@ -123,15 +123,15 @@ class Trainer(StepLoop):
             set_deterministic(self.run.seed)
         self.args = model_args(cfg)
         self.seq_len, self.batch, self.accum, self.steps = t.seq_len, t.micro_batch_size, t.grad_accum, t.steps
-        self.env = env = init_distributed(cfg, self.args.n_routed_experts)
+        self.env = env = init_distributed(self.run, self.args.n_routed_experts)
         self.main = env.is_main
         self.console = Console(self.main, self.run.logging.progress)
         self.warnings = self.console.warnings
         self.signals = StopSignals(self.console)
         self.dtype = compute_dtype(t, env.device)
         self.param_counts = param_counts(self.args)
-        check_machine(cfg, self.args, env, self.dtype, self.param_counts.total)
-        for note in start_notes(cfg, self.args, env):
+        check_machine(self.run, self.args, env, self.dtype, self.param_counts.total)
+        for note in start_notes(self.run, self.args, env):
             self.console.warn(note)
         self.loss_impl, loss_note = resolve_loss_impl(t.loss_impl, env.device, t.cuda_graph)
         self.print(f"[dropless] loss: {loss_note}")
@@ -156,7 +156,7 @@ class Trainer(StepLoop):
     def _build(self, cfg: DictConfig) -> None:
         """The model (and init_from's weights), its masters, gradient buckets, optimizer and schedule."""
         t, env = self.run.train, self.env
-        self.model = build_model(self.args, cfg, env, self.dtype)
+        self.model = build_model(self.args, self.run, env, self.dtype)
         if cfg.init_from and not (cfg.resume and ckpt.latest_checkpoint(self.run_dir)):  # weights only
             where = init_from(self.model, cfg.init_from, mesh=env.mesh if env.ep_size > 1 else None)
             self.print(f"[dropless] init_from: model weights loaded from {where} (the optimizer, step and data "
