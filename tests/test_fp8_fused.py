@@ -292,9 +292,9 @@ def test_recompute_paths_quantise_themselves():
     """recompute_gather / recompute_fc1: the local gather lands no codes (those paths quantise the rows they
     rebuild), with no warning, and the values equal the separate passes'."""
     for over in (dict(recompute_gather=True), dict(recompute_fc1=True)):
-        m = _moe("local", Fp8Backend(emulate=True), **over)
+        m = _moe("local", Fp8Backend(emulate=True, fused_quant=True), **over)
         assert m._row_quantiser(torch.float32) is None
-    m = _moe("local", Fp8Backend(emulate=True))
+    m = _moe("local", Fp8Backend(emulate=True, fused_quant=True))
     assert m._row_quantiser(torch.float32).group == 0
     assert _moe("local", Fp8Backend(emulate=True, fused_quant=False))._row_quantiser(torch.float32).group is None
 
@@ -321,7 +321,7 @@ def test_landed_codes_freed_after_fc1():
     x = _tokens(n, h, torch.float32)
     x[7] = 1.0
     x.requires_grad_()
-    be = Fp8Backend(emulate=True)
+    be = Fp8Backend(emulate=True, fused_quant=True)
     rows, fp8 = permute_fp8(x, src, dest, RowQuantiser(lambda a: be.quant_act(a, None), torch.float32, group=0))
     alive = weakref.ref(fp8.codes_MH)
     g = torch.Generator().manual_seed(3)

@@ -1,7 +1,7 @@
 """Where FP8 pays (dropless/ops/fp8_policy.py): per GEMM of a layer's experts, FP8 or bf16 from the crossover table,
 applied by the fused FP8 path and said once at the layer's first forward.
 
-FP8 is emulated on CPU (``Fp8Backend(emulate=True)``, fp32 model): a GEMM the plan keeps in bf16 runs
+FP8 is emulated on CPU (``Fp8Backend(emulate=True, fused_quant=True)``, fp32 model): a GEMM the plan keeps in bf16 runs
 through the ``torch`` backend, so with every GEMM in bf16 the layer equals ``gemm=torch`` up to fp32
 summation order (1e-5 of the largest value; the SwiGLU backward is the fused kernel's formula there,
 autograd's in ``gemm=torch``).
@@ -51,7 +51,7 @@ def _moe(dispatcher="local", layer_id=H.LAYER_ID, **over):
     args = H.model_args(moe_intermediate_size=16, expert_alignment=8, gemm="fp8", **over)
     m = MoE(args, layer_id, build_dispatcher(dispatcher, args, None))
     m.init_weights()
-    m.experts.backend = Fp8Backend(emulate=True)
+    m.experts.backend = Fp8Backend(emulate=True, fused_quant=True)
     return m
 
 

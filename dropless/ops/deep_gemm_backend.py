@@ -82,7 +82,7 @@ class DeepGemmBackend(Fp8Backend):
     act_group = BLOCK  # live rows in e4m3, scale [M, K/128] (quant_act, swiglu_quant_act)
 
     def __init__(self, module: ModuleType | None = None, emulate: bool = False, ue8m0: bool = False,
-                 wgrad: str = "bf16", fused_quant: bool = True):
+                 wgrad: str = "bf16", fused_quant: bool = False):
         super().__init__(emulate=emulate, ue8m0=ue8m0, wgrad=wgrad, fused_quant=fused_quant)
         self.dg = module if module is not None else import_deep_gemm()
         self.alignment = int(getattr(self.dg, ALIGN_FN)())

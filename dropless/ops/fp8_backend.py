@@ -90,8 +90,9 @@ class Fp8Backend:
         ue8m0: power-of-two scales.
         fused_quant: quantise FC1's rows in the local gather that lands them and FC2's output
             gradient in the combine's backward that writes it (:mod:`dropless.ops.fp8_fused_rows`;
-            the same codes and scales); False: a separate quantisation pass over each
-            (``quant_act``), for A/B measurements (benchmarks/fp8_fused.py).
+            the same codes and scales). Off by default (a separate quantisation pass over each,
+            ``quant_act``): on an H100 the fused kernels made the seed shape's experts slower
+            (docs/performance.md#fp8-experts; benchmarks/fp8_fused.py measures both).
         wgrad: one of :data:`WGRAD_MODES`. The FP8 modes quantise both operands of each weight
             gradient along the rows (:func:`~dropless.ops.fp8_quant.quant_token_blocks` /
             :func:`~dropless.ops.fp8_quant.quant_expert_columns`) and run
@@ -107,7 +108,7 @@ class Fp8Backend:
     act_group = 0
 
     def __init__(self, emulate: bool = False, fast_accum: bool = True, ue8m0: bool = False, wgrad: str = "bf16",
-                 fused_quant: bool = True):
+                 fused_quant: bool = False):
         if wgrad not in WGRAD_MODES:
             raise ValueError(f"Fp8Backend: wgrad={wgrad!r}; choose one of {WGRAD_MODES}")
         self.emulate, self.fast_accum, self.ue8m0, self.wgrad = emulate, fast_accum, ue8m0, wgrad
