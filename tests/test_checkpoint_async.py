@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from dropless.train import checkpoint as ckpt
 from dropless.train.config import compose
+from dropless.train.state import ModelState, OptimizerState
 from dropless.train.trainer import Trainer
 from tests import dist_harness as H
 from tests.test_train import QUICK, _env, records
@@ -103,8 +104,8 @@ def test_async_save_holds_its_step_while_training_goes_on(tmp_path, held_writes,
         held_writes.set()
         assert tr.checkpoints.finish() == path
         assert ckpt.latest_checkpoint(tmp_path) == (2, path) and not partial.exists()
-        st = ckpt.load(path, tr.masters.state_module, tr.optimizer, tr.progress.state_dict(), tr.env, tr.expert_fqns)
-        assert st["step"] == 2
+        tr.checkpoints.load(path)
+        assert tr.step == 2
         _assert_equal(_snapshot(tr.masters.state_module, tr.optimizer), at2)
     finally:
         held_writes.set()
@@ -142,9 +143,8 @@ def test_consecutive_async_saves_each_hold_their_step(tmp_path, held_writes, cap
             tr.close()
             assert tr.checkpoints.stager is None  # the closed trainer lets its host copy go
         for step in (2, 4):
-            st = ckpt.load(ckpt.checkpoint_dir(tmp_path, step), tr.masters.state_module, tr.optimizer,
-                           tr.progress.state_dict(), tr.env, tr.expert_fqns)
-            assert st["step"] == step
+            tr.checkpoints.load(ckpt.checkpoint_dir(tmp_path, step))
+            assert tr.step == step
             _assert_equal(_snapshot(tr.masters.state_module, tr.optimizer), snaps[step])
     finally:
         held_writes.set()
@@ -315,16 +315,20 @@ def async_worker(rank, world, out_dir, fail_rank, refill=False):
     dcp.FileSystemWriter.write_data = write_data
     if refill:
         torch.Tensor.pin_memory = lambda self, *a, **k: self
-    saver = ckpt.Checkpointer(out_dir, env, asynchronous=True, timeout_s=60,
+    app_state = {"model": ModelState(model, {"experts"}, env.mesh),
+                 "optim": OptimizerState(model, opt, {"experts"}, env.mesh), "trainer": {"step": 0}}
+    saver = ckpt.Checkpointer(out_dir, env, app_state, asynchronous=True, timeout_s=60,
                               stager=ckpt._RefillStager() if refill else None)
     step()
     at1 = _snapshot(model, opt)
-    saver.save(1, model, opt, {"step": 1}, {"experts"}, wait=False)
+    app_state["trainer"] = {"step": 1}
+    saver.save(1, wait=False)
     step()
     go.set()
     at2 = _snapshot(model, opt)
     if refill:  # completes step 1's write, then refills the same host copy with step 2's state
-        saver.save(2, model, opt, {"step": 2}, {"experts"}, wait=False)
+        app_state["trainer"] = {"step": 2}
+        saver.save(2, wait=False)
         step()
     try:
         saver.finish()
@@ -333,9 +337,10 @@ def async_worker(rank, world, out_dir, fail_rank, refill=False):
     dcp.FileSystemWriter.write_data = _write
     out = {}
     for k, want in [(1, at1)] + ([(2, at2)] if refill else []):
-        st = ckpt.load(ckpt.checkpoint_dir(out_dir, k), model, opt, {"step": 0}, env, {"experts"})
+        saver.load(ckpt.checkpoint_dir(out_dir, k))
         now = _snapshot(model, opt)
-        out[k] = {"step": st["step"], "equal": sorted(n for n in want if torch.equal(want[n], now[n]))}
+        equal = sorted(n for n in want if torch.equal(want[n], now[n]))
+        out[k] = {"step": app_state["trainer"]["step"], "equal": equal}
     return {**out[1], "keys": sorted(at1), "step2": out.get(2)}
 
 

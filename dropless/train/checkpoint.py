@@ -1,4 +1,4 @@
-"""Checkpoints with ``torch.distributed.checkpoint`` (DCP): model, optimizer, step, data, RNG.
+"""Checkpoints with ``torch.distributed.checkpoint`` (DCP): model, optimizer, step, data, RNG; when to save.
 
 Layout: ``<run_dir>/checkpoints/step_00000300/`` is one DCP checkpoint (``.metadata`` plus
 ``__<rank>_<i>.distcp`` files, one per writing thread of each rank: ``train.ckpt_threads``, DCP's
@@ -10,18 +10,22 @@ writes ``COMPLETE`` and renames the directory to ``step_00000300``. Only a direc
 name holding the marker is listed, loaded or resumed from; ``*.partial`` leftovers and
 directories without the marker are ignored with a log line, and :func:`prune` deletes them.
 
-State saved (one dict, every rank calls :func:`save` collectively):
+State saved: an ``app_state`` dict of :class:`~torch.distributed.checkpoint.stateful.Stateful`
+parts, each saving and restoring itself (DCP calls their ``state_dict`` and ``load_state_dict``; every
+rank calls :func:`save` and :func:`load` collectively). A run's entries (the trainer's
+``app_state``), whose names are the checkpoint's top-level keys:
 
-* ``model``, ``optim``: :func:`torch.distributed.checkpoint.state_dict.get_state_dict`
-  (FQN-keyed; FSDP2 DTensors stay DTensors). With expert parallelism (``ep > 1``) the
-  expert weights on a rank are its ``E/EP`` experts under the same names as on every other
-  rank, so they are wrapped as DTensors ``[Replicate() over dp, Shard(0) over ep]`` of the
-  full ``[E, ...]`` tensor, or, sharded over dp (``train.shard_experts``), ``[Shard(0) over ep,
-  Shard(d) over dp]``: DCP then stores every expert once, as one global tensor (their AdamW
-  moments too), which loads at another dp or EP size, at EP 1, sharded or not.
-* ``trainer``: ``step`` (optimizer steps done) and the data loader's position (the same on
-  every rank).
-* ``rng``: ``rank{r}`` -> this rank's torch CPU (and CUDA) generator state.
+* ``model``: :class:`dropless.train.state.ModelState`, the weights and buffers (router biases
+  included), experts under expert parallelism as one global ``[E, ...]`` tensor each;
+* ``optim``: :class:`dropless.train.state.OptimizerState`, AdamW's moments and steps (experts likewise);
+* ``trainer``: :class:`dropless.train.progress.Progress`, ``step`` (optimizer steps done), the data
+  loader's position, the LR schedule's step and ``skipped_steps`` (the same on every rank);
+* ``rng``: :class:`dropless.train.state.RngState`, ``rank{r}`` -> that rank's torch CPU (and CUDA)
+  generator state.
+
+When to save (:meth:`Checkpointer.step_end`, asked once after every optimizer step): every
+``train.ckpt_every`` steps (in the background with ``train.ckpt_async``), at the last step, and on a
+stop request (SIGINT/SIGTERM); the last two are complete when it returns.
 
 Asynchronous saves (:class:`Checkpointer` with ``asynchronous=True``, ``train.ckpt_async``):
 :func:`start_save` copies the state to host memory (DCP's ``async_save`` stages it before it
@@ -44,7 +48,6 @@ Errors: :class:`FileNotFoundError` for a checkpoint directory without its comple
 
 from __future__ import annotations
 
-import copy
 import datetime
 import logging
 import os
@@ -62,13 +65,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager, BlockingAsyncStager
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
 
 from dropless.config import ConfigError
-from dropless.expert_dtensor import ep_dp_mesh, global_experts
 
-__all__ = ["MARKER", "Checkpointer", "PendingSave", "SaveError", "checkpoint_dir", "finish_save", "host_stager",
-           "saved_world_size",
+__all__ = ["MARKER", "Checkpointer", "PendingSave", "SaveError", "SaveNote", "checkpoint_dir", "finish_save",
+           "host_stager", "saved_world_size",
            "incomplete_checkpoints", "is_complete", "latest_checkpoint", "list_checkpoints", "load", "prune", "save",
            "start_save"]
 
@@ -147,59 +149,6 @@ def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
     return ck[-1] if ck else None
 
 
-def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
-    st = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        st["cuda"] = torch.cuda.get_rng_state(device)
-    return st
-
-
-def _set_rng_state(st: dict[str, torch.Tensor], device: torch.device) -> None:
-    torch.set_rng_state(st["cpu"].cpu())
-    if device.type == "cuda" and "cuda" in st:
-        torch.cuda.set_rng_state(st["cuda"].cpu(), device)
-
-
-def _wrap_experts(model_sd: dict, optim_sd: dict, expert_fqns: set[str], mesh: Any) -> list[tuple[Any, torch.Tensor]]:
-    """Replace this EP rank's expert tensors by DTensors of the global ``[E, ...]`` tensor
-    (:func:`dropless.expert_dtensor.global_experts`: ``[Replicate() over dp, Shard(0) over ep]``, or for
-    an FSDP2 shard over dp, ``train.shard_experts``, ``[Shard(0) over ep, Shard(d) over dp]``). Either
-    way DCP stores each expert once, in one global tensor that loads at any dp and EP (EP 1
-    included), sharded or not.
-
-    Returns ``(dtensor, original local tensor)`` pairs so that a load can copy the loaded shard back.
-    """
-    pairs = []
-    swapped = ep_dp_mesh(mesh)
-
-    def wrap(t: torch.Tensor):
-        got = global_experts(t, mesh, swapped)
-        if got is None:
-            return t
-        pairs.append(got)
-        return got[0]
-
-    for k in list(model_sd):
-        if k in expert_fqns:
-            model_sd[k] = wrap(model_sd[k])
-    state = optim_sd.get("state", {})
-    for k in list(state):
-        if k in expert_fqns:  # a new dict: the old one may be the optimizer's own state
-            state[k] = {name: wrap(v) if isinstance(v, torch.Tensor) else v for name, v in state[k].items()}
-    return pairs
-
-
-def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainer: dict, env: Any,
-           expert_fqns: set[str]):
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    pairs = []
-    if env.ep_size > 1 and env.mesh is not None:
-        pairs = _wrap_experts(model_sd, optim_sd, expert_fqns, env.mesh)
-    state = {"model": model_sd, "optim": optim_sd, "trainer": dict(trainer),
-             "rng": {f"rank{env.rank}": _rng_state(env.device)}}
-    return state, pairs
-
-
 def _quiet():
     ctx = warnings.catch_warnings()
     ctx.__enter__()
@@ -244,9 +193,9 @@ def _writer(partial: Path, threads: int) -> dcp.FileSystemWriter:
     return dcp.FileSystemWriter(str(partial), thread_count=int(threads))
 
 
-def save(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainer: dict, env: Any,
-         expert_fqns: set[str], threads: int = 1) -> Path:
-    """Save a checkpoint to ``path`` atomically (collective: every rank calls it). Returns ``path``.
+def save(path: Path, app_state: dict[str, Stateful], env: Any, step: int, threads: int = 1) -> Path:
+    """Save ``app_state`` as the checkpoint of optimizer step ``step`` at ``path`` atomically (collective:
+    every rank calls it). Returns ``path``.
 
     Written into ``<path>.partial`` and renamed to ``path`` by rank 0 after the completion
     marker, once every rank's files are on disk; a rank killed before that leaves only the
@@ -254,15 +203,14 @@ def save(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, t
     again) is replaced. ``threads``: writing threads per rank (``train.ckpt_threads``).
     """
     path = Path(path)
-    state, _ = _state(model, optimizer, trainer, env, expert_fqns)
     partial = _begin(path, env)
     ctx = _quiet()
     try:
-        dcp.save(state, storage_writer=_writer(partial, threads))
+        dcp.save(app_state, storage_writer=_writer(partial, threads))
     finally:
         ctx.__exit__(None, None, None)
     env.barrier()  # every rank's shards are written
-    _publish(partial, path, int(trainer.get("step", -1)), env)
+    _publish(partial, path, int(step), env)
     return path
 
 
@@ -272,7 +220,7 @@ class PendingSave:
 
     Attributes:
         path: the checkpoint it becomes; partial: the directory being written.
-        step: ``trainer["step"]`` of the state it holds; future: DCP's write (this rank's).
+        step: the optimizer step of the state it holds; future: DCP's write (this rank's).
         group: the gloo group its ranks agree over (None in one process).
         staged_s: seconds :func:`start_save` took (the state's copy to host memory).
     """
@@ -322,10 +270,10 @@ def host_stager(device: torch.device) -> AsyncStager | None:
     return _RefillStager() if device.type == "cuda" else None
 
 
-def start_save(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainer: dict, env: Any,
-               expert_fqns: set[str], group: Any = None, stager: AsyncStager | None = None,
-               threads: int = 1) -> PendingSave:
-    """Start an asynchronous save of ``path`` (collective) with ``torch.distributed.checkpoint.async_save``.
+def start_save(path: Path, app_state: dict[str, Stateful], env: Any, step: int, group: Any = None,
+               stager: AsyncStager | None = None, threads: int = 1) -> PendingSave:
+    """Start an asynchronous save of ``app_state`` as step ``step``'s checkpoint at ``path`` (collective) with
+    ``torch.distributed.checkpoint.async_save``.
 
     Returns once this rank's state is copied to host memory: the parameters and optimizer may
     change from then on, the checkpoint holds their values at this call. The files are written
@@ -348,7 +296,6 @@ def start_save(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
                          "own (Checkpointer makes it); got group=None")
     t0 = time.perf_counter()
     path = Path(path)
-    state, _ = _state(model, optimizer, trainer, env, expert_fqns)
     partial = _begin(path, env)
     if not env.distributed:  # DCP's note, from the writer thread (catch_warnings cannot reach it there)
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized, "
@@ -356,13 +303,13 @@ def start_save(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
     _writing.add(partial.resolve())
     try:
         # with no stager of ours DCP stages through the writer (a BlockingAsyncStager: a new host copy)
-        res = dcp.async_save(state, storage_writer=_writer(partial, threads), process_group=group,
+        res = dcp.async_save(app_state, storage_writer=_writer(partial, threads), process_group=group,
                              async_stager=stager)
     except BaseException:
         _writing.discard(partial.resolve())
         raise
     future = getattr(res, "upload_completion", res)  # an AsyncSaveResponse with an asynchronous stager
-    return PendingSave(path, partial, int(trainer.get("step", -1)), future, env, group, time.perf_counter() - t0)
+    return PendingSave(path, partial, int(step), future, env, group, time.perf_counter() - t0)
 
 
 def finish_save(pending: PendingSave) -> Path:
@@ -399,8 +346,27 @@ def _describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
+@dataclass
+class SaveNote:
+    """What one :meth:`Checkpointer.save` did, for the run's console line.
+
+    Attributes:
+        path: the checkpoint. paused_s: seconds the save kept its caller (completing the save before it
+            included). waited: (the save that was in flight, seconds spent completing it), or None.
+        in_background: its write goes on in the background (complete at the next save).
+        periodic: saved with ``wait=False`` (:meth:`Checkpointer.step_end`'s periodic saves).
+    """
+
+    path: Path
+    paused_s: float
+    waited: tuple[Path, float] | None
+    in_background: bool
+    periodic: bool
+
+
 class Checkpointer:
-    """A run's checkpoint saves, synchronous or asynchronous, and the pruning after each.
+    """A run's checkpoints: when to save, the saves (synchronous or asynchronous), the pruning after
+    each, and the load.
 
     At most one save is in flight: :meth:`save` first completes the one before
     (:meth:`finish`). Old checkpoints are pruned (rank 0) only after a save is complete, never
@@ -410,6 +376,8 @@ class Checkpointer:
     Args:
         run_dir: the run directory (checkpoints under ``<run_dir>/checkpoints``).
         env: the :class:`~dropless.train.dist.DistEnv`.
+        app_state: the parts saved and restored, by their name in the checkpoint (see the module
+            docstring); a plain dict entry is saved as it is and replaced by the loaded one.
         keep: newest complete checkpoints kept (``train.ckpt_keep``); 0: all.
         asynchronous: ``train.ckpt_async``: :meth:`save` with ``wait=False`` writes in the background.
         timeout_s: the gloo group's collective timeout (``train.dist_timeout_s``).
@@ -421,12 +389,14 @@ class Checkpointer:
         pending: the :class:`PendingSave` in flight, or None.
         waited: after :meth:`save`: (the save that was in flight, seconds :meth:`save` spent
             completing it), or None if none was in flight.
+        last: the :class:`SaveNote` of the latest :meth:`save`, or None.
     """
 
-    def __init__(self, run_dir: Path, env: Any, *, keep: int = 0, asynchronous: bool = False,
-                 timeout_s: float = 600.0, stager: AsyncStager | None | str = "auto", threads: int = 1,
-                 every: int = 0):
-        self.run_dir, self.env, self.keep, self.asynchronous = Path(run_dir), env, int(keep), bool(asynchronous)
+    def __init__(self, run_dir: Path, env: Any, app_state: dict[str, Stateful], *, keep: int = 0,
+                 asynchronous: bool = False, timeout_s: float = 600.0, stager: AsyncStager | None | str = "auto",
+                 threads: int = 1, every: int = 0):
+        self.run_dir, self.env, self.app_state = Path(run_dir), env, app_state
+        self.keep, self.asynchronous = int(keep), bool(asynchronous)
         self.threads, self.every = int(threads), int(every)
         self.stager = (host_stager(env.device) if stager == "auto" else stager) if self.asynchronous else None
         self.group = (dist.new_group(list(range(env.world_size)), backend="gloo",
@@ -434,14 +404,28 @@ class Checkpointer:
                       if self.asynchronous and env.distributed else None)
         self.pending: PendingSave | None = None
         self.waited: tuple[Path, float] | None = None
+        self.last: SaveNote | None = None
 
     def due(self, step: int) -> bool:
         """Whether optimizer step ``step`` is a periodic save's (a multiple of ``every``)."""
         return bool(self.every) and step % self.every == 0
 
-    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainer: dict,
-             expert_fqns: set[str], *, wait: bool = True) -> Path:
-        """Save optimizer step ``step`` as ``checkpoint_dir(run_dir, step)``; returns that path.
+    def step_end(self, step: int, *, last: bool, stop: bool = False) -> SaveNote | None:
+        """After optimizer step ``step`` (every rank, every step): save where a save is due and return
+        what it did, else None. ``stop`` (a stop request every rank agreed on) and ``last`` (the run's
+        last step) save with ``wait=True``: complete on return; a periodic step (:meth:`due`) saves with
+        ``wait=False``: in the background with ``asynchronous``."""
+        if stop or last:
+            self.save(step)
+        elif self.due(step):
+            self.save(step, wait=False)
+        else:
+            return None
+        return self.last
+
+    def save(self, step: int, *, wait: bool = True) -> Path:
+        """Save :attr:`app_state` as optimizer step ``step``'s ``checkpoint_dir(run_dir, step)``; returns
+        that path (and sets :attr:`last`).
 
         First completes the save in flight, if any (:meth:`finish`; its :class:`SaveError`
         is raised here). ``wait=False`` with ``asynchronous``: returns once the state is staged,
@@ -453,12 +437,16 @@ class Checkpointer:
         self.waited = (before.path, time.perf_counter() - t0) if before is not None else None
         path = checkpoint_dir(self.run_dir, step)
         if wait or not self.asynchronous:
-            save(path, model, optimizer, trainer, self.env, expert_fqns, self.threads)
+            save(path, self.app_state, self.env, step, self.threads)
             self._prune()
-            return path
-        self.pending = start_save(path, model, optimizer, trainer, self.env, expert_fqns, self.group, self.stager,
-                                  self.threads)
+        else:
+            self.pending = start_save(path, self.app_state, self.env, step, self.group, self.stager, self.threads)
+        self.last = SaveNote(path, time.perf_counter() - t0, self.waited, self.pending is not None, not wait)
         return path
+
+    def load(self, path: Path) -> None:
+        """Restore :attr:`app_state` from the checkpoint at ``path`` (:func:`load`)."""
+        load(path, self.app_state)
 
     def finish(self) -> Path | None:
         """Complete the save in flight (waits for its write; :func:`finish_save`), then prune.
@@ -491,29 +479,29 @@ class Checkpointer:
             prune(self.run_dir, self.keep)
 
 
-def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainer: dict, env: Any,
-         expert_fqns: set[str]) -> dict:
-    """Load ``path`` into ``model`` and ``optimizer`` in place (collective).
+def load(path: Path, app_state: dict[str, Stateful]) -> None:
+    """Restore ``app_state``'s parts from the checkpoint at ``path`` (collective).
 
-    Args:
-        trainer: a template of the ``trainer`` entry (same keys as saved); returned filled.
-    Returns: the loaded ``trainer`` dict (``step``, data position).
+    Each part's ``state_dict()`` is checked against the checkpoint, filled by DCP's load in place and
+    handed to the part's ``load_state_dict``, in the order of the names (as ``dcp.load`` does with
+    Stateful parts; called here so that the check sees the same dicts and an error of a part's own
+    restore is not taken for a damaged file); a plain dict entry is replaced by the loaded one.
+    Every value of the parts must be in the checkpoint except other ranks' ``rng`` entries (a
+    checkpoint saved by fewer ranks lacks them).
+
     Raises:
         FileNotFoundError: ``path`` holds no complete checkpoint.
         ConfigError: the checkpoint lacks a weight, moment or trainer field of this model and
-            optimizer (saved by another config), or one of its files is missing or damaged (the
-            message names the older complete checkpoints).
+            optimizer, or has other weight shapes (saved by another config), or one of its files is
+            missing or damaged (the message names the older complete checkpoints).
     """
     path = Path(path)
     if not is_complete(path):
         raise FileNotFoundError(f"{path}: not a complete checkpoint (no {MARKER} marker: missing, or its save was "
                                 "interrupted); pick one from list_checkpoints(run_dir) / latest_checkpoint(run_dir)")
-    state, pairs = _state(model, optimizer, trainer, env, expert_fqns)
+    names = sorted(app_state)
+    state = {k: app_state[k].state_dict() if isinstance(app_state[k], Stateful) else app_state[k] for k in names}
     _check_complete(path, state)
-    # this run's param groups, not the saved ones: their hyperparameters come from the config (the
-    # trainer sets lr from the scheduler), and their split into groups depends on the dispatcher
-    # (FSDP2's DTensor experts get groups of their own), so a run saved under a2a resumes under fsdp
-    groups_now = copy.deepcopy(state["optim"].get("param_groups"))
     ctx = _quiet()
     try:
         dcp.load(state, checkpoint_id=str(path),
@@ -527,30 +515,22 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, t
                           f"files is missing or damaged; {where}") from e
     finally:
         ctx.__exit__(None, None, None)
-    with torch.no_grad():  # DCP loads in place; make sure the expert shards reached the originals
-        for d, t in pairs:
-            local = d.to_local()
-            if local.data_ptr() != t.data_ptr():
-                t.copy_(local)
-    model_sd, optim_sd = state["model"], state["optim"]
-    if groups_now is not None:
-        optim_sd["param_groups"] = groups_now
-    if pairs:  # set_state_dict wants the plain local tensors, now holding the loaded values
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    rng = state["rng"].get(f"rank{env.rank}")
-    if rng is not None:
-        _set_rng_state(rng, env.device)
-    return dict(state["trainer"])
+    for k in names:
+        if isinstance(app_state[k], Stateful):
+            app_state[k].load_state_dict(state[k])
+        else:
+            app_state[k] = state[k]
 
 
 def _check_complete(path: Path, state: dict) -> None:
     """Raise ConfigError if the checkpoint lacks a weight, optimizer moment or trainer field that
-    ``state`` expects: the partial load (needed for other ranks' RNG states) would skip it silently."""
+    ``state`` (the parts' state dicts by name) expects: the partial load (needed for other ranks' RNG
+    states) would skip it silently."""
     meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     saved = set(meta)
+    model, optim, trainer = state.get("model", {}), state.get("optim", {}), state.get("trainer", {})
     # a changed model shape (model.hidden_size=..., n_routed_experts=...): say which, before DCP's size error
-    differ = [(k, tuple(meta[f"model.{k}"].size), tuple(t.shape)) for k, t in state["model"].items()
+    differ = [(k, tuple(meta[f"model.{k}"].size), tuple(t.shape)) for k, t in model.items()
               if isinstance(t, torch.Tensor) and hasattr(meta.get(f"model.{k}"), "size")
               and tuple(meta[f"model.{k}"].size) != tuple(t.shape)]
     if differ:
@@ -559,8 +539,8 @@ def _check_complete(path: Path, state: dict) -> None:
         raise ConfigError(f"{path}: the checkpoint's weights have other shapes than this model's: {rows}{more}. "
                           "Resume with the model.* settings the run was saved with (its config.yaml in the run "
                           "directory), or start a new run_dir")
-    want = [f"model.{k}" for k in state["model"]] + [f"trainer.{k}" for k in state["trainer"]]
-    for fqn, moments in state["optim"].get("state", {}).items():
+    want = [f"model.{k}" for k in model] + [f"trainer.{k}" for k in trainer]
+    for fqn, moments in optim.get("state", {}).items():
         want += [f"optim.state.{fqn}.{name}" for name in moments]
     missing = [k for k in want if k not in saved]
     if missing:

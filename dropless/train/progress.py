@@ -5,6 +5,12 @@ counters (:class:`~dropless.train.step.StepLoop`'s ``step`` and ``skipped_steps`
 loader's position and the learning-rate schedule's step. Its keys are those every checkpoint
 holds: ``step``, ``data_epoch``, ``data_offset``, ``lr_step``, ``skipped_steps`` (plain ints, the
 same on every rank).
+
+The schedule is saved as its step (its ``last_epoch``), not as its whole ``state_dict()``: the rest of
+that state (``base_lrs`` and the last learning rates, one per param group) belongs to this run's
+optimizer, whose split into param groups depends on the dispatcher (a run saved under ``a2a`` resumes
+under ``fsdp`` with more groups), and every group's rate is a function of the step
+(:func:`dropless.train.optim.lr_at`).
 """
 
 from __future__ import annotations
@@ -33,14 +39,13 @@ class Progress(Stateful):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Set the counters and the data position; the schedule goes to one step before ``lr_step`` through
-        its own ``load_state_dict`` and takes that step with ``step()``, which sets the step's learning
-        rate in the optimizer's param groups (whatever a checkpoint load left there)."""
+        its own ``load_state_dict`` (its ``last_epoch``; the rest of its state is this run's) and takes that
+        step with ``step()``, which sets the step's learning rate in the optimizer's param groups (whatever
+        a checkpoint load left there)."""
         self.loop.step = int(state_dict["step"])
         self.loop.skipped_steps = int(state_dict["skipped_steps"])
         self.loader.load_state_dict({"epoch": state_dict["data_epoch"], "offset": state_dict["data_offset"]})
-        lr_step = int(state_dict["lr_step"])
-        self.scheduler.load_state_dict({**self.scheduler.state_dict(), "last_epoch": lr_step - 1,
-                                        "_step_count": lr_step})
+        self.scheduler.load_state_dict({**self.scheduler.state_dict(), "last_epoch": int(state_dict["lr_step"]) - 1})
         with warnings.catch_warnings():  # the optimizer has not stepped in this process
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
             self.scheduler.step()

@@ -3,7 +3,9 @@
 :class:`Trainer` builds the run from a composed config (every check and load that can fail comes
 before the first step); :meth:`Trainer.train` runs the steps (one step and their pipeline:
 :mod:`dropless.train.step`), with the validation and the checkpoint when due. The terminal and the
-stop signals are :mod:`dropless.train.console`; the saves :mod:`dropless.train.checkpoint`.
+stop signals are :mod:`dropless.train.console`; the parts a checkpoint holds, each ``Stateful``,
+:mod:`dropless.train.state` and :mod:`dropless.train.progress`; the saves and when they are due
+:mod:`dropless.train.checkpoint`.
 
 Precision (``train.dtype``; auto = bf16 on CUDA, fp32 on CPU): bf16 parameters (the compute copy)
 with fp32 masters, moments and main gradients (:class:`dropless.train.optim.MasterWeights`); fp32
@@ -53,6 +55,7 @@ from dropless.train.startup import (
     set_deterministic,
     start_notes,
 )
+from dropless.train.state import ModelState, OptimizerState, RngState
 from dropless.train.step import NonFiniteError, StepLoop
 from dropless.train.validation import validation_loss
 
@@ -204,21 +207,26 @@ class Trainer(StepLoop):
         self.tokens_per_step = env.world_size * self.accum * self.batch * self.seq_len
 
     def _resume(self, cfg: DictConfig) -> None:
-        """The checkpointer; with ``resume=true`` and a checkpoint in the run directory, its state."""
+        """The checkpointer and the parts it saves; with ``resume=true`` and a checkpoint in the run
+        directory, their state."""
         t, env = self.run.train, self.env
-        #: the saves; with train.ckpt_async (and several ranks) it makes the writes' gloo group here
-        self.checkpoints = ckpt.Checkpointer(self.run_dir, env, keep=t.ckpt_keep, every=t.ckpt_every,
+        #: the step counters, the data position and the LR schedule: the checkpoint's ``trainer`` entry
+        self.progress = Progress(self, self.loader, self.scheduler)
+        mesh = env.mesh if env.ep_size > 1 else None  # the experts saved as one global tensor each
+        #: what a checkpoint holds, by its names there: each part saves and restores itself
+        self.app_state = {"model": ModelState(self.masters.state_module, self.expert_fqns, mesh),
+                          "optim": OptimizerState(self.masters.state_module, self.optimizer, self.expert_fqns, mesh),
+                          "trainer": self.progress, "rng": RngState(env.rank, env.device)}
+        #: the saves and when; with train.ckpt_async (and several ranks) it makes the writes' gloo group here
+        self.checkpoints = ckpt.Checkpointer(self.run_dir, env, self.app_state, keep=t.ckpt_keep, every=t.ckpt_every,
                                              asynchronous=t.ckpt_async, threads=t.ckpt_threads,
                                              timeout_s=t.dist_timeout_s)
         self.resumed_from: int | None = None
-        #: the step counters, the data position and the LR schedule: the checkpoint's ``trainer`` entry
-        self.progress = Progress(self, self.loader, self.scheduler)
         found = ckpt.latest_checkpoint(self.run_dir) if cfg.resume else None
         if found is None:
             return
-        self.grads.detach_()  # get_state_dict creates the AdamW state only where no grad is set
-        self.progress.load_state_dict(ckpt.load(found[1], self.masters.state_module, self.optimizer,
-                                                self.progress.state_dict(), env, self.expert_fqns))
+        self.grads.detach_()  # get_optimizer_state_dict creates the AdamW state only where no grad is set
+        self.checkpoints.load(found[1])
         self.masters.refresh()
         self.resumed_from = self.step
         saved_world = ckpt.saved_world_size(found[1])
@@ -302,34 +310,36 @@ class Trainer(StepLoop):
             self.history.append({"step": self.step, **rec})
 
     def _checkpoint_or_stop(self, last: bool) -> bool:
-        """After a step: a stop request saves and ends the run (returns True); else the last step and every
-        ``train.ckpt_every``-th save (the periodic ones in the background with ``train.ckpt_async``)."""
-        if self.stopping and not last:
-            self.interrupted = True
-            path = self.save_checkpoint()
-            self.print(f"[dropless] stopped at step {self.step}; checkpoint {path}; continue with "
-                       f"resume=true run_dir={self.run_dir}")
-            return True
-        if self.stopping:  # the interrupt came during the last step: the run is complete
+        """After a step: the checkpointer saves where a save is due
+        (:meth:`~dropless.train.checkpoint.Checkpointer.step_end`); a stop request ends the run after its
+        save (returns True)."""
+        stop = self.stopping and not last
+        if self.stopping and last:  # the interrupt came during the last step: the run is complete
             self.print(f"[dropless] interrupted during the last step: the run completes "
                        f"(train.steps={self.steps}) and saves as usual")
-        if last or self.checkpoints.due(self.step):
-            self.save_checkpoint(wait=last)
-        return False
+        self._saved(self.checkpoints.step_end(self.step, last=last, stop=stop))
+        if stop:
+            self.interrupted = True
+            self.print(f"[dropless] stopped at step {self.step}; checkpoint {self.checkpoints.last.path}; continue "
+                       f"with resume=true run_dir={self.run_dir}")
+        return stop
 
     def save_checkpoint(self, wait: bool = True) -> Path:
         """Save this step's checkpoint (collective); returns its path. The save in flight, if any,
         completes first (its :class:`~dropless.train.checkpoint.SaveError` is raised here).
         ``wait=False`` with ``train.ckpt_async``: returns once the state is staged in host memory
         and the write goes on in the background; otherwise the checkpoint is complete on return."""
-        t0 = time.perf_counter()
-        path = self.checkpoints.save(self.step, self.masters.state_module, self.optimizer,
-                                     self.progress.state_dict(), self.expert_fqns, wait=wait)
-        self.console.saved(path, time.perf_counter() - t0, self.checkpoints.waited,
-                           in_background=self.checkpoints.pending is not None, periodic=not wait,
-                           ckpt_every=self.checkpoints.every)
-        self._t_mark = None
+        path = self.checkpoints.save(self.step, wait=wait)
+        self._saved(self.checkpoints.last)
         return path
+
+    def _saved(self, note: ckpt.SaveNote | None) -> None:
+        """A save's console line (none where ``note`` is None: nothing was saved)."""
+        if note is None:
+            return
+        self.console.saved(note.path, note.paused_s, note.waited, in_background=note.in_background,
+                           periodic=note.periodic, ckpt_every=self.checkpoints.every)
+        self._t_mark = None
 
     # ------------------------------------------------------------------ eval
     def validate(self) -> float:
