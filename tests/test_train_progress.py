@@ -52,3 +52,28 @@ def test_progress_round_trip_sets_the_schedule_loader_and_counters_as_stepping_t
         ran.scheduler.step()
         fresh.scheduler.step()
         assert fresh_opt.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+
+
+def test_progress_sets_the_schedule_of_an_optimizer_with_other_param_groups():
+    """A run resumed under another dispatcher splits its parameters into other param groups (FSDP2's
+    DTensors get their own): the saved position sets every group of this run's optimizer to the step's
+    rate, as a schedule stepped there on this optimizer does."""
+    cfg = compose(["optim.warmup_steps=4"])
+    total = 20
+    ran, opt = _part(cfg, total)
+    for _ in range(7):
+        opt.step()
+        ran.scheduler.step()
+    ran.loop.step = 7
+    ps = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]
+    groups = [{"params": [p], "weight_decay": wd} for p, wd in zip(ps, (0.1, 0.0, 0.0))]
+    opt3, ref3 = (torch.optim.AdamW(groups, lr=float(cfg.optim.lr)) for _ in range(2))
+    loader = ShardedLoader(np.arange(4096, dtype=np.int64) % 97, 16, 2, 0, 1, seed=5)
+    fresh = Progress(_Loop(), loader, build_scheduler(opt3, cfg.optim, total))
+    fresh.load_state_dict(ran.state_dict())
+    ref = build_scheduler(ref3, cfg.optim, total)
+    for _ in range(7):
+        ref3.step()
+        ref.step()
+    assert [g["lr"] for g in opt3.param_groups] == [g["lr"] for g in ref3.param_groups] == ref.get_last_lr()
+    assert fresh.scheduler.get_last_lr() == ref.get_last_lr() and fresh.scheduler.last_epoch == 7
