@@ -54,7 +54,7 @@ if start == 0 and rank in fault_ranks:
 
         def killed_save(state, checkpoint_id=None, **kw):
             out = dcp_save(state, checkpoint_id=checkpoint_id, **kw)
-            if int(state["trainer"]["step"]) == at:
+            if int(state["trainer"].state_dict()["step"]) == at:  # the Progress part
                 os.kill(os.getpid(), signal.SIGKILL)
             return out
 
