@@ -75,7 +75,7 @@ def check_train_config(cfg: DictConfig) -> RunConfig:
     ep = resolve_ep_size(run.dispatcher, world)
     args = model_args(cfg)
     if t.shard_experts:
-        expert_shard_dim(kind.name, world // ep if world % ep == 0 else 1, ep, args.n_routed_experts, args.hidden_size,
+        expert_shard_dim(kind, world // ep if world % ep == 0 else 1, ep, args.n_routed_experts, args.hidden_size,
                          args.moe_intermediate_size)
     if args.recompute_gather:
         kind.check_regather("model.recompute_gather")
