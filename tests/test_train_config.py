@@ -145,6 +145,9 @@ def test_cuda_graph_config_errors(tmp_path):
         with pytest.raises(ConfigError, match=rf"^train\.cuda_graph=true: .*{re.escape(other)}"):
             check_train_config(compose(["train.cuda_graph=true", *ov]))
     check_train_config(compose(["train.cuda_graph=true"]))  # local dispatcher: accepted from the config alone
+    with pytest.raises(ConfigError, match=r"^train\.cuda_graph=true: ") as err:  # every setting at fault, at once
+        check_train_config(compose(["train.cuda_graph=true", "dispatcher=a2a", "gemm=loop", "train.shard_dense=true"]))
+    assert all(f in str(err.value) for f in ("dispatcher=a2a", "model.gemm=loop", "train.shard_dense"))
     with pytest.raises(ConfigError, match=r"^train\.cuda_graph=true: .*device"):
         Trainer(compose(["train.cuda_graph=true", "device=cpu", f"run_dir={tmp_path / 'run'}",
                          "logging.mode=disabled"]))

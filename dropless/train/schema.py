@@ -114,10 +114,6 @@ class TrainConfig:
              "must be a finite number of seconds")
         need(self.dist_timeout_s > 0, "train.dist_timeout_s", self.dist_timeout_s,
              "must be > 0 (seconds a collective may wait for the other ranks)")
-        if self.cuda_graph:
-            need(not self.shard_dense, "train.cuda_graph", True,
-                 "train.shard_dense=true all-gathers parameters inside forward and backward (FSDP2), which a "
-                 "captured graph cannot hold; set one of them to false")
 
 
 @dataclass

@@ -32,6 +32,7 @@ from dropless.train.compile import check_compile, check_compile_moe
 from dropless.train.config import model_args
 from dropless.train.data import check_data_config
 from dropless.train.dist import DistEnv, resolve_ep_size, usable_cores
+from dropless.train.graph import check_capturable, check_graph_device
 from dropless.train.metrics import wandb_problem
 from dropless.train.schema import RunConfig, need
 from dropless.train.shard import apply_fsdp, expert_shard_dim, shard_dense_params, shard_experts
@@ -63,13 +64,7 @@ def check_train_config(cfg: DictConfig) -> RunConfig:
     if t.compile and t.compile_moe:
         check_compile_moe(kind)
     if t.cuda_graph:
-        need(not kind.collectives, "train.cuda_graph", True,
-             f"captures forward and backward without collectives, but with dispatcher={kind.name} "
-             f"{kind.collectives}; use dispatcher=local or train.cuda_graph=false")
-        need(run.model.gemm == "torch", "train.cuda_graph", True,
-             f"is supported with gemm=torch only, got model.gemm={run.model.gemm} (gemm=loop reads the expert "
-             "offsets on the host, which a capture forbids; the FP8 backends keep their weight cache in host logic "
-             "that a replay would skip); use gemm=torch or train.cuda_graph=false")
+        check_capturable(kind, run.model.gemm, t.shard_dense)
     # (torchrun's WORLD_SIZE stands in for the world size; the mesh itself is checked when the ranks start)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     ep = resolve_ep_size(run.dispatcher, world)
@@ -104,9 +99,8 @@ def check_machine(cfg: RunConfig, args: ModelArgs, env: DistEnv, dtype: torch.dt
     check_state_fits(total_params, dtype, env, async_staging=bool(t.ckpt_async))
     if t.compile:
         check_compile(env.device, str(t.compile_backend))
-    if t.cuda_graph and env.device.type != "cuda":  # (loss_impl=liger: resolve_loss_impl refuses it)
-        raise ConfigError(f"train.cuda_graph=true: CUDA graphs need a CUDA GPU, but the run's device is "
-                          f"{env.device}; set train.cuda_graph=false (or device=cuda on a GPU machine)")
+    if t.cuda_graph:  # (loss_impl=liger: resolve_loss_impl refuses it)
+        check_graph_device(env.device)
     check_logging(cfg, env)
 
 
