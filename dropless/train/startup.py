@@ -27,14 +27,15 @@ from dropless.dispatch.base import Dispatcher
 from dropless.dispatch.mesh import local_expert_count
 from dropless.layout import aligned_capacity
 from dropless.model import Transformer
-from dropless.ops.backends import check_backend_device, check_backend_shapes, list_backends
+from dropless.model.rope import check_positions
+from dropless.ops.backends import check_backend_device, check_backend_name, check_backend_shapes
 from dropless.train.compile import check_compile, check_compile_moe
 from dropless.train.config import model_args
 from dropless.train.data import check_data_config
 from dropless.train.dist import DistEnv, resolve_ep_size, usable_cores
 from dropless.train.graph import check_capturable, check_graph_device
 from dropless.train.metrics import wandb_problem
-from dropless.train.schema import RunConfig, need
+from dropless.train.schema import RunConfig
 from dropless.train.shard import apply_fsdp, expert_shard_dim, shard_dense_params, shard_experts
 
 
@@ -74,15 +75,11 @@ def check_train_config(cfg: DictConfig) -> RunConfig:
                          args.moe_intermediate_size)
     if args.recompute_gather:
         kind.check_regather("model.recompute_gather")
-    need(args.gemm in list_backends(), "gemm.backend (model.gemm)", args.gemm,
-         f"not a grouped GEMM backend; choose one of {list_backends()} (gemm=NAME picks configs/gemm/NAME.yaml)")
+    check_backend_name(args.gemm, "gemm.backend (model.gemm)")
     check_data_config(cfg.data, args.vocab_size, validates=t.val_every > 0)  # every data problem in one error
     if run.init_from and not run.resume:  # (a resumed run may never read it)
         resolve_source(run.init_from)
-    if t.seq_len > args.max_position_embeddings:
-        raise ConfigError(f"train.seq_len={t.seq_len} > model.max_position_embeddings="
-                          f"{args.max_position_embeddings}: lower train.seq_len or raise "
-                          "model.max_position_embeddings")
+    check_positions(t.seq_len, args.max_position_embeddings, "train.seq_len", "model.max_position_embeddings")
     return run
 
 
