@@ -184,6 +184,10 @@ def init_distributed(cfg: RunConfig, n_routed_experts: int) -> DistEnv:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    device = _device(cfg.device, local_rank, cfg.recipe)
+    threads = cfg.num_threads  # >= 1 or null (dropless.train.schema.RunConfig.validate)
+    torch.set_num_threads(int(threads) if threads is not None else default_num_threads(local_world))
+    backend = resolve_dist_backend(cfg.train.dist_backend, device, local_world) if world > 1 else None
     ep = resolve_ep_size(cfg.dispatcher, world)
     try:
         dp = check_mesh(world, ep, n_routed_experts)
@@ -197,13 +201,9 @@ def init_distributed(cfg: RunConfig, n_routed_experts: int) -> DistEnv:
                               f"(dividing both {world} and {n_routed_experts}), or launch a number of processes "
                               f"from {divisors}") from e
         raise
-    device = _device(cfg.device, local_rank, cfg.recipe)
-    threads = cfg.num_threads  # >= 1 or null (dropless.train.schema.RunConfig.validate)
-    torch.set_num_threads(int(threads) if threads is not None else default_num_threads(local_world))
     env = DistEnv(rank, world, local_rank, local_world, device, ep, dp)
     if world == 1:
         return env
-    backend = resolve_dist_backend(cfg.train.dist_backend, device, local_world)
     timeout_s = float(cfg.train.dist_timeout_s)
     start_process_group(device, timeout_s, backend=backend)
     env.mesh = build_mesh(world, ep, device.type, timeout_s=timeout_s)  # its dp/ep groups carry it too

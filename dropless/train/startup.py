@@ -30,7 +30,6 @@ from dropless.model import Transformer
 from dropless.model.rope import check_positions
 from dropless.ops.backends import check_backend_device, check_backend_name, check_backend_shapes
 from dropless.train.compile import check_compile, check_compile_moe
-from dropless.train.config import model_args
 from dropless.train.data import check_data_config
 from dropless.train.dist import DistEnv, resolve_ep_size, usable_cores
 from dropless.train.graph import check_capturable, check_graph_device
@@ -45,7 +44,7 @@ def check_train_config(cfg: DictConfig) -> RunConfig:
 
     Each group checks its own fields (the schema's ``validate()``: :class:`RunConfig` calls them); the
     rules between groups are here: ``device``, ``dispatcher.ep_size`` (against torchrun's
-    ``WORLD_SIZE``), the model (:func:`~dropless.train.config.model_args`) against the dispatcher
+    ``WORLD_SIZE``), the model (validated by :meth:`RunConfig.validate`) against the dispatcher
     (``model.recompute_gather``: the dispatcher's own guard), ``train.shard_experts`` against the
     dispatcher and the dp size (:func:`~dropless.train.shard.expert_shard_dim`), the GEMM backend, CUDA graphs and
     ``train.compile_moe`` against the dispatcher and the GEMM backend, the data
@@ -60,26 +59,26 @@ def check_train_config(cfg: DictConfig) -> RunConfig:
         raise ConfigError(f"{', '.join(missing)}: required, and has no default; set it on the command line "
                           f"({missing[0]}=VALUE)")
     run: RunConfig = OmegaConf.to_object(cfg)
-    run.validate()
-    t, kind = run.train, run.dispatcher.kind
-    if t.compile and t.compile_moe:
-        check_compile_moe(kind)
-    if t.cuda_graph:
-        check_capturable(kind, run.model.gemm, t.shard_dense)
+    run.validate()  # every group's own rules, the model's included
+    t, kind, args = run.train, run.dispatcher.kind, run.model
     # (torchrun's WORLD_SIZE stands in for the world size; the mesh itself is checked when the ranks start)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     ep = resolve_ep_size(run.dispatcher, world)
-    args = model_args(cfg)
     if t.shard_experts:
         expert_shard_dim(kind, world // ep if world % ep == 0 else 1, ep, args.n_routed_experts, args.hidden_size,
                          args.moe_intermediate_size)
-    if args.recompute_gather:
-        kind.check_regather("model.recompute_gather")
-    check_backend_name(args.gemm, "gemm.backend (model.gemm)")
     check_data_config(cfg.data, args.vocab_size, validates=t.val_every > 0)  # every data problem in one error
+    if t.compile and t.compile_moe:
+        check_compile_moe(kind)
+    if t.cuda_graph:
+        check_capturable(kind, args.gemm, t.shard_dense)
+    # the library's own guards, asked before any work
     if run.init_from and not run.resume:  # (a resumed run may never read it)
         resolve_source(run.init_from)
     check_positions(t.seq_len, args.max_position_embeddings, "train.seq_len", "model.max_position_embeddings")
+    if args.recompute_gather:
+        kind.check_regather("model.recompute_gather")
+    check_backend_name(args.gemm, "gemm.backend (model.gemm)")
     return run
 
 
@@ -90,15 +89,15 @@ def check_machine(cfg: RunConfig, args: ModelArgs, env: DistEnv, dtype: torch.dt
     (:func:`check_state_fits`; else an OOM kill while building), ``torch.compile``'s backend, CUDA
     graphs on a CUDA device, and the wandb login (:func:`check_logging`)."""
     t = cfg.train
-    check_backend_device(args.gemm, env.device)
-    cfg.dispatcher.kind.check_available()
-    check_backend_shapes(args.gemm, env.device, dtype, args.hidden_size, args.moe_intermediate_size)
-    check_state_fits(total_params, dtype, env, async_staging=bool(t.ckpt_async))
+    check_state_fits(total_params, dtype, env, async_staging=t.ckpt_async)
     if t.compile:
-        check_compile(env.device, str(t.compile_backend))
+        check_compile(env.device, t.compile_backend)
     if t.cuda_graph:  # (loss_impl=liger: resolve_loss_impl refuses it)
         check_graph_device(env.device)
-    check_logging(cfg, env)
+    check_logging(cfg, env)  # (a collective: every rank reaches it)
+    cfg.dispatcher.kind.check_available()
+    check_backend_device(args.gemm, env.device)
+    check_backend_shapes(args.gemm, env.device, dtype, args.hidden_size, args.moe_intermediate_size)
 
 
 def start_notes(cfg: RunConfig, args: ModelArgs, env: DistEnv) -> list[str]:

@@ -35,7 +35,6 @@ from dropless.model.loss import resolve_loss_impl
 from dropless.model.params import param_counts
 from dropless.train import checkpoint as ckpt
 from dropless.train.compile import compile_blocks
-from dropless.train.config import model_args
 from dropless.train.console import Console, StopSignals, divergence
 from dropless.train.data import ShardedLoader, load_tokens, run_val_windows
 from dropless.train.dist import init_distributed
@@ -121,7 +120,7 @@ class Trainer(StepLoop):
         t = self.run.train
         if self.run.deterministic:
             set_deterministic(self.run.seed)
-        self.args = model_args(cfg)
+        self.args = self.run.model  # the validated ModelArgs
         self.seq_len, self.batch, self.accum, self.steps = t.seq_len, t.micro_batch_size, t.grad_accum, t.steps
         self.env = env = init_distributed(self.run, self.args.n_routed_experts)
         self.main = env.is_main
