@@ -175,8 +175,8 @@ class MetricsLogger:
 
     Args:
         run_dir: the run directory (exists).
-        logging_cfg: ``cfg.logging`` (``mode``: offline | online | disabled, ``project``,
-            ``entity``, ``name``).
+        logging_cfg: ``cfg.logging``, checked by :meth:`~dropless.train.schema.LoggingConfig.validate`
+            (``mode``: offline | online | disabled, ``project``, ``entity``, ``name``).
         config: the resolved config, stored with the wandb run.
         enabled: False on ranks other than 0.
         resume: reuse the wandb run id stored in ``<run_dir>/wandb_run_id``.
@@ -188,7 +188,6 @@ class MetricsLogger:
     :attr:`note` also says when a resumed wandb run already holds steps past ``start_step``
     (W&B drops the logs of those steps when they are trained again).
     Raises:
-        ValueError: ``logging.mode`` is not offline/online/disabled.
         ConfigError: wandb cannot start the run (``online`` without a login; the trainer has asked
             :func:`wandb_problem` before the run dir, so this is the fallback).
     """
@@ -199,10 +198,7 @@ class MetricsLogger:
         self.note: str | None = None
         self.wandb_run = None
         self._wandb = None
-        mode = str(logging_cfg.get("mode", "offline"))
-        if mode not in ("offline", "online", "disabled"):
-            raise ValueError(f"logging.mode={mode!r}: must be offline, online or disabled")
-        self.mode = mode
+        self.mode = mode = str(logging_cfg.get("mode", "offline"))
         if not enabled:
             self._f = None
             return

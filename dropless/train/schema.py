@@ -39,7 +39,7 @@ from omegaconf import MISSING
 from dropless.config import ConfigError, ModelArgs
 from dropless.dispatch.base import Dispatcher
 from dropless.dispatch.registry import dispatcher_class
-from dropless.model.loss import LOSS_IMPLS
+from dropless.model.loss import check_loss_impl
 
 __all__ = ["BinDataConfig", "DispatcherConfig", "FIELD_DOCS", "GemmConfig", "LoggingConfig", "OptimConfig", "RunConfig",
            "SCHEMAS", "TextDataConfig", "TrainConfig",
@@ -117,7 +117,7 @@ class TrainConfig:
         need(not (self.compile_moe and self.activation_checkpointing), "train.compile_moe", True,
              "with train.activation_checkpointing=true would count each checkpoint recompute's tokens into the "
              "router's balancing load again; set one of them to false")
-        need(self.loss_impl in LOSS_IMPLS, "train.loss_impl", self.loss_impl, f"must be one of {LOSS_IMPLS}")
+        check_loss_impl(self.loss_impl)
         need(self.dist_backend in DIST_BACKENDS, "train.dist_backend", self.dist_backend,
              "must be auto, nccl or gloo")
         need(math.isfinite(self.dist_timeout_s), "train.dist_timeout_s", self.dist_timeout_s,
@@ -261,6 +261,7 @@ class RunConfig:
         for group in (self.train, self.optim, self.logging, self.dispatcher):
             group.validate()
         validate_model(self.model)
+        need(not self.resume or self.run_dir, "resume", True, "needs run_dir=PATH: the run directory to continue")
         need(0 <= self.seed < 2**63, "seed", self.seed, "must be an integer in [0, 2^63) (it seeds torch and numpy)")
         need(self.device in DEVICES, "device", self.device, "must be auto, cpu or cuda")
         need(self.num_threads is None or self.num_threads >= 1, "num_threads", self.num_threads,
