@@ -120,10 +120,8 @@ class TrainConfig:
         check_loss_impl(self.loss_impl)
         need(self.dist_backend in DIST_BACKENDS, "train.dist_backend", self.dist_backend,
              "must be auto, nccl or gloo")
-        need(math.isfinite(self.dist_timeout_s), "train.dist_timeout_s", self.dist_timeout_s,
-             "must be a finite number of seconds")
-        need(self.dist_timeout_s > 0, "train.dist_timeout_s", self.dist_timeout_s,
-             "must be > 0 (seconds a collective may wait for the other ranks)")
+        need(0 < self.dist_timeout_s < math.inf, "train.dist_timeout_s", self.dist_timeout_s,
+             "must be a finite number > 0 (seconds a collective may wait for the other ranks)")
 
 
 @dataclass

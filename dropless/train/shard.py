@@ -221,14 +221,11 @@ def expert_shard_dim(kind: type[Dispatcher], dp_size: int, ep_size: int, n_route
             ``dp`` divides neither ``e`` nor both ``H`` and ``I``; the message names
             ``train.shard_experts`` and the sizes.
     """
-    if kind.shards_experts:
-        raise ConfigError(f"train.shard_experts=true: dispatcher={kind.name} shards the experts over the dp ranks "
-                          "already (EP = 1); set train.shard_experts=false, or use an expert-parallel dispatcher "
-                          "(a2a, agrs, deepep) to shard the experts over EP and dp")
-    if not kind.expert_parallel:
-        raise ConfigError(f"train.shard_experts=true: dispatcher={kind.name} keeps every expert on every rank with "
-                          "no dp group to shard them over; use an expert-parallel dispatcher (a2a, agrs, deepep) or "
-                          "dispatcher=fsdp (which shards the experts over all ranks), or set train.shard_experts=false")
+    if kind.shards_experts or not kind.expert_parallel:
+        why = "shards the experts over the dp ranks itself" if kind.shards_experts else "holds all experts on all ranks"
+        raise ConfigError(f"train.shard_experts=true: dispatcher={kind.name} {why} (EP = 1); set train.shard_experts"
+                          "=false, or use an expert-parallel dispatcher (a2a, agrs, deepep) to shard the experts over "
+                          "EP and dp")
     e = n_routed_experts // ep_size
     if dp_size <= 1 or e % dp_size == 0:
         return 0
