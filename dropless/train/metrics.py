@@ -49,6 +49,7 @@ from typing import Any, Mapping
 import torch
 
 from dropless.config import ConfigError
+from dropless.train.schema import LoggingConfig
 
 __all__ = ["MetricsLogger", "peak_flops", "peak_memory_gib", "counts_metrics", "wandb_problem", "PEAK_FLOPS_BF16",
            "REQUIRED_KEYS"]
@@ -67,23 +68,22 @@ REQUIRED_KEYS = ("loss", "aux_loss", "lr", "grad_norm", "tokens_per_s", "tflops"
                  "rows_dropped", "dispatch_bytes_sent", "dispatch_bytes_received", "skipped_steps")
 
 
-def peak_flops(device: torch.device, logging_cfg: Mapping[str, Any]) -> float | None:
+def peak_flops(device: torch.device, logging_cfg: LoggingConfig) -> float | None:
     """Peak FLOP/s of one device for MFU.
 
     ``logging.peak_flops`` wins when set; else the table :data:`PEAK_FLOPS_BF16` by CUDA
     device name; on CPU ``logging.cpu_peak_flops``. None for an unknown GPU without a
     configured value (MFU is then logged as null).
     """
-    if logging_cfg.get("peak_flops"):
-        return float(logging_cfg["peak_flops"])
+    if logging_cfg.peak_flops:
+        return logging_cfg.peak_flops
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for key, value in PEAK_FLOPS_BF16.items():
             if key in name:
                 return value
         return None
-    v = logging_cfg.get("cpu_peak_flops")
-    return float(v) if v is not None else 1e12
+    return logging_cfg.cpu_peak_flops
 
 
 def peak_memory_gib(device: torch.device) -> float:

@@ -199,7 +199,7 @@ class Trainer(StepLoop):
                                                    "scaled in a separate pass over the gradients (only the "
                                                    "fused AdamW, the default on CUDA or with optim.fused=true, "
                                                    "folds it in)"))
-        self.peak_flops = peak_flops(env.device, cfg.logging)
+        self.peak_flops = peak_flops(env.device, self.run.logging)
         self.tokens_per_step = env.world_size * self.accum * self.batch * self.seq_len
 
     def _resume(self, cfg: DictConfig) -> None:
