@@ -31,7 +31,7 @@ from dropless.model.rope import check_positions
 from dropless.ops.backends import check_backend_device, check_backend_name, check_backend_shapes
 from dropless.train.compile import check_compile, check_compile_moe
 from dropless.train.data import check_data_config
-from dropless.train.dist import DistEnv, resolve_ep_size, usable_cores
+from dropless.train.dist import DistEnv, mesh_shape, usable_cores
 from dropless.train.graph import check_capturable, check_graph_device
 from dropless.train.metrics import wandb_problem
 from dropless.train.schema import RunConfig
@@ -42,14 +42,17 @@ def check_train_config(cfg: DictConfig) -> RunConfig:
     """Raise ConfigError for config values that cannot work, from the config alone (before any work);
     returns the config as typed objects (:class:`~dropless.train.schema.RunConfig`).
 
-    Each group checks its own fields (the schema's ``validate()``: :class:`RunConfig` calls them); the
-    rules between groups are here: ``device``, ``dispatcher.ep_size`` (against torchrun's
-    ``WORLD_SIZE``), the model (validated by :meth:`RunConfig.validate`) against the dispatcher
-    (``model.recompute_gather``: the dispatcher's own guard), ``train.shard_experts`` against the
-    dispatcher and the dp size (:func:`~dropless.train.shard.expert_shard_dim`), the GEMM backend, CUDA graphs and
-    ``train.compile_moe`` against the dispatcher and the GEMM backend, the data
-    (:func:`~dropless.train.data.check_data_config`), ``init_from`` and ``train.seq_len`` against
-    ``model.max_position_embeddings``. ``dropless-train`` calls it before it prints the resolved
+    Each group checks its own fields, the model's included (the schema's ``validate()``: :meth:`RunConfig.validate`
+    calls them); the rules between groups are here, the trainer's own first: the mesh
+    (:func:`~dropless.train.dist.mesh_shape`: ``dispatcher.ep_size`` against torchrun's ``WORLD_SIZE`` and
+    ``model.n_routed_experts``), ``train.shard_experts`` against the dispatcher and the dp size
+    (:func:`~dropless.train.shard.expert_shard_dim`), the data (:func:`~dropless.train.data.check_data_config`),
+    ``train.compile_moe`` and CUDA graphs (:func:`~dropless.train.graph.check_capturable`) against the dispatcher
+    and the GEMM backend; then the library's own guards, asked early: ``init_from``
+    (:func:`~dropless.convert.start.resolve_source`), ``train.seq_len`` against ``model.max_position_embeddings``
+    (:func:`~dropless.model.rope.check_positions`), ``model.recompute_gather`` against the dispatcher
+    (:meth:`~dropless.dispatch.base.Dispatcher.check_regather`), the GEMM backend's name
+    (:func:`~dropless.ops.backends.check_backend_name`). ``dropless-train`` calls it before it prints the resolved
     config, so the error is the last thing on the terminal.
     """
     missing = sorted(OmegaConf.missing_keys(cfg))  # '???' left by a group (data=bin's path, vocab_size)
@@ -61,12 +64,9 @@ def check_train_config(cfg: DictConfig) -> RunConfig:
     run: RunConfig = OmegaConf.to_object(cfg)
     run.validate()  # every group's own rules, the model's included
     t, kind, args = run.train, run.dispatcher.kind, run.model
-    # (torchrun's WORLD_SIZE stands in for the world size; the mesh itself is checked when the ranks start)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    ep = resolve_ep_size(run.dispatcher, world)
+    ep, dp = mesh_shape(run.dispatcher, int(os.environ.get("WORLD_SIZE", "1")), args.n_routed_experts)
     if t.shard_experts:
-        expert_shard_dim(kind, world // ep if world % ep == 0 else 1, ep, args.n_routed_experts, args.hidden_size,
-                         args.moe_intermediate_size)
+        expert_shard_dim(kind, dp, ep, args.n_routed_experts, args.hidden_size, args.moe_intermediate_size)
     check_data_config(cfg.data, args.vocab_size, validates=t.val_every > 0)  # every data problem in one error
     if t.compile and t.compile_moe:
         check_compile_moe(kind)

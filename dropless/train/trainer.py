@@ -122,7 +122,7 @@ class Trainer(StepLoop):
             set_deterministic(self.run.seed)
         self.args = self.run.model  # the validated ModelArgs
         self.seq_len, self.batch, self.accum, self.steps = t.seq_len, t.micro_batch_size, t.grad_accum, t.steps
-        self.env = env = init_distributed(self.run, self.args.n_routed_experts)
+        self.env = env = init_distributed(self.run)
         self.main = env.is_main
         self.console = Console(self.main, self.run.logging.progress)
         self.warnings = self.console.warnings
