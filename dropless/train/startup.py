@@ -103,7 +103,7 @@ def check_machine(cfg: RunConfig, args: ModelArgs, env: DistEnv, dtype: torch.dt
 def start_notes(cfg: RunConfig, args: ModelArgs, env: DistEnv) -> list[str]:
     """The start-up warnings that the config and the world give: :func:`alignment_note`,
     :func:`schedule_note`, :func:`threads_note`, :func:`dispatcher_note`, :func:`shard_experts_note`."""
-    tokens = int(cfg.train.micro_batch_size) * int(cfg.train.seq_len)
+    tokens = cfg.train.micro_batch_size * cfg.train.seq_len
     notes = (alignment_note(args, tokens, env.ep_size), schedule_note(cfg), threads_note(cfg, env),
              dispatcher_note(cfg.dispatcher.kind, env), shard_experts_note(cfg, args, env))
     return [n for n in notes if n]
@@ -181,11 +181,11 @@ def check_state_fits(total_params: int, dtype: torch.dtype, env: DistEnv, have: 
     """
     have = process_memory_bytes(env) if have is None else have
     share = -(-total_params // max(1, env.world_size))
-    saved = share * SAVED_BYTES_PER_PARAM
+    saved, per_param = share * SAVED_BYTES_PER_PARAM, STATE_BYTES_PER_PARAM[dtype]
     if async_staging:
         cpu = env.device.type == "cpu"
         host = have if cpu else (host_have if host_have is not None else host_memory_bytes(env))
-        host_need = saved + (share * STATE_BYTES_PER_PARAM.get(dtype, 16) if cpu else 0)
+        host_need = saved + (share * per_param if cpu else 0)
         if host is not None and host_need > host:
             raise ConfigError(
                 f"train.ckpt_async=true copies each checkpoint's {saved / 2**30:.1f} GiB per process into host "
@@ -194,13 +194,13 @@ def check_state_fits(total_params: int, dtype: torch.dtype, env: DistEnv, have: 
                 "node); use train.ckpt_async=false (saves pause training instead), more nodes, or a smaller model")
     if have is None:
         return
-    need = share * STATE_BYTES_PER_PARAM.get(dtype, 16)
+    need = share * per_param
     if need > have:
         where = f"the GPU's {have / 2**30:.1f} GiB" if env.device.type == "cuda" else \
             f"{have / 2**30:.1f} GiB of host memory per process ({env.local_world_size} on this node)"
         raise ConfigError(
             f"the model's {total_params / 1e9:.2f} B parameters need at least {need / 2**30:.1f} GiB per process "
-            f"for weights, main gradients and AdamW state alone ({STATE_BYTES_PER_PARAM.get(dtype, 16)} bytes a "
+            f"for weights, main gradients and AdamW state alone ({per_param} bytes a "
             f"parameter at {str(dtype).replace('torch.', '')}, over {env.world_size} rank(s)), more than {where}; "
             "use a smaller model (e.g. model=tiny, or the default recipe on a CPU), more ranks, or a larger device")
 
@@ -358,10 +358,10 @@ def build_model(args: ModelArgs, cfg: RunConfig, env: DistEnv, dtype: torch.dtyp
 
     with torch.device(env.device):
         model = Transformer(args, dispatcher_factory=factory,
-                            activation_checkpointing=bool(cfg.train.activation_checkpointing))
-    model.init_weights(int(cfg.seed))
-    shard_dense = bool(cfg.train.shard_dense) and env.world_size > 1
-    experts_sharded = bool(cfg.train.shard_experts) and env.dp_size > 1
+                            activation_checkpointing=cfg.train.activation_checkpointing)
+    model.init_weights(cfg.seed)
+    shard_dense = cfg.train.shard_dense and env.world_size > 1
+    experts_sharded = cfg.train.shard_experts and env.dp_size > 1
     fsdp_experts = kind.shards_experts and env.world_size > 1
     mp_policy = None
     if dtype != torch.float32 and (shard_dense or experts_sharded or fsdp_experts):
