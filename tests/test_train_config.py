@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from dropless.config import ConfigError, ModelArgs
 from dropless.train.config import compose, config_dir, list_recipes, model_args
-from dropless.train.dist import check_mesh, default_num_threads, init_distributed, resolve_ep_size
+from dropless.train.dist import default_num_threads, mesh_shape, resolve_ep_size
 from dropless.train.optim import lr_at
 from dropless.train.schema import DispatcherConfig
 from dropless.train.startup import alignment_note, check_train_config
@@ -145,6 +145,9 @@ def test_cuda_graph_config_errors(tmp_path):
         with pytest.raises(ConfigError, match=rf"^train\.cuda_graph=true: .*{re.escape(other)}"):
             check_train_config(compose(["train.cuda_graph=true", *ov]))
     check_train_config(compose(["train.cuda_graph=true"]))  # local dispatcher: accepted from the config alone
+    with pytest.raises(ConfigError, match=r"^train\.cuda_graph=true: ") as err:  # every setting at fault, at once
+        check_train_config(compose(["train.cuda_graph=true", "dispatcher=a2a", "gemm=loop", "train.shard_dense=true"]))
+    assert all(f in str(err.value) for f in ("dispatcher=a2a", "model.gemm=loop", "train.shard_dense"))
     with pytest.raises(ConfigError, match=r"^train\.cuda_graph=true: .*device"):
         Trainer(compose(["train.cuda_graph=true", "device=cpu", f"run_dir={tmp_path / 'run'}",
                          "logging.mode=disabled"]))
@@ -185,22 +188,22 @@ def test_mesh_checks(monkeypatch):
             check_train_config(compose(["dispatcher=a2a", f"dispatcher.ep_size={bad}"]))
     with pytest.raises(ConfigError, match=r"^dispatcher\.name='nope': .*a2a"):  # lists the known names
         check_train_config(compose(["dispatcher.name=nope"]))
-    fixed, null = (check_train_config(compose(["dispatcher=a2a", *ep])) for ep in (["dispatcher.ep_size=2"], []))
-    assert check_mesh(8, 4, 8) == 2
+    cfg = DispatcherConfig("a2a", 2)
+    assert mesh_shape(cfg, 8, 8) == (2, 4)
     with pytest.raises(ConfigError, match="world size 6 does not fit the mesh"):
-        check_mesh(6, 4, 8)
+        mesh_shape(DispatcherConfig("a2a", 4), 6, 8)
     with pytest.raises(ConfigError, match="does not divide model.n_routed_experts=8"):
-        check_mesh(6, 3, 8)
-    # under torchrun with 3 processes and ep_size=2: a clear error before any process group exists
+        mesh_shape(DispatcherConfig("a2a", 3), 6, 8)
+    # under torchrun with 3 processes and ep_size=2: a clear error from the config alone, before any process group
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setenv("RANK", "0")
     import torch.distributed as dist
     with pytest.raises(ConfigError, match="world size 3 does not fit"):
-        init_distributed(fixed, 8)
+        check_train_config(compose(["dispatcher=a2a", "dispatcher.ep_size=2", "model.n_routed_experts=8"]))
     # ep_size left null: EP is the world size, which the message says (the user never wrote ep_size=3),
     # with the sizes that fit (dividing 3 and 8) and the process counts that would
     with pytest.raises(ConfigError, match=r"^dispatcher\.ep_size is null, .*EP = 3") as e:
-        init_distributed(null, 8)
+        check_train_config(compose(["dispatcher=a2a", "model.n_routed_experts=8"]))
     assert "model.n_routed_experts=8" in str(e.value) and "[1]" in str(e.value) and "[1, 2, 4, 8]" in str(e.value)
     assert not dist.is_initialized()
 
@@ -368,6 +371,7 @@ def test_a_dict_override_sets_a_field_that_is_null_and_merges_into_one_that_is_n
     ("gemm.backend=foo", "gemm.backend (model.gemm)='foo'"),
     ("model.gemm=foo", "gemm.backend (model.gemm)='foo'"),
     ("optim.name=sgd", "optim.name='sgd'"),
+    ("resume=true", "resume=true"),  # needs run_dir: refused at the run directory, after the config was printed
     # these four passed --cfg and failed only when the run started
     ("device=tpu", "device='tpu'"),
     ("train.loss_impl=foo", "train.loss_impl='foo'"),

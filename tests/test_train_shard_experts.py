@@ -31,6 +31,8 @@ import torch
 
 from dropless.config import ConfigError
 from dropless.convert import args_from_hf_config, load_hf, read_hf_config, save_model_dcp
+from dropless.dispatch.a2a import A2ADispatcher
+from dropless.dispatch.agrs import AGRSDispatcher
 from dropless.model import Transformer
 from dropless.train.config import compose, model_args
 from dropless.train.dist import DistEnv
@@ -144,11 +146,11 @@ def test_a_dp_size_that_cannot_split_the_experts_is_refused_before_any_work(monk
 
 
 def test_shard_dim_follows_the_sizes():
-    assert expert_shard_dim("a2a", 2, 2, 8, 32, 16) == 0       # 4 local experts over dp 2
-    assert expert_shard_dim("agrs", 8, 2, 8, 32, 16) == 1      # 4 local experts over dp 8: split H and I
-    assert expert_shard_dim("a2a", 1, 8, 8, 30, 10) == 0       # dp 1: nothing to split
+    assert expert_shard_dim(A2ADispatcher, 2, 2, 8, 32, 16) == 0       # 4 local experts over dp 2
+    assert expert_shard_dim(AGRSDispatcher, 8, 2, 8, 32, 16) == 1      # 4 local experts over dp 8: split H and I
+    assert expert_shard_dim(A2ADispatcher, 1, 8, 8, 30, 10) == 0       # dp 1: nothing to split
     with pytest.raises(ConfigError, match="train.shard_experts"):
-        expert_shard_dim("a2a", 8, 2, 8, 32, 12)               # I = 12 over dp 8
+        expert_shard_dim(A2ADispatcher, 8, 2, 8, 32, 12)               # I = 12 over dp 8
 
 
 def test_cli_exits_2_naming_the_option():

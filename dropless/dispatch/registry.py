@@ -21,7 +21,7 @@ from dropless.dispatch.fsdp import FSDPDispatcher
 from dropless.dispatch.local import LocalDispatcher
 from dropless.dispatch.mesh import ep_group as _ep_group
 
-__all__ = ["DISPATCHERS", "DISPATCHER_CLASSES", "build_dispatcher", "check_dispatcher_ep", "dispatcher_class"]
+__all__ = ["DISPATCHERS", "DISPATCHER_CLASSES", "build_dispatcher", "dispatcher_class"]
 
 DISPATCHER_CLASSES: dict[str, type[Dispatcher]] = {
     "local": LocalDispatcher, "a2a": A2ADispatcher, "agrs": AGRSDispatcher, "fsdp": FSDPDispatcher,
@@ -41,11 +41,6 @@ def dispatcher_class(name: str) -> type[Dispatcher]:
     if cls is None:
         raise ConfigError(f"dispatcher.name={name!r}: unknown; pick one of {', '.join(DISPATCHERS)}")
     return cls
-
-
-def check_dispatcher_ep(name: str, ep_size: int) -> None:
-    """:meth:`Dispatcher.check_ep <dropless.dispatch.base.Dispatcher.check_ep>` of ``dispatcher=name``."""
-    dispatcher_class(name).check_ep(ep_size)
 
 
 def build_dispatcher(kind: str | type[Dispatcher], args: Any, ep_group: Any = None, **opts: Any) -> Dispatcher:

@@ -36,7 +36,8 @@ import torch
 from dropless.config import ConfigError
 from dropless.ops.softmax_ce import softmax_ce_grad_
 
-__all__ = ["DEFAULT_CHUNK_ELEMENTS", "LOSS_IMPLS", "chunk_rows", "linear_cross_entropy", "resolve_loss_impl"]
+__all__ = ["DEFAULT_CHUNK_ELEMENTS", "LOSS_IMPLS", "check_loss_impl", "chunk_rows", "linear_cross_entropy",
+           "resolve_loss_impl"]
 
 # Logits per chunk: 512 Mi elements = 2 GiB in fp32 (4,152 tokens at V = 129,280). A chunk must
 # be large enough that its head GEMMs run at full rate and that dW (fp32 [V, H]) is read and
@@ -207,6 +208,12 @@ def _liger_loss(h_TH, weight_VH, targets_T, ignore_index, reduction):
     return _liger_loss_fn(int(ignore_index), reduction)(weight_VH, h_TH, targets_T).float()
 
 
+def check_loss_impl(name: str) -> None:
+    """ConfigError naming ``train.loss_impl`` unless ``name`` is one of :data:`LOSS_IMPLS`."""
+    if name not in LOSS_IMPLS:
+        raise ConfigError(f"train.loss_impl={name!r}: must be one of {LOSS_IMPLS}")
+
+
 def resolve_loss_impl(name: str, device: torch.device | str, cuda_graph: bool = False) -> tuple[str, str]:
     """``train.loss_impl`` -> ``("torch" | "liger", a one-line note of what was picked and why)``.
 
@@ -217,8 +224,7 @@ def resolve_loss_impl(name: str, device: torch.device | str, cuda_graph: bool = 
     """
     device = torch.device(device)
     name = str(name)
-    if name not in LOSS_IMPLS:
-        raise ConfigError(f"train.loss_impl={name!r}: must be one of {LOSS_IMPLS}")
+    check_loss_impl(name)
     have = _liger_class() is not None
     if name == "liger":
         if device.type != "cuda":

@@ -38,7 +38,7 @@ import math
 
 import torch
 
-from dropless.config import Yarn
+from dropless.config import ConfigError, Yarn
 from dropless.ops.rope_tail import rotate_tail
 
 
@@ -75,6 +75,16 @@ def rope_inv_freq(rope_head_dim: int, rope_theta: float, *, yarn: Yarn | None = 
     return inv_freq_P * (1 - ramp_P) + (inv_freq_P / yarn.factor) * ramp_P
 
 
+def check_positions(seq_len: int, max_position_embeddings: int, field: str = "seq_len",
+                    limit: str = "max_position_embeddings") -> None:
+    """Raise ConfigError (a ValueError) when ``seq_len`` positions exceed ``max_position_embeddings``
+    (the rotation tables, and YaRN's interpolation, are defined up to it); ``field`` and ``limit`` name
+    the two settings in the message."""
+    if seq_len > max_position_embeddings:
+        raise ConfigError(f"{field}={seq_len} exceeds {limit}={max_position_embeddings}: lower {field} or raise "
+                          f"{limit}")
+
+
 def rope_cos_sin(seq_len: int, rope_head_dim: int, rope_theta: float, *,
                  max_position_embeddings: int | None = None, yarn: Yarn | None = None, device=None,
                  dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,14 +103,13 @@ def rope_cos_sin(seq_len: int, rope_head_dim: int, rope_theta: float, *,
         ``(cos_SP, sin_SP)``, each [S, R/2] in ``dtype``.
 
     Raises:
-        ValueError: ``seq_len`` < 1 or > ``max_position_embeddings``.
+        ValueError: ``seq_len`` < 1; ConfigError (a ValueError): ``seq_len`` > ``max_position_embeddings``
+            (:func:`check_positions`).
     """
     if seq_len < 1:
         raise ValueError(f"seq_len={seq_len}: must be >= 1")
-    if max_position_embeddings is not None and seq_len > max_position_embeddings:
-        raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings="
-                         f"{max_position_embeddings}; shorten the sequence or raise "
-                         "max_position_embeddings")
+    if max_position_embeddings is not None:
+        check_positions(seq_len, max_position_embeddings)
     inv_freq_P = rope_inv_freq(rope_head_dim, rope_theta, yarn=yarn, device=device, dtype=dtype)
     pos_S = torch.arange(seq_len, device=device, dtype=dtype)
     angle_SP = torch.outer(pos_S, inv_freq_P)

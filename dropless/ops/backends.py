@@ -46,16 +46,21 @@ def list_backends() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def check_backend_name(name: str, field: str = "gemm") -> None:
+    """Raise ConfigError (a ValueError) ``"field='name': unknown grouped GEMM backend; choose one of [...]"``
+    unless ``name`` is registered (:func:`list_backends`); ``field`` names the setting that gave it."""
+    if name not in list_backends():
+        raise ConfigError(f"{field}={name!r}: unknown grouped GEMM backend; choose one of {list_backends()}")
+
+
 def get_backend(name: str) -> GemmBackend:
     """Return the backend registered as ``name``.
 
     Raises:
-        ValueError: unknown name (the message lists the known ones), or the backend
-            cannot run on this machine (the message says why).
+        ValueError: unknown name (:func:`check_backend_name`: the message lists the known ones), or the
+            backend cannot run on this machine (the message says why).
     """
-    _ensure_builtin()
-    if name not in _REGISTRY:
-        raise ValueError(f"gemm={name!r}: unknown grouped GEMM backend; choose one of {list_backends()}")
+    check_backend_name(name)
     if name not in _INSTANCES:
         _INSTANCES[name] = _REGISTRY[name]()
     return _INSTANCES[name]

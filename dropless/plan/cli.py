@@ -9,7 +9,7 @@ import sys
 from typing import Sequence
 
 from dropless.config import ModelArgs
-from dropless.dispatch.registry import check_dispatcher_ep, dispatcher_class
+from dropless.dispatch.registry import dispatcher_class
 from dropless.plan.report import RankShape, format_plan, plan
 from dropless.train.config import compose, model_args
 
@@ -92,7 +92,7 @@ def _from_hydra(overrides: Sequence[str]) -> tuple[ModelArgs, int | None, int | 
         if ep is None and not dispatcher_class(disp.get("name")).expert_parallel:
             ep = 1
         if ep is not None:
-            check_dispatcher_ep(disp.get("name"), int(ep))
+            dispatcher_class(disp.get("name")).check_ep(int(ep))
     tokens = seq_len = None
     train = cfg.get("train") if hasattr(cfg, "get") else None
     if train is not None and train.get("seq_len") is not None:

@@ -34,7 +34,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from dropless.config import ConfigError, ModelArgs
-from dropless.train.schema import SCHEMAS
+from dropless.train.schema import SCHEMAS, validate_model
 
 __all__ = ["compose", "model_args", "repo_root", "config_dir", "recipe_dir", "list_recipes",
            "ConfigError"]
@@ -287,7 +287,8 @@ def model_args(cfg: DictConfig) -> ModelArgs:
     Returns: validated ModelArgs.
     Raises:
         ConfigError: ``cfg.model`` holds a key that is not a ModelArgs field, or
-            :meth:`ModelArgs.validate` rejects a value (the message names the field).
+            :meth:`ModelArgs.validate` rejects a value (:func:`~dropless.train.schema.validate_model`: the
+            message names the field).
     """
     node = cfg["model"] if not isinstance(cfg, DictConfig) else cfg.model
     d = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
@@ -295,7 +296,4 @@ def model_args(cfg: DictConfig) -> ModelArgs:
         args = ModelArgs.from_dict(d, strict=True)
     except TypeError as e:
         raise ConfigError(f"model config: {e}") from e
-    try:
-        return args.validate()
-    except ConfigError as e:
-        raise ConfigError(f"model.{e} (override it on the command line: model.<field>=<value>)") from e
+    return validate_model(args)

@@ -16,7 +16,7 @@ starter). Mesh: ``ep = dispatcher.ep_size`` (null: the world size for ``a2a``/``
 different data (the EP ranks too), so data is sharded over all ``world`` ranks.
 
 Errors (:class:`~dropless.config.ConfigError`, before the model is built): the world size
-is not a multiple of ``ep_size``; ``n_routed_experts`` is not a multiple of ``ep_size``;
+is not a multiple of ``ep_size``, or ``n_routed_experts`` is not (:func:`mesh_shape`, from the config);
 ``device=cuda`` without CUDA; ``nccl`` with more local ranks than GPUs, or on the CPU; ranks on
 different device types.
 """
@@ -35,7 +35,7 @@ from dropless.dispatch.collectives import CollectiveError
 from dropless.dispatch.mesh import build_mesh, check_ep_size, start_process_group
 from dropless.train.schema import DispatcherConfig, RunConfig
 
-__all__ = ["resolve_dist_backend", "DistEnv", "resolve_ep_size", "check_mesh", "init_distributed",
+__all__ = ["resolve_dist_backend", "DistEnv", "resolve_ep_size", "mesh_shape", "init_distributed",
            "default_num_threads", "usable_cores", "collective_failure", "elastic_restart"]
 
 
@@ -125,14 +125,31 @@ def resolve_ep_size(dispatcher: DispatcherConfig, world_size: int) -> int:
     return int(dispatcher.ep_size)
 
 
-def check_mesh(world_size: int, ep_size: int, n_routed_experts: int) -> int:
-    """Check that the world fits the dp × ep mesh; returns dp_size.
+def mesh_shape(dispatcher: DispatcherConfig, world_size: int, n_routed_experts: int) -> tuple[int, int]:
+    """``(ep_size, dp_size)`` of the dp × ep mesh (:func:`resolve_ep_size`; ``dp = world / ep``): THE check of
+    the mesh shape, from the config and torchrun's ``WORLD_SIZE`` (:func:`~dropless.train.startup.check_train_config`
+    calls it, so :func:`init_distributed` trusts it).
 
     Raises:
-        ConfigError: ``world_size % ep_size`` or ``n_routed_experts % ep_size`` is not 0.
+        ConfigError: ``world_size % ep`` or ``n_routed_experts % ep`` is not 0
+            (:func:`~dropless.dispatch.mesh.check_ep_size`); with ``dispatcher.ep_size`` null, the message says
+            where the EP came from and which sizes fit.
     """
-    check_ep_size(world_size, ep_size, n_routed_experts)
-    return world_size // ep_size
+    ep = resolve_ep_size(dispatcher, world_size)
+    try:
+        check_ep_size(world_size, ep, n_routed_experts)
+    except ConfigError as e:
+        if dispatcher.ep_size is None and ep > 1:  # the user never wrote that EP: say where it came from
+            world, n = world_size, n_routed_experts
+            fits = [d for d in range(1, world + 1) if world % d == 0 and n % d == 0]
+            divisors = [d for d in range(1, n + 1) if n % d == 0]
+            raise ConfigError(f"dispatcher.ep_size is null, so dispatcher={dispatcher.name} spreads the experts "
+                              f"over all {world} processes (EP = {ep}), and {ep} does not divide "
+                              f"model.n_routed_experts={n}: set dispatcher.ep_size to one of {fits} "
+                              f"(dividing both {world} and {n}), or launch a number of processes "
+                              f"from {divisors}") from e
+        raise
+    return ep, world_size // ep
 
 
 def default_num_threads(local_world_size: int) -> int:
@@ -173,37 +190,23 @@ def _device(device_cfg: str, local_rank: int, recipe: str | None = None) -> torc
     return torch.device("cpu")
 
 
-def init_distributed(cfg: RunConfig, n_routed_experts: int) -> DistEnv:
+def init_distributed(cfg: RunConfig) -> DistEnv:
     """Set up the process group (under torchrun), the device and the mesh, for the checked config
-    (:func:`~dropless.train.startup.check_train_config`'s typed :class:`RunConfig`).
-
-    The mesh shape is checked before any collective is made, so a world size that does
-    not fit fails at once on every rank with the same :class:`ConfigError`.
-    """
+    (:func:`~dropless.train.startup.check_train_config`'s typed :class:`RunConfig`, whose mesh shape
+    :func:`mesh_shape` checked before any collective)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    ep = resolve_ep_size(cfg.dispatcher, world)
-    try:
-        dp = check_mesh(world, ep, n_routed_experts)
-    except ConfigError as e:
-        if cfg.dispatcher.ep_size is None and ep > 1:  # the user never wrote that EP: say where it came from
-            fits = [d for d in range(1, world + 1) if world % d == 0 and n_routed_experts % d == 0]
-            divisors = [d for d in range(1, n_routed_experts + 1) if n_routed_experts % d == 0]
-            raise ConfigError(f"dispatcher.ep_size is null, so dispatcher={cfg.dispatcher.name} spreads the experts "
-                              f"over all {world} processes (EP = {ep}), and {ep} does not divide "
-                              f"model.n_routed_experts={n_routed_experts}: set dispatcher.ep_size to one of {fits} "
-                              f"(dividing both {world} and {n_routed_experts}), or launch a number of processes "
-                              f"from {divisors}") from e
-        raise
     device = _device(cfg.device, local_rank, cfg.recipe)
     threads = cfg.num_threads  # >= 1 or null (dropless.train.schema.RunConfig.validate)
     torch.set_num_threads(int(threads) if threads is not None else default_num_threads(local_world))
+    backend = resolve_dist_backend(cfg.train.dist_backend, device, local_world) if world > 1 else None
+    ep = resolve_ep_size(cfg.dispatcher, world)
+    dp = world // ep
     env = DistEnv(rank, world, local_rank, local_world, device, ep, dp)
     if world == 1:
         return env
-    backend = resolve_dist_backend(cfg.train.dist_backend, device, local_world)
     timeout_s = float(cfg.train.dist_timeout_s)
     start_process_group(device, timeout_s, backend=backend)
     env.mesh = build_mesh(world, ep, device.type, timeout_s=timeout_s)  # its dp/ep groups carry it too

@@ -27,9 +27,11 @@ nothing in forward or backward that syncs with the host or reads host state that
 steps (``tests/test_train_gpu.py`` runs the step under ``torch.cuda.set_sync_debug_mode``); no
 collective inside (``dispatcher=local``, no FSDP2; the gradient all-reduce runs after the last
 micro-batch). The trainer refuses other configurations with a :class:`ConfigError` before any
-step and before the run directory is made (``check_train_config``: the dispatcher, ``model.gemm``
-other than ``torch``, ``train.loss_impl=liger``, ``train.shard_dense``; the Trainer: a CPU device;
-``loss_impl=auto`` resolves to torch under a graph).
+step and before the run directory is made: :func:`check_capturable` (the dispatcher, ``model.gemm``
+other than ``torch``, ``train.shard_dense``: every one at fault named in one error) from the config,
+:func:`check_graph_device` (a CPU device) once the device is known, and
+:func:`~dropless.model.loss.resolve_loss_impl` (``train.loss_impl=liger``; ``auto`` resolves to torch
+under a graph).
 What the host does inside the captured function (Python bookkeeping such as the hooks' record of
 which main gradients were written) happens at capture only: :meth:`MicroBatchGraphs.__call__`
 says whether the call replayed, so the caller repeats that bookkeeping itself. Likewise the
@@ -53,7 +55,44 @@ from typing import Callable
 
 import torch
 
-__all__ = ["MicroBatchGraphs"]
+from dropless.config import ConfigError
+from dropless.dispatch.base import Dispatcher
+
+__all__ = ["MicroBatchGraphs", "check_capturable", "check_graph_device"]
+
+
+def check_capturable(kind: type[Dispatcher], gemm: str, shard_dense: bool) -> None:
+    """ConfigError naming every setting whose work a captured forward and backward cannot hold.
+
+    Args:
+        kind: the dispatcher class (``dispatcher.kind``): it must run no collective
+            (:attr:`~dropless.dispatch.base.Dispatcher.collectives` empty: ``local``).
+        gemm: ``model.gemm``: ``torch`` only (``loop`` reads the expert offsets on the host; the FP8
+            backends keep their weight cache in host logic that a replay would skip).
+        shard_dense: ``train.shard_dense``: FSDP2 all-gathers parameters inside forward and backward.
+    Raises:
+        ConfigError: ``train.cuda_graph=true: ...`` naming each offending setting and its fix.
+    """
+    problems = []
+    if kind.collectives:
+        problems.append(f"dispatcher={kind.name} {kind.collectives} (use dispatcher=local)")
+    if gemm != "torch":
+        problems.append(f"model.gemm={gemm} is not gemm=torch (gemm=loop reads the expert offsets on the host, "
+                        "the FP8 backends keep their weight cache in host logic that a replay would skip; use "
+                        "gemm=torch)")
+    if shard_dense:
+        problems.append("train.shard_dense=true all-gathers parameters inside forward and backward (FSDP2; set "
+                        "train.shard_dense=false)")
+    if problems:
+        raise ConfigError("train.cuda_graph=true: captures forward and backward without collectives or host "
+                          f"reads, but {'; '.join(problems)}; or set train.cuda_graph=false")
+
+
+def check_graph_device(device: torch.device) -> None:
+    """ConfigError unless ``device`` is a CUDA device (CUDA graphs need one)."""
+    if device.type != "cuda":
+        raise ConfigError(f"train.cuda_graph=true: CUDA graphs need a CUDA GPU, but the run's device is "
+                          f"{device}; set train.cuda_graph=false (or device=cuda on a GPU machine)")
 
 
 class MicroBatchGraphs:
@@ -70,13 +109,13 @@ class MicroBatchGraphs:
     Attributes:
         replays: graph replays so far (the capturing calls included), per kind.
     Raises:
-        ValueError: ``device`` is not CUDA, or ``warmup`` < 1.
+        ConfigError (a ValueError): ``device`` is not CUDA (:func:`check_graph_device`).
+        ValueError: ``warmup`` < 1.
     """
 
     def __init__(self, fn: Callable[[torch.Tensor], tuple[torch.Tensor, ...]], device: torch.device,
                  warmup: int = 3):
-        if device.type != "cuda":
-            raise ValueError(f"MicroBatchGraphs: CUDA graphs need a CUDA device, got {device}")
+        check_graph_device(device)
         if warmup < 1:
             raise ValueError(f"MicroBatchGraphs: warmup must be >= 1 eager call per kind, got {warmup}")
         self.fn, self.device, self.warmup = fn, device, int(warmup)

@@ -49,6 +49,7 @@ from typing import Any, Mapping
 import torch
 
 from dropless.config import ConfigError
+from dropless.train.schema import LoggingConfig
 
 __all__ = ["MetricsLogger", "peak_flops", "peak_memory_gib", "counts_metrics", "wandb_problem", "PEAK_FLOPS_BF16",
            "REQUIRED_KEYS"]
@@ -67,23 +68,22 @@ REQUIRED_KEYS = ("loss", "aux_loss", "lr", "grad_norm", "tokens_per_s", "tflops"
                  "rows_dropped", "dispatch_bytes_sent", "dispatch_bytes_received", "skipped_steps")
 
 
-def peak_flops(device: torch.device, logging_cfg: Mapping[str, Any]) -> float | None:
+def peak_flops(device: torch.device, logging_cfg: LoggingConfig) -> float | None:
     """Peak FLOP/s of one device for MFU.
 
     ``logging.peak_flops`` wins when set; else the table :data:`PEAK_FLOPS_BF16` by CUDA
     device name; on CPU ``logging.cpu_peak_flops``. None for an unknown GPU without a
     configured value (MFU is then logged as null).
     """
-    if logging_cfg.get("peak_flops"):
-        return float(logging_cfg["peak_flops"])
+    if logging_cfg.peak_flops:
+        return logging_cfg.peak_flops
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for key, value in PEAK_FLOPS_BF16.items():
             if key in name:
                 return value
         return None
-    v = logging_cfg.get("cpu_peak_flops")
-    return float(v) if v is not None else 1e12
+    return logging_cfg.cpu_peak_flops
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -175,8 +175,8 @@ class MetricsLogger:
 
     Args:
         run_dir: the run directory (exists).
-        logging_cfg: ``cfg.logging`` (``mode``: offline | online | disabled, ``project``,
-            ``entity``, ``name``).
+        logging_cfg: ``cfg.logging``, checked by :meth:`~dropless.train.schema.LoggingConfig.validate`
+            (``mode``: offline | online | disabled, ``project``, ``entity``, ``name``).
         config: the resolved config, stored with the wandb run.
         enabled: False on ranks other than 0.
         resume: reuse the wandb run id stored in ``<run_dir>/wandb_run_id``.
@@ -188,7 +188,6 @@ class MetricsLogger:
     :attr:`note` also says when a resumed wandb run already holds steps past ``start_step``
     (W&B drops the logs of those steps when they are trained again).
     Raises:
-        ValueError: ``logging.mode`` is not offline/online/disabled.
         ConfigError: wandb cannot start the run (``online`` without a login; the trainer has asked
             :func:`wandb_problem` before the run dir, so this is the fallback).
     """
@@ -199,10 +198,7 @@ class MetricsLogger:
         self.note: str | None = None
         self.wandb_run = None
         self._wandb = None
-        mode = str(logging_cfg.get("mode", "offline"))
-        if mode not in ("offline", "online", "disabled"):
-            raise ValueError(f"logging.mode={mode!r}: must be offline, online or disabled")
-        self.mode = mode
+        self.mode = mode = str(logging_cfg.get("mode", "offline"))
         if not enabled:
             self._f = None
             return

@@ -47,19 +47,18 @@ _held_guard = threading.Lock()
 
 
 def resolve_run_dir(cfg: DictConfig, env: DistEnv) -> Path:
-    """The run directory, the same on every rank: ``run_dir``, or by default a dated name
+    """The run directory (of a config that :meth:`~dropless.train.schema.RunConfig.validate` passed: ``resume=true``
+    names one), the same on every rank: ``run_dir``, or by default a dated name
     ``runs/YYYYmmdd-HHMMSS`` picked by rank 0 (:func:`claim_run_dir` with ``fresh=True`` then adds
     ``-2``, ``-3``, ... if another run made that directory first). Rank 0 checks a given ``run_dir``
     and broadcasts its verdict, so every rank raises the same error (a rank that looked for itself
     could see the lock its own rank 0 had just taken).
 
     Raises:
-        ConfigError: ``resume=true`` without ``run_dir``; ``run_dir`` is a file; another run holds
+        ConfigError: ``run_dir`` is a file; another run holds
             it (:func:`held_elsewhere`); ``resume=false`` and ``run_dir`` already holds checkpoints
             (a new run would mix with the old one).
     """
-    if cfg.resume and not cfg.run_dir:
-        raise ConfigError("resume=true needs run_dir=PATH: the run directory to continue")
     problem, name = None, None
     if env.is_main:
         if cfg.run_dir:

@@ -36,13 +36,14 @@ from typing import Any, List, Optional
 
 from omegaconf import MISSING
 
-from dropless.config import ConfigError
+from dropless.config import ConfigError, ModelArgs
 from dropless.dispatch.base import Dispatcher
 from dropless.dispatch.registry import dispatcher_class
-from dropless.model.loss import LOSS_IMPLS
+from dropless.model.loss import check_loss_impl
 
 __all__ = ["BinDataConfig", "DispatcherConfig", "FIELD_DOCS", "GemmConfig", "LoggingConfig", "OptimConfig", "RunConfig",
-           "SCHEMAS", "TextDataConfig", "TrainConfig"]
+           "SCHEMAS", "TextDataConfig", "TrainConfig",
+           "validate_model"]
 
 # OmegaConf reads these annotations at runtime: keep typing.List / Optional (not PEP 604) for Python 3.10.
 
@@ -58,6 +59,15 @@ def need(ok: bool, field: str, value: Any, why: str) -> None:
     if not ok:
         shown = str(value).lower() if isinstance(value, bool) else repr(value)
         raise ConfigError(f"{field}={shown}: {why}")
+
+
+def validate_model(args: ModelArgs) -> ModelArgs:
+    """:meth:`ModelArgs.validate <dropless.config.ModelArgs.validate>` with its error named as the run config
+    spells it (``model.hidden_size=-8: ...``, and how to override it); returns ``args``."""
+    try:
+        return args.validate()
+    except ConfigError as e:
+        raise ConfigError(f"model.{e} (override it on the command line: model.<field>=<value>)") from e
 
 
 @dataclass
@@ -107,17 +117,11 @@ class TrainConfig:
         need(not (self.compile_moe and self.activation_checkpointing), "train.compile_moe", True,
              "with train.activation_checkpointing=true would count each checkpoint recompute's tokens into the "
              "router's balancing load again; set one of them to false")
-        need(self.loss_impl in LOSS_IMPLS, "train.loss_impl", self.loss_impl, f"must be one of {LOSS_IMPLS}")
+        check_loss_impl(self.loss_impl)
         need(self.dist_backend in DIST_BACKENDS, "train.dist_backend", self.dist_backend,
              "must be auto, nccl or gloo")
-        need(math.isfinite(self.dist_timeout_s), "train.dist_timeout_s", self.dist_timeout_s,
-             "must be a finite number of seconds")
-        need(self.dist_timeout_s > 0, "train.dist_timeout_s", self.dist_timeout_s,
-             "must be > 0 (seconds a collective may wait for the other ranks)")
-        if self.cuda_graph:
-            need(not self.shard_dense, "train.cuda_graph", True,
-                 "train.shard_dense=true all-gathers parameters inside forward and backward (FSDP2), which a "
-                 "captured graph cannot hold; set one of them to false")
+        need(0 < self.dist_timeout_s < math.inf, "train.dist_timeout_s", self.dist_timeout_s,
+             "must be a finite number > 0 (seconds a collective may wait for the other ranks)")
 
 
 @dataclass
@@ -242,7 +246,7 @@ class RunConfig:
     device: str = MISSING
     num_threads: Optional[int] = MISSING
     train: TrainConfig = field(default_factory=TrainConfig)
-    model: Any = MISSING
+    model: Any = MISSING  # a ModelArgs once converted (``model/schema`` types the group)
     dispatcher: Any = MISSING
     gemm: Any = MISSING
     optim: Any = MISSING
@@ -250,9 +254,12 @@ class RunConfig:
     logging: Any = MISSING
 
     def validate(self) -> None:
-        """Every group's own rules (``validate()`` of each), then the top level's own fields."""
+        """Every group's own rules (``validate()`` of each; the model's: :func:`validate_model`), then the top
+        level's own fields."""
         for group in (self.train, self.optim, self.logging, self.dispatcher):
             group.validate()
+        validate_model(self.model)
+        need(not self.resume or self.run_dir, "resume", True, "needs run_dir=PATH: the run directory to continue")
         need(0 <= self.seed < 2**63, "seed", self.seed, "must be an integer in [0, 2^63) (it seeds torch and numpy)")
         need(self.device in DEVICES, "device", self.device, "must be auto, cpu or cuda")
         need(self.num_threads is None or self.num_threads >= 1, "num_threads", self.num_threads,

@@ -47,8 +47,8 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import Shard
 
 from dropless.config import ConfigError
+from dropless.dispatch.base import Dispatcher
 from dropless.dispatch.fsdp import FSDPDispatcher
-from dropless.dispatch.registry import check_dispatcher_ep, dispatcher_class
 from dropless.expert_dtensor import ep_dp_mesh
 from dropless.moe import MoE
 
@@ -152,7 +152,7 @@ def apply_fsdp(module: nn.Module, mesh: Any, *, reshard_after_forward: bool = Tr
         kwargs["mp_policy"] = mp_policy
     sharded = []
     for moe in layers:
-        check_dispatcher_ep("fsdp", moe.dispatcher.ep_size)
+        FSDPDispatcher.check_ep(moe.dispatcher.ep_size)
         params = list(moe.experts.parameters())
         full_param_bytes = sum(p.numel() * _dtype_bytes(getattr(mp_policy, "param_dtype", None), p) for p in params)
         full_grad_bytes = sum(p.numel() * _dtype_bytes(getattr(mp_policy, "reduce_dtype", None), p) for p in params)
@@ -179,7 +179,7 @@ def _dp_mesh(mesh: Any) -> Any:
     names = getattr(mesh, "mesh_dim_names", None)
     if names and "dp" in names:
         if "ep" in names:
-            check_dispatcher_ep("fsdp", mesh["ep"].size())
+            FSDPDispatcher.check_ep(mesh["ep"].size())
         return mesh["dp"]
     if mesh.ndim != 1:
         raise ValueError(f"apply_fsdp: need a mesh with a 'dp' dimension or a 1-D mesh, got dims {names}")
@@ -199,7 +199,7 @@ def _dtype_bytes(dtype: torch.dtype | None, p: torch.Tensor) -> int:
     return (torch.empty((), dtype=dtype).element_size() if dtype is not None else p.element_size())
 
 
-def expert_shard_dim(dispatcher: str, dp_size: int, ep_size: int, n_routed_experts: int, hidden_size: int,
+def expert_shard_dim(kind: type[Dispatcher], dp_size: int, ep_size: int, n_routed_experts: int, hidden_size: int,
                      moe_intermediate_size: int) -> int:
     """The dimension ``train.shard_experts`` shards the local expert weights on: THE check of its sizes.
 
@@ -209,25 +209,23 @@ def expert_shard_dim(dispatcher: str, dp_size: int, ep_size: int, n_routed_exper
     torchtitan does where there are fewer local experts than dp ranks.
 
     Args:
-        dispatcher: ``dispatcher.name``; must be expert-parallel (``a2a``, ``agrs``, ``deepep``).
+        kind: the dispatcher class (``dispatcher.kind``); must be expert-parallel (``a2a``, ``agrs``,
+            ``deepep``).
         dp_size, ep_size: the mesh (``dp = world / EP``).
         n_routed_experts, hidden_size, moe_intermediate_size: ``E``, ``H``, ``I``.
     Returns:
         0 or 1.
     Raises:
-        ConfigError: ``dispatcher`` is ``local`` (nothing to shard over: every rank holds every expert
-            and trains it on its own tokens) or ``fsdp`` (its experts are FSDP2-sharded already), or
+        ConfigError: ``kind`` is not expert-parallel (``local``: nothing to shard over, every rank holds
+            every expert and trains it on its own tokens) or shards the experts itself (``fsdp``), or
             ``dp`` divides neither ``e`` nor both ``H`` and ``I``; the message names
             ``train.shard_experts`` and the sizes.
     """
-    if dispatcher == "fsdp":
-        raise ConfigError("train.shard_experts=true: dispatcher=fsdp shards the experts over the dp ranks already "
-                          "(EP = 1); set train.shard_experts=false, or use an expert-parallel dispatcher (a2a, agrs, "
-                          "deepep) to shard the experts over EP and dp")
-    if not dispatcher_class(dispatcher).expert_parallel:
-        raise ConfigError(f"train.shard_experts=true: dispatcher={dispatcher} keeps every expert on every rank with "
-                          "no dp group to shard them over; use an expert-parallel dispatcher (a2a, agrs, deepep) or "
-                          "dispatcher=fsdp (which shards the experts over all ranks), or set train.shard_experts=false")
+    if kind.shards_experts or not kind.expert_parallel:
+        why = "shards the experts over the dp ranks itself" if kind.shards_experts else "holds all experts on all ranks"
+        raise ConfigError(f"train.shard_experts=true: dispatcher={kind.name} {why} (EP = 1); set train.shard_experts"
+                          "=false, or use an expert-parallel dispatcher (a2a, agrs, deepep) to shard the experts over "
+                          "EP and dp")
     e = n_routed_experts // ep_size
     if dp_size <= 1 or e % dp_size == 0:
         return 0
@@ -274,7 +272,7 @@ def shard_experts(module: nn.Module, mesh: DeviceMesh, *, reshard_after_forward:
     layers = _moe_layers(module)
     if not layers:
         raise ValueError("shard_experts: no dropless.moe.MoE layer in the module")
-    dims = [expert_shard_dim(moe.dispatcher.name, dp, ep_size, moe.args.n_routed_experts, moe.args.hidden_size,
+    dims = [expert_shard_dim(type(moe.dispatcher), dp, ep_size, moe.args.n_routed_experts, moe.args.hidden_size,
                              moe.args.moe_intermediate_size) for moe in layers]  # every layer checked first
     if dp <= 1:
         return []

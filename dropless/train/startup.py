@@ -27,13 +27,14 @@ from dropless.dispatch.base import Dispatcher
 from dropless.dispatch.mesh import local_expert_count
 from dropless.layout import aligned_capacity
 from dropless.model import Transformer
-from dropless.ops.backends import check_backend_device, check_backend_shapes, list_backends
+from dropless.model.rope import check_positions
+from dropless.ops.backends import check_backend_device, check_backend_name, check_backend_shapes
 from dropless.train.compile import check_compile, check_compile_moe
-from dropless.train.config import model_args
 from dropless.train.data import check_data_config
-from dropless.train.dist import DistEnv, resolve_ep_size, usable_cores
+from dropless.train.dist import DistEnv, mesh_shape, usable_cores
+from dropless.train.graph import check_capturable, check_graph_device
 from dropless.train.metrics import wandb_problem
-from dropless.train.schema import RunConfig, need
+from dropless.train.schema import RunConfig
 from dropless.train.shard import apply_fsdp, expert_shard_dim, shard_dense_params, shard_experts
 
 
@@ -41,14 +42,17 @@ def check_train_config(cfg: DictConfig) -> RunConfig:
     """Raise ConfigError for config values that cannot work, from the config alone (before any work);
     returns the config as typed objects (:class:`~dropless.train.schema.RunConfig`).
 
-    Each group checks its own fields (the schema's ``validate()``: :class:`RunConfig` calls them); the
-    rules between groups are here: ``device``, ``dispatcher.ep_size`` (against torchrun's
-    ``WORLD_SIZE``), the model (:func:`~dropless.train.config.model_args`) against the dispatcher
-    (``model.recompute_gather``: the dispatcher's own guard), ``train.shard_experts`` against the
-    dispatcher and the dp size (:func:`~dropless.train.shard.expert_shard_dim`), the GEMM backend, CUDA graphs and
-    ``train.compile_moe`` against the dispatcher and the GEMM backend, the data
-    (:func:`~dropless.train.data.check_data_config`), ``init_from`` and ``train.seq_len`` against
-    ``model.max_position_embeddings``. ``dropless-train`` calls it before it prints the resolved
+    Each group checks its own fields, the model's included (the schema's ``validate()``: :meth:`RunConfig.validate`
+    calls them); the rules between groups are here, the trainer's own first: the mesh
+    (:func:`~dropless.train.dist.mesh_shape`: ``dispatcher.ep_size`` against torchrun's ``WORLD_SIZE`` and
+    ``model.n_routed_experts``), ``train.shard_experts`` against the dispatcher and the dp size
+    (:func:`~dropless.train.shard.expert_shard_dim`), the data (:func:`~dropless.train.data.check_data_config`),
+    ``train.compile_moe`` and CUDA graphs (:func:`~dropless.train.graph.check_capturable`) against the dispatcher
+    and the GEMM backend; then the library's own guards, asked early: ``init_from``
+    (:func:`~dropless.convert.start.resolve_source`), ``train.seq_len`` against ``model.max_position_embeddings``
+    (:func:`~dropless.model.rope.check_positions`), ``model.recompute_gather`` against the dispatcher
+    (:meth:`~dropless.dispatch.base.Dispatcher.check_regather`), the GEMM backend's name
+    (:func:`~dropless.ops.backends.check_backend_name`). ``dropless-train`` calls it before it prints the resolved
     config, so the error is the last thing on the terminal.
     """
     missing = sorted(OmegaConf.missing_keys(cfg))  # '???' left by a group (data=bin's path, vocab_size)
@@ -58,36 +62,23 @@ def check_train_config(cfg: DictConfig) -> RunConfig:
         raise ConfigError(f"{', '.join(missing)}: required, and has no default; set it on the command line "
                           f"({missing[0]}=VALUE)")
     run: RunConfig = OmegaConf.to_object(cfg)
-    run.validate()
-    t, kind = run.train, run.dispatcher.kind
+    run.validate()  # every group's own rules, the model's included
+    t, kind, args = run.train, run.dispatcher.kind, run.model
+    ep, dp = mesh_shape(run.dispatcher, int(os.environ.get("WORLD_SIZE", "1")), args.n_routed_experts)
+    if t.shard_experts:
+        expert_shard_dim(kind, dp, ep, args.n_routed_experts, args.hidden_size, args.moe_intermediate_size)
+    check_data_config(cfg.data, args.vocab_size, validates=t.val_every > 0)  # every data problem in one error
     if t.compile and t.compile_moe:
         check_compile_moe(kind)
     if t.cuda_graph:
-        need(not kind.collectives, "train.cuda_graph", True,
-             f"captures forward and backward without collectives, but with dispatcher={kind.name} "
-             f"{kind.collectives}; use dispatcher=local or train.cuda_graph=false")
-        need(run.model.gemm == "torch", "train.cuda_graph", True,
-             f"is supported with gemm=torch only, got model.gemm={run.model.gemm} (gemm=loop reads the expert "
-             "offsets on the host, which a capture forbids; the FP8 backends keep their weight cache in host logic "
-             "that a replay would skip); use gemm=torch or train.cuda_graph=false")
-    # (torchrun's WORLD_SIZE stands in for the world size; the mesh itself is checked when the ranks start)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    ep = resolve_ep_size(run.dispatcher, world)
-    args = model_args(cfg)
-    if t.shard_experts:
-        expert_shard_dim(kind.name, world // ep if world % ep == 0 else 1, ep, args.n_routed_experts, args.hidden_size,
-                         args.moe_intermediate_size)
-    if args.recompute_gather:
-        kind.check_regather("model.recompute_gather")
-    need(args.gemm in list_backends(), "gemm.backend (model.gemm)", args.gemm,
-         f"not a grouped GEMM backend; choose one of {list_backends()} (gemm=NAME picks configs/gemm/NAME.yaml)")
-    check_data_config(cfg.data, args.vocab_size, validates=t.val_every > 0)  # every data problem in one error
+        check_capturable(kind, args.gemm, t.shard_dense)
+    # the library's own guards, asked before any work
     if run.init_from and not run.resume:  # (a resumed run may never read it)
         resolve_source(run.init_from)
-    if t.seq_len > args.max_position_embeddings:
-        raise ConfigError(f"train.seq_len={t.seq_len} > model.max_position_embeddings="
-                          f"{args.max_position_embeddings}: lower train.seq_len or raise "
-                          "model.max_position_embeddings")
+    check_positions(t.seq_len, args.max_position_embeddings, "train.seq_len", "model.max_position_embeddings")
+    if args.recompute_gather:
+        kind.check_regather("model.recompute_gather")
+    check_backend_name(args.gemm, "gemm.backend (model.gemm)")
     return run
 
 
@@ -98,22 +89,21 @@ def check_machine(cfg: RunConfig, args: ModelArgs, env: DistEnv, dtype: torch.dt
     (:func:`check_state_fits`; else an OOM kill while building), ``torch.compile``'s backend, CUDA
     graphs on a CUDA device, and the wandb login (:func:`check_logging`)."""
     t = cfg.train
-    check_backend_device(args.gemm, env.device)
-    cfg.dispatcher.kind.check_available()
-    check_backend_shapes(args.gemm, env.device, dtype, args.hidden_size, args.moe_intermediate_size)
-    check_state_fits(total_params, dtype, env, async_staging=bool(t.ckpt_async))
+    check_state_fits(total_params, dtype, env, async_staging=t.ckpt_async)
     if t.compile:
-        check_compile(env.device, str(t.compile_backend))
-    if t.cuda_graph and env.device.type != "cuda":  # (loss_impl=liger: resolve_loss_impl refuses it)
-        raise ConfigError(f"train.cuda_graph=true: CUDA graphs need a CUDA GPU, but the run's device is "
-                          f"{env.device}; set train.cuda_graph=false (or device=cuda on a GPU machine)")
-    check_logging(cfg, env)
+        check_compile(env.device, t.compile_backend)
+    if t.cuda_graph:  # (loss_impl=liger: resolve_loss_impl refuses it)
+        check_graph_device(env.device)
+    check_logging(cfg, env)  # (a collective: every rank reaches it)
+    cfg.dispatcher.kind.check_available()
+    check_backend_device(args.gemm, env.device)
+    check_backend_shapes(args.gemm, env.device, dtype, args.hidden_size, args.moe_intermediate_size)
 
 
 def start_notes(cfg: RunConfig, args: ModelArgs, env: DistEnv) -> list[str]:
     """The start-up warnings that the config and the world give: :func:`alignment_note`,
     :func:`schedule_note`, :func:`threads_note`, :func:`dispatcher_note`, :func:`shard_experts_note`."""
-    tokens = int(cfg.train.micro_batch_size) * int(cfg.train.seq_len)
+    tokens = cfg.train.micro_batch_size * cfg.train.seq_len
     notes = (alignment_note(args, tokens, env.ep_size), schedule_note(cfg), threads_note(cfg, env),
              dispatcher_note(cfg.dispatcher.kind, env), shard_experts_note(cfg, args, env))
     return [n for n in notes if n]
@@ -191,11 +181,11 @@ def check_state_fits(total_params: int, dtype: torch.dtype, env: DistEnv, have: 
     """
     have = process_memory_bytes(env) if have is None else have
     share = -(-total_params // max(1, env.world_size))
-    saved = share * SAVED_BYTES_PER_PARAM
+    saved, per_param = share * SAVED_BYTES_PER_PARAM, STATE_BYTES_PER_PARAM[dtype]
     if async_staging:
         cpu = env.device.type == "cpu"
         host = have if cpu else (host_have if host_have is not None else host_memory_bytes(env))
-        host_need = saved + (share * STATE_BYTES_PER_PARAM.get(dtype, 16) if cpu else 0)
+        host_need = saved + (share * per_param if cpu else 0)
         if host is not None and host_need > host:
             raise ConfigError(
                 f"train.ckpt_async=true copies each checkpoint's {saved / 2**30:.1f} GiB per process into host "
@@ -204,13 +194,13 @@ def check_state_fits(total_params: int, dtype: torch.dtype, env: DistEnv, have: 
                 "node); use train.ckpt_async=false (saves pause training instead), more nodes, or a smaller model")
     if have is None:
         return
-    need = share * STATE_BYTES_PER_PARAM.get(dtype, 16)
+    need = share * per_param
     if need > have:
         where = f"the GPU's {have / 2**30:.1f} GiB" if env.device.type == "cuda" else \
             f"{have / 2**30:.1f} GiB of host memory per process ({env.local_world_size} on this node)"
         raise ConfigError(
             f"the model's {total_params / 1e9:.2f} B parameters need at least {need / 2**30:.1f} GiB per process "
-            f"for weights, main gradients and AdamW state alone ({STATE_BYTES_PER_PARAM.get(dtype, 16)} bytes a "
+            f"for weights, main gradients and AdamW state alone ({per_param} bytes a "
             f"parameter at {str(dtype).replace('torch.', '')}, over {env.world_size} rank(s)), more than {where}; "
             "use a smaller model (e.g. model=tiny, or the default recipe on a CPU), more ranks, or a larger device")
 
@@ -368,10 +358,10 @@ def build_model(args: ModelArgs, cfg: RunConfig, env: DistEnv, dtype: torch.dtyp
 
     with torch.device(env.device):
         model = Transformer(args, dispatcher_factory=factory,
-                            activation_checkpointing=bool(cfg.train.activation_checkpointing))
-    model.init_weights(int(cfg.seed))
-    shard_dense = bool(cfg.train.shard_dense) and env.world_size > 1
-    experts_sharded = bool(cfg.train.shard_experts) and env.dp_size > 1
+                            activation_checkpointing=cfg.train.activation_checkpointing)
+    model.init_weights(cfg.seed)
+    shard_dense = cfg.train.shard_dense and env.world_size > 1
+    experts_sharded = cfg.train.shard_experts and env.dp_size > 1
     fsdp_experts = kind.shards_experts and env.world_size > 1
     mp_policy = None
     if dtype != torch.float32 and (shard_dense or experts_sharded or fsdp_experts):

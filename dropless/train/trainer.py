@@ -37,7 +37,6 @@ from dropless.model.loss import resolve_loss_impl
 from dropless.model.params import param_counts
 from dropless.train import checkpoint as ckpt
 from dropless.train.compile import compile_blocks
-from dropless.train.config import model_args
 from dropless.train.console import Console, StopSignals, divergence
 from dropless.train.data import ShardedLoader, load_tokens, run_val_windows
 from dropless.train.dist import init_distributed
@@ -124,9 +123,9 @@ class Trainer(StepLoop):
         t = self.run.train
         if self.run.deterministic:
             set_deterministic(self.run.seed)
-        self.args = model_args(cfg)
+        self.args = self.run.model  # the validated ModelArgs
         self.seq_len, self.batch, self.accum, self.steps = t.seq_len, t.micro_batch_size, t.grad_accum, t.steps
-        self.env = env = init_distributed(self.run, self.args.n_routed_experts)
+        self.env = env = init_distributed(self.run)
         self.main = env.is_main
         self.console = Console(self.main, self.run.logging.progress)
         self.warnings = self.console.warnings
@@ -203,7 +202,7 @@ class Trainer(StepLoop):
                                                    "scaled in a separate pass over the gradients (only the "
                                                    "fused AdamW, the default on CUDA or with optim.fused=true, "
                                                    "folds it in)"))
-        self.peak_flops = peak_flops(env.device, cfg.logging)
+        self.peak_flops = peak_flops(env.device, self.run.logging)
         self.tokens_per_step = env.world_size * self.accum * self.batch * self.seq_len
 
     def _resume(self, cfg: DictConfig) -> None:
