@@ -11,9 +11,11 @@ name holding the marker is listed, loaded or resumed from; ``*.partial`` leftove
 directories without the marker are ignored with a log line, and :func:`prune` deletes them.
 
 State saved: an ``app_state`` dict of :class:`~torch.distributed.checkpoint.stateful.Stateful`
-parts, each saving and restoring itself (DCP calls their ``state_dict`` and ``load_state_dict``; every
-rank calls :func:`save` and :func:`load` collectively). A run's entries (the trainer's
-``app_state``), whose names are the checkpoint's top-level keys:
+parts, each saving and restoring itself (a save hands them to DCP, which calls their ``state_dict``;
+:func:`load` has DCP fill their state dicts and calls their ``load_state_dict``, as ``dcp.load``
+does; every rank calls both collectively). A run's entries (the trainer's ``app_state``), whose names
+are the checkpoint's top-level keys, with the keys inside each entry that every checkpoint of a run
+has held:
 
 * ``model``: :class:`dropless.train.state.ModelState`, the weights and buffers (router biases
   included), experts under expert parallelism as one global ``[E, ...]`` tensor each;
