@@ -163,7 +163,7 @@ def test_bin_files_a_stat_refuses(tmp_path):
     (_cfg(val_fraction=1.0), "data.val_fraction"), (_cfg(val_fraction=-0.1), "data.val_fraction"),
     (_bin_cfg("t.bin", kind="text"), "data.kind"), (_bin_cfg("t.bin", dtype="int8"), "data.dtype"),
     (_bin_cfg("t.bin", vocab_size=0), "data.vocab_size"), (_bin_cfg("t.bin", vocab_size=65537), "data.vocab_size"),
-    (_bin_cfg("t.bin", val_fraction=1.5), "data.val_fraction"),
+    (_bin_cfg("t.bin", val_fraction=1.5), "data.val_fraction"), (_bin_cfg(""), "data.path"),
 ])
 def test_each_data_group_validates_its_own_fields(cfg, field):
     with _names(field):
@@ -196,7 +196,7 @@ BIN = ["data=bin", "data.path={bin}", "data.vocab_size=256"]
     (BIN + ["data.val_fraction=-1"], "data.val_fraction"), (BIN + ["data.kind=text"], "data.kind"),
     (BIN + ["data.path={tmp}/nope.bin"], "data.path"), (BIN + ["data.val_path={tmp}"], "data.val_path"),
     (["data=bin", "data.path={bin}"], "data.vocab_size"),      # left '???' by configs/data/bin.yaml
-    (["data=bin"], "data.path, data.vocab_size"),
+    (["data=bin"], "data.path, data.vocab_size"), (BIN + ["data.path="], "data.path"),
 ])
 def test_a_bad_data_config_exits_2_naming_the_field_before_any_work(tmp_path, bin_file, capsys, overrides, field):
     run_dir = tmp_path / "run"

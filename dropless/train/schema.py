@@ -194,10 +194,11 @@ class BinDataConfig:
     val_fraction: float = MISSING
 
     def validate(self) -> None:
-        """``kind`` bin, a ``dtype`` of :data:`BIN_ID_BITS`, ``vocab_size`` that ``dtype`` can hold, and
-        ``val_fraction`` in [0, 1) where it is used (no ``val_path``); the files are
+        """``kind`` bin, a ``path``, a ``dtype`` of :data:`BIN_ID_BITS`, ``vocab_size`` that ``dtype`` can hold,
+        and ``val_fraction`` in [0, 1) where it is used (``val_path`` null or empty); the files are
         :func:`~dropless.train.data.check_data_config`'s."""
         need(self.kind == "bin", "data.kind", self.kind, "is bin with data=bin (data=stdlib: text files)")
+        need(self.path, "data.path", self.path, "is required: the .bin file of token ids")
         need(self.dtype in BIN_ID_BITS, "data.dtype", self.dtype, "must be uint16 or uint32 (one id's width)")
         top = 1 << BIN_ID_BITS[self.dtype]
         need(1 <= self.vocab_size <= top, "data.vocab_size", self.vocab_size, f"must lie in [1, {top}] (data.dtype)")
@@ -305,8 +306,7 @@ SCHEMAS = (
 
 
 #: What each field means, by schema: the one source of ``docs/configuration.md``
-#: (``python -m dropless.train.docgen``). Units are in the text; ranges are checked where the
-#: values are used.
+#: (``python -m dropless.train.docgen``). Units are in the text; ranges are each schema's ``validate()``.
 FIELD_DOCS: dict[type, dict[str, str]] = {
     RunConfig: {
         "recipe": "name of the applied recipe (each file in `recipes/` sets it); pick one with `recipe=NAME`",
