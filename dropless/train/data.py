@@ -253,10 +253,9 @@ class ShardedLoader:
         n = num_windows(len(ids), self.seq_len)
         self.per_rank = n // self.world_size
         if self.per_rank < self.batch_size:
-            raise ConfigError(
-                f"data: {len(ids):,} training tokens make {n} windows of train.seq_len+1={self.seq_len + 1}, "
-                f"{self.per_rank} per rank over {self.world_size} ranks, fewer than "
-                f"train.micro_batch_size={self.batch_size}. Use more data or a smaller seq_len/batch.")
+            raise ConfigError(f"data: {len(ids):,} training tokens make {n} windows of train.seq_len+1="
+                              f"{self.seq_len + 1}, {self.per_rank} per rank over {self.world_size} ranks, fewer than "
+                              f"train.micro_batch_size={self.batch_size}: use more data or a smaller seq_len/batch")
         self.epoch, self.offset = 0, 0
         self._perm = self._permutation(0)
 
@@ -311,11 +310,9 @@ def val_windows(ids: np.ndarray, seq_len: int, batch_size: int, num_batches: int
     per_rank = n // world_size
     want = num_batches * batch_size
     if per_rank < batch_size:
-        raise ConfigError(
-            f"data: the validation split ({len(ids):,} tokens) has {per_rank} windows of "
-            f"train.seq_len+1={seq_len + 1} per rank, fewer than train.micro_batch_size={batch_size}. "
-            "Lower train.micro_batch_size or train.seq_len, or hold out more validation tokens (a larger "
-            "data.val_fraction, or with data=bin a longer data.val_path file).")
+        raise ConfigError(f"data: the validation split ({len(ids):,} tokens) has {per_rank} windows of train.seq_len+1="
+                          f"{seq_len + 1} per rank, fewer than train.micro_batch_size={batch_size}: lower either, or "
+                          "hold out more (data.val_fraction, or a longer data.val_path)")
     take = min(want, per_rank - per_rank % batch_size)
     pos = np.linspace(0, per_rank - 1, take).round().astype(np.int64)
     idx = rank + world_size * pos
@@ -337,5 +334,4 @@ def run_val_windows(ids: np.ndarray, seq_len: int, batch_size: int, num_batches:
     if len(batches) >= num_batches or not validates:
         return batches, None
     return batches, (f"train.val_batches={num_batches}: the validation split holds {len(batches)} micro-batch(es) "
-                     "per rank; validating on those (for more, a larger data.val_fraction, or with data=bin a "
-                     "longer data.val_path file)")
+                     "per rank; validating on those (more: data.val_fraction, or a longer data.val_path)")
