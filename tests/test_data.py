@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
 
+import dropless.train.startup as startup
 from dropless.config import ConfigError
+from dropless.train.__main__ import main
+from dropless.train.config import compose
 from dropless.train.data import (
     ShardedLoader,
     check_data_config,
@@ -18,19 +22,23 @@ from dropless.train.data import (
     text_files,
     val_windows,
 )
+from dropless.train.schema import BinDataConfig, TextDataConfig
+from dropless.train.startup import check_train_config
 
 
-def _cfg(**kw):
-    base = {"kind": "text", "path": None, "glob": "*.py", "vocab_size": 256, "val_fraction": 0.01}
-    base.update(kw)
-    return OmegaConf.create(base)
+def _cfg(**kw) -> TextDataConfig:
+    return TextDataConfig(**{"kind": "text", "path": None, "glob": "*.py", "vocab_size": 256, "val_fraction": 0.01,
+                             **kw})
 
 
-def _bin_cfg(path, **kw):
-    base = {"kind": "bin", "path": str(path), "dtype": "uint16", "vocab_size": 1000, "val_path": None,
-            "val_fraction": 0.1}
-    base.update(kw)
-    return OmegaConf.create(base)
+def _bin_cfg(path, **kw) -> BinDataConfig:
+    return BinDataConfig(**{"kind": "bin", "path": str(path), "dtype": "uint16", "vocab_size": 1000, "val_path": None,
+                            "val_fraction": 0.1, **kw})
+
+
+def _names(field: str):
+    """``pytest.raises`` of a ConfigError whose message starts with ``field`` (``field=value: ...``)."""
+    return pytest.raises(ConfigError, match=rf"^{re.escape(field)}(?![\w.])")
 
 
 # ------------------------------------------------------------------ text
@@ -62,21 +70,26 @@ def test_stdlib_default_is_python_source():
     assert d.train[:len(files[0].read_bytes())].tobytes() == files[0].read_bytes()
 
 
-def test_missing_path_and_empty_dir(tmp_path):
-    with pytest.raises(ConfigError, match="data.path=.*no such file"):
-        load_tokens(_cfg(path=str(tmp_path / "nope")))
-    with pytest.raises(ConfigError, match="no file matches"):
-        load_tokens(_cfg(path=str(tmp_path)))
-    with pytest.raises(ConfigError, match=r"no file matches data.glob='\*.py'"):  # what --cfg runs, before any work
-        check_data_config(_cfg(path=str(tmp_path)), 256)
+def test_text_paths_that_hold_no_text(tmp_path):
+    """A stat shows a missing path and a directory with no match (check_data_config, which
+    ``--cfg`` runs too); reading shows files that are all empty (load_tokens)."""
+    with _names("data.path"):
+        check_data_config(_cfg(path=str(tmp_path / "nope")))
+    with _names("data.path") as e:
+        check_data_config(_cfg(path=str(tmp_path)))
+    assert "data.glob='*.py'" in str(e.value)
+    with _names("data.path") as e:                          # the standard library, with a glob matching nothing
+        check_data_config(_cfg(glob="*.no-such-suffix"))
+    assert "data.glob='*.no-such-suffix'" in str(e.value)
+    check_data_config(_cfg())                               # the standard library's *.py
     (tmp_path / "e.py").write_bytes(b"")
-    with pytest.raises(ConfigError, match="all empty"):
+    check_data_config(_cfg(path=str(tmp_path)))             # a match: the stat passes it
+    with _names("data.path") as e:
         load_tokens(_cfg(path=str(tmp_path)))
-    with pytest.raises(ConfigError, match="256"):
-        load_tokens(_cfg(path=str(tmp_path), vocab_size=300))
+    assert "the 1 files" in str(e.value)
 
 
-def test_text_single_file_and_a_file_of_token_ids(tmp_path, capsys):
+def test_text_single_file_and_a_file_of_token_ids(tmp_path):
     f = tmp_path / "input.txt"
     f.write_bytes(b"to be or not to be\n" * 20)
     d = load_tokens(_cfg(path=str(f), val_fraction=0.1))
@@ -84,12 +97,12 @@ def test_text_single_file_and_a_file_of_token_ids(tmp_path, capsys):
     assert d.source == f"the file {f} ({len(f.read_bytes()):,} bytes)"
     ids = tmp_path / "train.bin"
     np.arange(1, 1000, dtype=np.uint16).tofile(ids)       # ids < 256 have a zero high byte
-    with pytest.raises(ConfigError, match=r"train.bin.* NUL byte at offset 1:.*data=bin"):
+    with pytest.raises(ConfigError, match=r"^data\.path: '.*train\.bin'.* offset 1\b.*data=bin"):
         load_tokens(_cfg(path=str(ids)))
     (tmp_path / "tok").mkdir()
     (tmp_path / "tok" / "a.py").write_bytes(b"x = 1\n")
     (tmp_path / "tok" / "b.py").write_bytes(b"x\0y")
-    with pytest.raises(ConfigError, match=r"b.py.* NUL byte at offset 1\b"):
+    with pytest.raises(ConfigError, match=r"^data\.path: '.*b\.py'.* offset 1\b"):
         load_tokens(_cfg(path=str(tmp_path / "tok")))
 
 
@@ -113,7 +126,8 @@ def test_bin_id_out_of_vocab_is_found_in_any_chunk(tmp_path):
     ids = np.zeros(10_000, dtype=np.uint16)
     ids[7_777] = 1000                                       # == vocab_size: out of range
     ids.tofile(tmp_path / "t.bin")
-    with pytest.raises(ConfigError, match=r"token id 1000 at position 7777 is >= data.vocab_size=1000"):
+    with pytest.raises(ConfigError, match=r"^data\.path='.*t\.bin': token id 1000 at position 7777 .*"
+                                          r"data\.vocab_size=1000"):
         load_tokens(_bin_cfg(tmp_path / "t.bin"))
     mm = np.memmap(tmp_path / "t.bin", dtype=np.uint16, mode="r")
     for chunk in (1, 3, 1000, 7_777, 7_778, 1 << 20):       # the chunk boundary does not matter
@@ -122,55 +136,106 @@ def test_bin_id_out_of_vocab_is_found_in_any_chunk(tmp_path):
     check_token_ids(mm, 1001, chunk=3)                      # all ids < 1001: passes
 
 
-def test_bin_bad_input(tmp_path):
-    with pytest.raises(ConfigError, match="no such file"):
-        load_tokens(_bin_cfg(tmp_path / "missing.bin"))
+def test_bin_files_a_stat_refuses(tmp_path):
     (tmp_path / "empty.bin").write_bytes(b"")
-    with pytest.raises(ConfigError, match="empty"):
-        load_tokens(_bin_cfg(tmp_path / "empty.bin"))
-    (tmp_path / "odd.bin").write_bytes(b"\x00\x01\x02")
-    with pytest.raises(ConfigError, match="not a multiple of 2"):
-        load_tokens(_bin_cfg(tmp_path / "odd.bin"))
+    (tmp_path / "odd.bin").write_bytes(b"\x00\x01\x02")    # 3 bytes: not whole uint16 ids
     np.zeros(10, np.uint16).tofile(tmp_path / "ok.bin")
-    with pytest.raises(ConfigError, match="data.dtype"):
-        load_tokens(_bin_cfg(tmp_path / "ok.bin", dtype="int8"))
-    with pytest.raises(ConfigError, match="data.path is required"):
-        load_tokens(_bin_cfg("???"))
+    for name in ("missing.bin", "empty.bin", "odd.bin", "."):  # "." : a directory
+        with _names(f"data.path='{tmp_path / name}'"):
+            check_data_config(_bin_cfg(tmp_path / name))
+    check_data_config(_bin_cfg(tmp_path / "ok.bin", dtype="uint32"))  # 20 bytes: 5 uint32 ids
+    np.zeros(3, np.uint16).tofile(tmp_path / "six.bin")                # 6 bytes: whole uint16 ids only
+    check_data_config(_bin_cfg(tmp_path / "six.bin"))
+    with _names(f"data.path='{tmp_path / 'six.bin'}'") as e:
+        check_data_config(_bin_cfg(tmp_path / "six.bin", dtype="uint32"))
+    assert "data.dtype=uint32" in str(e.value)
+    # both files of a run in one error, path first
+    with _names(f"data.path='{tmp_path}'") as e:
+        check_data_config(_bin_cfg(tmp_path, val_path=str(tmp_path / "val.bin")))
+    assert f"; data.val_path='{tmp_path / 'val.bin'}'" in str(e.value)
+    with _names(f"data.val_path='{tmp_path / 'empty.bin'}'"):
+        check_data_config(_bin_cfg(tmp_path / "ok.bin", val_path=str(tmp_path / "empty.bin")))
 
 
-def test_bin_reports_every_missing_or_invalid_field_at_once(tmp_path, capsys):
-    """data=bin as the config group leaves it (path and vocab_size ``???``): one error names both
-    fields, and with a bad dtype, a directory for the path and a missing val_path every one of them
-    (it used to stop at the first, one run per field); dropless-train exits 2 before the run dir."""
-    from dropless.train.__main__ import main
-    from dropless.train.config import compose
-    from dropless.train.data import check_data_config
+# ------------------------------------------------------------------ the rules, before any work
+@pytest.mark.parametrize("cfg, field", [
+    (_cfg(kind="bin"), "data.kind"), (_cfg(vocab_size=300), "data.vocab_size"),
+    (_cfg(val_fraction=1.0), "data.val_fraction"), (_cfg(val_fraction=-0.1), "data.val_fraction"),
+    (_bin_cfg("t.bin", kind="text"), "data.kind"), (_bin_cfg("t.bin", dtype="int8"), "data.dtype"),
+    (_bin_cfg("t.bin", vocab_size=0), "data.vocab_size"), (_bin_cfg("t.bin", vocab_size=65537), "data.vocab_size"),
+    (_bin_cfg("t.bin", val_fraction=1.5), "data.val_fraction"), (_bin_cfg(""), "data.path"),
+])
+def test_each_data_group_validates_its_own_fields(cfg, field):
+    with _names(field):
+        cfg.validate()
 
-    with pytest.raises(ConfigError) as e:
-        load_tokens(compose(["data=bin"]).data)
-    msg = str(e.value)
-    assert msg.startswith("2 problems") and "data.path" in msg and "data.vocab_size" in msg
-    cfg = _bin_cfg(tmp_path, dtype="int8", vocab_size=0, val_path=str(tmp_path / "val.bin"), val_fraction=2.0)
-    with pytest.raises(ConfigError) as e:
-        check_data_config(cfg, model_vocab_size=256)
-    msg = str(e.value)
-    assert msg.startswith("4 problems")
-    for named in (f"data.path={str(tmp_path)!r}", "data.dtype='int8'", "['uint16', 'uint32']", "data.vocab_size=0",
-                  f"data.val_path={str(tmp_path / 'val.bin')!r}"):
-        assert named in msg
-    assert "val_fraction" not in msg  # not used beside val_path
+
+def test_data_group_rules_pass_what_they_should():
+    _cfg(val_fraction=0.0).validate()                        # 0: a rule between groups (train.val_every)
+    _bin_cfg("t.bin", dtype="uint32", vocab_size=70001).validate()
+    _bin_cfg("t.bin", vocab_size=65536).validate()           # every uint16 id
+    _bin_cfg("t.bin", val_path="v.bin", val_fraction=2.0).validate()  # not used beside val_path
+
+
+@pytest.fixture
+def bin_file(tmp_path):
+    np.arange(200, dtype=np.uint16).tofile(tmp_path / "t.bin")
+    return tmp_path / "t.bin"
+
+
+BIN = ["data=bin", "data.path={bin}", "data.vocab_size=256"]
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["data.kind=bin"], "data.kind"), (["data.vocab_size=300"], "data.vocab_size"),
+    (["data.val_fraction=1"], "data.val_fraction"),
+    (["data.val_fraction=0"], "data.val_fraction"),           # validation every 50 steps, nothing held out
+    (["data.path={tmp}/nope"], "data.path"), (["data.path={tmp}"], "data.path"),    # no *.py in it
+    (BIN + ["data.dtype=int8"], "data.dtype"), (BIN + ["data.vocab_size=0"], "data.vocab_size"),
+    (BIN + ["data.vocab_size=1000"], "data.vocab_size"),      # more than model.vocab_size=256
+    (BIN + ["data.val_fraction=-1"], "data.val_fraction"), (BIN + ["data.kind=text"], "data.kind"),
+    (BIN + ["data.path={tmp}/nope.bin"], "data.path"), (BIN + ["data.val_path={tmp}"], "data.val_path"),
+    (["data=bin", "data.path={bin}"], "data.vocab_size"),      # left '???' by configs/data/bin.yaml
+    (["data=bin"], "data.path, data.vocab_size"), (BIN + ["data.path="], "data.path"),
+])
+def test_a_bad_data_config_exits_2_naming_the_field_before_any_work(tmp_path, bin_file, capsys, overrides, field):
     run_dir = tmp_path / "run"
-    assert main(["data=bin", "data.path=/no/such/train.bin", "logging.mode=disabled", f"run_dir={run_dir}"]) == 2
-    err = capsys.readouterr().err
-    assert "2 problems" in err and "data.path='/no/such/train.bin'" in err
-    assert "data.vocab_size" in err and not run_dir.exists()
+    ov = [o.format(tmp=tmp_path, bin=bin_file) for o in overrides] + [f"run_dir={run_dir}", "logging.mode=disabled"]
+    assert main(["--cfg", *ov]) == 2
+    out, err = capsys.readouterr()
+    assert re.search(rf"^dropless-train: error: {re.escape(field)}", err, re.M) and "kind: " not in out, err
+    assert not run_dir.exists()
 
 
-def test_data_vocab_larger_than_model_is_an_error(tmp_path):
-    np.zeros(100, np.uint16).tofile(tmp_path / "t.bin")
-    with pytest.raises(ConfigError, match=r"data.vocab_size=1000 > model.vocab_size=256"):
-        load_tokens(_bin_cfg(tmp_path / "t.bin"), model_vocab_size=256)
-    assert load_tokens(_bin_cfg(tmp_path / "t.bin"), model_vocab_size=1000).vocab_size == 1000
+def test_a_run_refuses_a_bad_data_config_before_its_run_dir(tmp_path, bin_file, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["data=bin", f"data.path={bin_file}", "data.vocab_size=1000", f"run_dir={run_dir}",
+                 "logging.mode=disabled"]) == 2
+    assert "\ndropless-train: error: data.vocab_size=1000" in "\n" + capsys.readouterr().err
+    assert not run_dir.exists()
+    assert main(["data=bin", f"data.path={bin_file}", "data.vocab_size=100", f"run_dir={run_dir}",
+                 "logging.mode=disabled", "train.steps=1"]) == 2   # id 199 >= 100: found reading the file
+    assert f"\ndropless-train: error: data.path='{bin_file}': token id 100" in "\n" + capsys.readouterr().err
+
+
+def test_the_data_paths_are_checked_once(tmp_path, bin_file, monkeypatch):
+    """check_train_config stats the data's paths once, after the fields' rules (a field left ``???`` is
+    named with the others, without a stat); load_tokens trusts it."""
+    calls = []
+    monkeypatch.setattr(startup, "check_data_config", lambda data: calls.append(data))
+    with _names("data.path, data.vocab_size"):
+        check_train_config(compose(["data=bin"]))
+    assert calls == []
+    run = check_train_config(compose(["data=bin", f"data.path={bin_file}", "data.vocab_size=256"]))
+    assert calls == [run.data] and isinstance(run.data, BinDataConfig)
+
+
+def test_data_vocab_larger_than_model_is_an_error(bin_file):
+    ov = ["data=bin", f"data.path={bin_file}", "data.vocab_size=1000"]
+    with _names("data.vocab_size=1000") as e:
+        check_train_config(compose(ov))
+    assert "model.vocab_size=256" in str(e.value)
+    assert check_train_config(compose(ov + ["model.vocab_size=1000"])).data.vocab_size == 1000
 
 
 # ------------------------------------------------------------------ sharding
@@ -241,21 +306,25 @@ def test_too_little_data_for_a_batch():
 # ------------------------------------------------------------------ no validation
 def test_val_fraction_zero_trains_on_every_token_only_in_a_run_that_never_validates(tmp_path):
     (tmp_path / "a.txt").write_bytes(b"abcdefghij" * 10)
-    cfg = _cfg(path=str(tmp_path), glob="*.txt", val_fraction=0.0)
-    with pytest.raises(ConfigError, match=r"^data\.val_fraction=0\.0: .*train\.val_every=0"):
-        load_tokens(cfg)
-    d = load_tokens(cfg, validates=False)
+    ov = ["data.path=" + str(tmp_path), "data.glob=*.txt", "data.val_fraction=0"]
+    with _names("data.val_fraction=0.0"):
+        check_train_config(compose(ov))
+    run = check_train_config(compose(ov + ["train.val_every=0"]))
+    d = load_tokens(run.data)
     assert d.train.tobytes() == b"abcdefghij" * 10 and len(d.val) == 0
     bins = np.arange(50, dtype=np.uint16)
     bins.tofile(tmp_path / "t.bin")
-    d = load_tokens(_bin_cfg(tmp_path / "t.bin", val_fraction=0.0), validates=False)
+    bin_ov = ["data=bin", f"data.path={tmp_path / 't.bin'}", "data.vocab_size=256", "data.val_fraction=0"]
+    with _names("data.val_fraction=0.0"):
+        check_train_config(compose(bin_ov))
+    check_train_config(compose(bin_ov + [f"data.val_path={tmp_path / 't.bin'}"]))  # validates on val_path
+    d = load_tokens(check_train_config(compose(bin_ov + ["train.val_every=0"])).data)
     assert np.array_equal(d.train, bins) and len(d.val) == 0
-    d = load_tokens(_bin_cfg(tmp_path / "t.bin", val_fraction=0.1), validates=False)
+    d = load_tokens(_bin_cfg(tmp_path / "t.bin", val_fraction=0.1))
     assert np.array_equal(d.train, bins[:45]) and np.array_equal(d.val, bins[45:])  # (0, 1) as before
 
 
 def test_a_run_that_never_validates_trains_beside_a_split_too_small_to_validate(tmp_path):
-    from dropless.train.config import compose
     from dropless.train.trainer import Trainer
 
     (tmp_path / "a.txt").write_bytes(bytes(range(1, 256)) * 40)  # 10,200 bytes: 1 % is 102, under one window

@@ -23,6 +23,7 @@ from omegaconf import OmegaConf
 from dropless.train.config import compose
 from dropless.train.console import Console
 from dropless.train.metrics import REQUIRED_KEYS
+from dropless.train.startup import check_train_config
 from dropless.train.trainer import Trainer, lr_at
 
 # a small, quick version of the CPU default (the tiny MoE model, the stdlib's bytes)
@@ -378,10 +379,11 @@ def test_resumed_wandb_run_that_holds_later_steps_is_reported(tmp_path, monkeypa
 
     monkeypatch.setattr(wandb, "init", lambda **kw: FakeRun())
     (tmp_path / "wandb_run_id").write_text("abc123")
-    m = MetricsLogger(tmp_path, {"mode": "offline"}, resume=True, start_step=25)
+    logging_cfg = check_train_config(compose(["logging.mode=offline"])).logging  # typed, as the trainer passes it
+    m = MetricsLogger(tmp_path, logging_cfg, resume=True, start_step=25)
     m.close()
     assert m.note is not None and "steps 26-40" in m.note and "abc123" in m.note
-    m = MetricsLogger(tmp_path, {"mode": "offline"}, resume=True, start_step=40)  # nothing trained again
+    m = MetricsLogger(tmp_path, logging_cfg, resume=True, start_step=40)  # nothing trained again
     m.close()
     assert m.note is None or "wandb" not in m.note
 
@@ -395,11 +397,13 @@ def test_two_open_loggers_write_two_wandb_runs(tmp_path):
 
     dirs = [tmp_path / "a", tmp_path / "b"]
     loggers = []
+    logging_cfg = check_train_config(compose(["logging.mode=offline"])).logging  # logging.name null: the run dir's
     for d in dirs:
         d.mkdir()
-        loggers.append(MetricsLogger(d, {"mode": "offline"}))
+        loggers.append(MetricsLogger(d, logging_cfg))
     try:
         assert loggers[0].wandb_run.id != loggers[1].wandb_run.id
+        assert [m.wandb_run.name for m in loggers] == ["a", "b"]
         for i, m in enumerate(loggers):
             m.log(1, {"loss": float(i)})
     finally:

@@ -117,7 +117,7 @@ def test_cli_reports_config_errors(capsys):
 
 
 def test_train_config_checks():
-    for ov in ("train.steps=0", "optim.min_lr_ratio=2", "train.dtype=fp16", "logging.mode=loud"):
+    for ov in ("train.steps=0", "optim.min_lr_ratio=2", "train.dtype=fp16", "logging.mode=loud", "data.vocab_size=300"):
         field = ov.split("=")[0]
         with pytest.raises(ConfigError, match=rf"^{re.escape(field)}="):  # the error names the field first
             check_train_config(compose([ov]))

@@ -29,12 +29,14 @@ windows in a permutation drawn from ``(seed, epoch)``. The position (``epoch``,
 Validation: rank ``r`` takes ``val_batches · micro_batch_size`` windows spread evenly
 over its share of the validation windows, the same ones at every evaluation.
 
-Errors (:class:`~dropless.config.ConfigError`, raised before training): a missing path,
-a directory with no matching file or no bytes, a ``.bin`` whose size is not a multiple of
-the dtype, an id ``>= vocab_size``, a data vocabulary larger than the model's, too few
-tokens for one batch per rank. What the config and a look at the files show
-(:func:`check_data_config`: missing or invalid fields, paths that are no file, sizes) comes
-as one error listing every problem, not one per run.
+Errors (:class:`~dropless.config.ConfigError`, raised before training): the fields' own rules
+are the schema's (``validate()`` of :class:`~dropless.train.schema.TextDataConfig` and
+:class:`~dropless.train.schema.BinDataConfig`), the rules between groups (a data vocabulary
+larger than the model's) :func:`~dropless.train.startup.check_train_config`'s; here, what the
+files show: a stat (:func:`check_data_config`: a missing path, a directory with no matching
+file, a ``.bin`` that is empty or not a whole number of ids), then reading them (text with no
+bytes or a NUL byte, an id ``>= vocab_size``, too few tokens for one batch per rank). The
+functions here take the typed, checked config and read its fields as they are.
 """
 
 from __future__ import annotations
@@ -42,20 +44,19 @@ from __future__ import annotations
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Iterator
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
 
 from dropless.config import ConfigError
+from dropless.train.schema import BinDataConfig, TextDataConfig
 
 __all__ = ["TokenData", "ShardedLoader", "load_tokens", "check_data_config", "stdlib_dir", "text_files",
            "check_token_ids", "val_windows", "run_val_windows", "CHECK_CHUNK"]
 
 #: ids per chunk of the ``id < vocab_size`` check of a ``.bin`` (64 Mi ids: 128 MiB of uint16).
 CHECK_CHUNK = 1 << 26
-_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 _EXCLUDED_DIRS = ("site-packages", "dist-packages", "__pycache__")
 
 
@@ -81,15 +82,19 @@ def stdlib_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
+def _text_paths(root: Path, glob: str) -> Iterator[Path]:
+    """Files matching ``glob`` under ``root`` (recursive), outside :data:`_EXCLUDED_DIRS`, as found."""
+    return (p for p in root.rglob(glob)
+            if p.is_file() and not any(d in _EXCLUDED_DIRS for d in p.relative_to(root).parts[:-1]))
+
+
 def text_files(root: Path, glob: str) -> list[Path]:
     """Files matching ``glob`` under ``root`` (recursive), sorted by relative posix path.
 
     ``site-packages``, ``dist-packages`` and ``__pycache__`` directories are skipped, so
     the standard library's text does not depend on what is installed.
     """
-    files = [p for p in root.rglob(glob)
-             if p.is_file() and not any(d in _EXCLUDED_DIRS for d in p.relative_to(root).parts[:-1])]
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+    return sorted(_text_paths(root, glob), key=lambda p: p.relative_to(root).as_posix())
 
 
 def check_token_ids(ids: np.ndarray, vocab_size: int, name: str = "data", chunk: int = CHECK_CHUNK) -> None:
@@ -102,118 +107,61 @@ def check_token_ids(ids: np.ndarray, vocab_size: int, name: str = "data", chunk:
         part = np.asarray(ids[lo:lo + chunk])
         if part.size and int(part.max()) >= vocab_size:
             pos = lo + int(np.argmax(part >= vocab_size))
-            raise ConfigError(
-                f"{name}: token id {int(ids[pos])} at position {pos} is >= data.vocab_size={vocab_size}. "
-                "Set data.vocab_size to the tokenizer's vocabulary size (larger than every id), or check "
-                "data.dtype (uint16 vs uint32) matches how the file was written.")
+            raise ConfigError(f"{name}: token id {int(ids[pos])} at position {pos} is >= data.vocab_size={vocab_size}: "
+                              "set it to the tokenizer's vocabulary size, or check data.dtype (uint16 | uint32)")
 
 
-def _missing(data_cfg: Any, key: str) -> bool:
-    """The field is absent, null, empty or Hydra's ``???`` (required, not given)."""
-    if key not in data_cfg or OmegaConf.is_missing(data_cfg, key):
-        return True
-    return data_cfg.get(key) in (None, "", "???")
+def _text_root(data: TextDataConfig) -> Path:
+    """The directory (or file) of a text corpus: ``data.path``, or the standard library's source."""
+    return Path(data.path).expanduser() if data.path else stdlib_dir()
 
 
-def _bin_file_problem(path: Path, what: str, dtype: str | None) -> str | None:
-    """Why the ``.bin`` at ``path`` (the field ``what``) cannot be read as token ids, from its stat alone."""
-    if not path.exists():
-        return f"{what}={str(path)!r}: no such file. Point it at a flat .bin of token ids."
-    if path.is_dir():
-        return (f"{what}={str(path)!r} is a directory; data=bin needs a .bin file "
-                "(for a directory of text files use data=stdlib data.path=DIR)")
-    size = path.stat().st_size
-    if size == 0:
-        return f"{what}={str(path)!r} is empty (0 bytes)"
-    item = np.dtype(_DTYPES[dtype]).itemsize if dtype in _DTYPES else 1
-    if size % item:
-        return (f"{what}={str(path)!r}: {size} bytes is not a multiple of {item} (data.dtype={dtype}); "
-                "is the dtype right?")
+def _text_problem(data: TextDataConfig) -> str | None:
+    """Why ``data.path`` holds no file to read (no such path; a directory with no match of ``data.glob``)."""
+    root = _text_root(data)
+    if not root.exists():
+        return f"data.path={str(root)!r}: no such file or directory (null: the Python standard library)"
+    if root.is_dir() and next(_text_paths(root, data.glob), None) is None:
+        return f"data.path={str(root)!r}: no file matches data.glob={data.glob!r} (searched recursively)"
     return None
 
 
-def _no_match(root: Path, glob: str) -> str:
-    return (f"data.path={str(root)!r}: no file matches data.glob={glob!r} (searched recursively). "
-            "Put text files there or change data.glob.")
+def _bin_file_problem(path: Path, what: str, dtype: str) -> str | None:
+    """Why the ``.bin`` at ``path`` (the field ``what``) cannot be read as ``dtype`` ids, from its stat alone."""
+    if not path.exists():
+        return f"{what}={str(path)!r}: no such file (a flat .bin of token ids)"
+    if path.is_dir():
+        return f"{what}={str(path)!r} is a directory, not a .bin (text files: data=stdlib data.path=DIR)"
+    size, item = path.stat().st_size, np.dtype(dtype).itemsize
+    if size == 0:
+        return f"{what}={str(path)!r} is empty (0 bytes)"
+    if size % item:
+        return f"{what}={str(path)!r}: {size} bytes is not a multiple of {item}: is data.dtype={dtype} right?"
+    return None
 
 
-def _data_problems(data_cfg: Any, model_vocab_size: int | None, validates: bool = True) -> list[str]:
-    """Every problem of ``cfg.data`` that the config and a stat of its paths show (see :func:`check_data_config`)."""
-    kind = str(data_cfg.kind)
-    if kind not in ("text", "bin"):
-        return [f"data.kind={kind!r}: must be 'text' (data=stdlib) or 'bin' (data=bin)"]
-    out: list[str] = []
-    vocab: int | None = None
-    has_val_path = kind == "bin" and not _missing(data_cfg, "val_path")
-    if kind == "text":
-        if not _missing(data_cfg, "path"):
-            root = Path(str(data_cfg.path)).expanduser()
-            glob = str(data_cfg.get("glob", "*.py"))
-            if not root.exists():
-                out.append(f"data.path={str(root)!r}: no such file or directory. Pass a directory of text files "
-                           "(data.path=DIR data.glob='*.txt'), or leave data.path null for the Python standard "
-                           "library.")
-            elif root.is_dir() and not text_files(root, glob):
-                out.append(_no_match(root, glob))
-        vocab = 256 if _missing(data_cfg, "vocab_size") else int(data_cfg.vocab_size)
-        if vocab != 256:
-            out.append(f"data.vocab_size={vocab}: byte-level text has 256 token ids; set it to 256")
-    else:  # in the order of configs/data/bin.yaml
-        dtype = str(data_cfg.get("dtype", "uint16"))
-        if _missing(data_cfg, "path"):
-            out.append("data.path is required for data=bin: data.path=/path/train.bin")
-        else:
-            problem = _bin_file_problem(Path(str(data_cfg.path)).expanduser(), "data.path", dtype)
-            if problem:
-                out.append(problem)
-        if dtype not in _DTYPES:
-            out.append(f"data.dtype={dtype!r}: must be one of {sorted(_DTYPES)}")
-        if _missing(data_cfg, "vocab_size"):
-            out.append("data.vocab_size is required for data=bin (the tokenizer's vocabulary size)")
-        else:
-            vocab = int(data_cfg.vocab_size)
-            top = np.iinfo(_DTYPES[dtype]).max + 1 if dtype in _DTYPES else None
-            if vocab <= 0 or (top is not None and vocab > top):
-                out.append(f"data.vocab_size={vocab}: must lie in [1, {top}] for data.dtype={dtype}" if top else
-                           f"data.vocab_size={vocab}: must be >= 1")
-        if has_val_path:
-            problem = _bin_file_problem(Path(str(data_cfg.val_path)).expanduser(), "data.val_path", dtype)
-            if problem:
-                out.append(problem)
-    if not has_val_path:
-        frac = float(data_cfg.get("val_fraction", 0.01))
-        if not (0.0 < frac < 1.0 or (frac == 0.0 and not validates)):
-            out.append(f"data.val_fraction={frac}: must lie in (0, 1)"
-                       + (" (0, training on every token, only with train.val_every=0)" if frac == 0.0 else ""))
-    if vocab is not None and model_vocab_size is not None and vocab > int(model_vocab_size):
-        out.append(f"data.vocab_size={vocab} > model.vocab_size={model_vocab_size}: the model's embedding cannot "
-                   f"hold every token id. Set model.vocab_size to at least {vocab}.")
-    return out
+def check_data_config(data: TextDataConfig | BinDataConfig) -> None:
+    """Raise one ConfigError naming every path of ``cfg.data`` that a stat shows cannot be read.
 
-
-def check_data_config(data_cfg: Any, model_vocab_size: int | None = None, validates: bool = True) -> None:
-    """Raise one ConfigError naming every problem of ``cfg.data`` that shows without reading the data.
-
-    The fields (``data.kind``; ``vocab_size``: 256 for text, required for bin and within its
-    ``dtype``'s range; ``dtype``; ``val_fraction`` in (0, 1) unless a ``val_path`` is given (0 too, no
-    validation split, when ``validates`` is False: a run with ``train.val_every=0``); a data
-    vocabulary not above ``model_vocab_size``) and a stat of the paths (a text ``path`` that does
-    not exist; a ``.bin`` ``path`` / ``val_path`` that is missing, a directory, empty, or not a
-    whole number of ``dtype`` ids). One problem gives its message alone; several give
-    ``"N problems in the data config: "`` and each message, ``;``-separated, so one run names
-    every field to fix. :func:`load_tokens` calls it first; ``check_train_config`` calls it
-    before any work.
+    ``data`` has passed its ``validate()`` (the fields' own rules; :func:`~dropless.train.startup.check_train_config`
+    runs both, before any work). Text: ``data.path`` (or the standard library) exists and, a directory,
+    holds a file matching ``data.glob``. Bin: ``data.path`` and ``data.val_path`` (when given) are files,
+    not empty, of a whole number of ``data.dtype`` ids; both are named in one error (``;``-separated).
     """
-    problems = _data_problems(data_cfg, model_vocab_size, validates)
-    if len(problems) == 1:
-        raise ConfigError(problems[0])
+    if data.kind == "text":
+        problems = [_text_problem(data)]
+    else:
+        problems = [_bin_file_problem(Path(p).expanduser(), what, data.dtype)
+                    for what, p in (("data.path", data.path), ("data.val_path", data.val_path)) if p]
+    problems = [p for p in problems if p]
     if problems:
-        raise ConfigError(f"{len(problems)} problems in the data config: " + "; ".join(m.rstrip(".") for m in problems))
+        raise ConfigError("; ".join(problems))
 
 
-def _load_bin(path: Path, dtype: str, vocab_size: int, what: str) -> np.ndarray:
+def _load_bin(path: str, dtype: str, vocab_size: int, what: str) -> np.ndarray:
     """The checked file (:func:`check_data_config`) memory-mapped, every id checked ``< vocab_size``."""
-    ids = np.memmap(path, dtype=_DTYPES[dtype], mode="r")
+    path = Path(path).expanduser()
+    ids = np.memmap(path, dtype=np.dtype(dtype), mode="r")
     check_token_ids(ids, vocab_size, name=f"{what}={str(path)!r}")
     return ids
 
@@ -224,58 +172,47 @@ def _text_bytes(path: Path) -> bytes:
     b = path.read_bytes()
     at = b.find(b"\0")
     if at >= 0:
-        raise ConfigError(f"data.path: {str(path)!r} holds a NUL byte at offset {at:,}: it is not ASCII or "
-                          "UTF-8 text, and data=stdlib (data.kind=text) trains on the bytes of text files. For a "
-                          "file of token ids use data=bin data.path=FILE data.vocab_size=N "
-                          "(data.dtype=uint16|uint32); otherwise narrow data.glob to text files.")
+        raise ConfigError(f"data.path: {str(path)!r} holds a NUL byte at offset {at:,}: not text; narrow data.glob, "
+                          "or for token ids use data=bin data.path=FILE data.vocab_size=N")
     return b
 
 
-def load_tokens(data_cfg: Any, model_vocab_size: int | None = None, validates: bool = True) -> TokenData:
-    """Load and check the token streams described by ``cfg.data``.
+def _split(ids: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """``(train, val)``: the last ``val_fraction`` of ``ids`` (at least one id; none for 0) held out."""
+    n_val = max(1, int(len(ids) * val_fraction)) if val_fraction > 0 else 0
+    return ids[:len(ids) - n_val], ids[len(ids) - n_val:]
+
+
+def load_tokens(data: TextDataConfig | BinDataConfig) -> TokenData:
+    """Load the token streams described by ``cfg.data``.
 
     Args:
-        data_cfg: the ``data`` config node (``kind``, ``path``, ``vocab_size``,
-            ``val_fraction``; ``glob`` for text; ``dtype``, ``val_path`` for bin).
-        model_vocab_size: the model's ``vocab_size``; the data's must not exceed it.
-        validates: False for a run that never validates (``train.val_every=0``): then
-            ``val_fraction=0`` is allowed and gives an empty ``val`` (every token trains).
+        data: the typed ``data`` group, passed by its ``validate()`` and :func:`check_data_config`
+            (:func:`~dropless.train.startup.check_train_config` runs both, and the rules between
+            groups: the data's vocabulary within the model's, ``val_fraction=0`` only without validation).
     Returns: :class:`TokenData`.
     Raises:
-        ConfigError: see the module docstring; first :func:`check_data_config`'s, all in one.
+        ConfigError: what only reading the data shows: text files that are all empty or hold a NUL
+            byte; a ``.bin`` id ``>= data.vocab_size``.
     """
-    check_data_config(data_cfg, model_vocab_size, validates)
-    kind = str(data_cfg.kind)
-    frac = float(data_cfg.get("val_fraction", 0.01))
-    if kind == "text":
-        vocab = 256
-        root = stdlib_dir() if _missing(data_cfg, "path") else Path(str(data_cfg.path)).expanduser()
-        glob = str(data_cfg.get("glob", "*.py"))
-        files = [root] if root.is_file() else text_files(root, glob)
-        if not files:
-            raise ConfigError(_no_match(root, glob))
+    if data.kind == "text":
+        root = _text_root(data)
+        files = [root] if root.is_file() else text_files(root, data.glob)
         blob = b"".join(_text_bytes(f) for f in files)
         if not blob:
-            raise ConfigError(f"data.path={str(root)!r}: the {len(files)} files matching "
-                              f"{glob!r} are all empty")
+            raise ConfigError(f"data.path={str(root)!r}: the {len(files)} files matching {data.glob!r} are empty")
         ids = np.frombuffer(blob, dtype=np.uint8)
-        n_val = max(1, int(len(ids) * frac)) if frac > 0 else 0
-        train, val = ids[:len(ids) - n_val], ids[len(ids) - n_val:]
+        train, val = _split(ids, data.val_fraction)
         source = (f"the file {root} ({len(ids):,} bytes)" if root.is_file()
-                  else f"{len(files)} files matching {glob!r} under {root} ({len(ids):,} bytes)")
+                  else f"{len(files)} files matching {data.glob!r} under {root} ({len(ids):,} bytes)")
     else:
-        dtype = str(data_cfg.get("dtype", "uint16"))
-        vocab = int(data_cfg.vocab_size)
-        path = Path(str(data_cfg.path)).expanduser()
-        ids = _load_bin(path, dtype, vocab, "data.path")
-        if not _missing(data_cfg, "val_path"):
-            train = ids
-            val = _load_bin(Path(str(data_cfg.val_path)).expanduser(), dtype, vocab, "data.val_path")
+        ids = _load_bin(data.path, data.dtype, data.vocab_size, "data.path")
+        if data.val_path:
+            train, val = ids, _load_bin(data.val_path, data.dtype, data.vocab_size, "data.val_path")
         else:
-            n_val = max(1, int(len(ids) * frac)) if frac > 0 else 0
-            train, val = ids[:len(ids) - n_val], ids[len(ids) - n_val:]
-        source = f"{path} ({len(ids):,} {dtype} tokens, vocab {vocab})"
-    return TokenData(train=train, val=val, vocab_size=vocab, source=source)
+            train, val = _split(ids, data.val_fraction)
+        source = f"{Path(data.path).expanduser()} ({len(ids):,} {data.dtype} tokens, vocab {data.vocab_size})"
+    return TokenData(train=train, val=val, vocab_size=data.vocab_size, source=source)
 
 
 def _windows(ids: np.ndarray, idx: np.ndarray, seq_len: int) -> torch.Tensor:
@@ -316,10 +253,9 @@ class ShardedLoader:
         n = num_windows(len(ids), self.seq_len)
         self.per_rank = n // self.world_size
         if self.per_rank < self.batch_size:
-            raise ConfigError(
-                f"data: {len(ids):,} training tokens make {n} windows of train.seq_len+1={self.seq_len + 1}, "
-                f"{self.per_rank} per rank over {self.world_size} ranks, fewer than "
-                f"train.micro_batch_size={self.batch_size}. Use more data or a smaller seq_len/batch.")
+            raise ConfigError(f"data: {len(ids):,} training tokens make {n} windows of train.seq_len+1="
+                              f"{self.seq_len + 1}, {self.per_rank} per rank over {self.world_size} ranks, fewer than "
+                              f"train.micro_batch_size={self.batch_size}: use more data or a smaller seq_len/batch")
         self.epoch, self.offset = 0, 0
         self._perm = self._permutation(0)
 
@@ -374,11 +310,9 @@ def val_windows(ids: np.ndarray, seq_len: int, batch_size: int, num_batches: int
     per_rank = n // world_size
     want = num_batches * batch_size
     if per_rank < batch_size:
-        raise ConfigError(
-            f"data: the validation split ({len(ids):,} tokens) has {per_rank} windows of "
-            f"train.seq_len+1={seq_len + 1} per rank, fewer than train.micro_batch_size={batch_size}. "
-            "Lower train.micro_batch_size or train.seq_len, or hold out more validation tokens (a larger "
-            "data.val_fraction, or with data=bin a longer data.val_path file).")
+        raise ConfigError(f"data: the validation split ({len(ids):,} tokens) has {per_rank} windows of train.seq_len+1="
+                          f"{seq_len + 1} per rank, fewer than train.micro_batch_size={batch_size}: lower either, or "
+                          "hold out more (data.val_fraction, or a longer data.val_path)")
     take = min(want, per_rank - per_rank % batch_size)
     pos = np.linspace(0, per_rank - 1, take).round().astype(np.int64)
     idx = rank + world_size * pos
@@ -400,5 +334,4 @@ def run_val_windows(ids: np.ndarray, seq_len: int, batch_size: int, num_batches:
     if len(batches) >= num_batches or not validates:
         return batches, None
     return batches, (f"train.val_batches={num_batches}: the validation split holds {len(batches)} micro-batch(es) "
-                     "per rank; validating on those (for more, a larger data.val_fraction, or with data=bin a "
-                     "longer data.val_path file)")
+                     "per rank; validating on those (more: data.val_fraction, or a longer data.val_path)")

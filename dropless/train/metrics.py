@@ -175,8 +175,9 @@ class MetricsLogger:
 
     Args:
         run_dir: the run directory (exists).
-        logging_cfg: ``cfg.logging``, checked by :meth:`~dropless.train.schema.LoggingConfig.validate`
-            (``mode``: offline | online | disabled, ``project``, ``entity``, ``name``).
+        logging_cfg: the typed ``logging`` group, checked by :meth:`~dropless.train.schema.LoggingConfig.validate`
+            (``mode``: offline | online | disabled, ``project``, ``entity``, ``name``: null for the run
+            directory's name); read as it is.
         config: the resolved config, stored with the wandb run.
         enabled: False on ranks other than 0.
         resume: reuse the wandb run id stored in ``<run_dir>/wandb_run_id``.
@@ -192,13 +193,13 @@ class MetricsLogger:
             :func:`wandb_problem` before the run dir, so this is the fallback).
     """
 
-    def __init__(self, run_dir: Path, logging_cfg: Mapping[str, Any], config: Mapping[str, Any] | None = None,
+    def __init__(self, run_dir: Path, logging_cfg: LoggingConfig, config: Mapping[str, Any] | None = None,
                  enabled: bool = True, resume: bool = False, start_step: int = 0):
         self.enabled = enabled
         self.note: str | None = None
         self.wandb_run = None
         self._wandb = None
-        self.mode = mode = str(logging_cfg.get("mode", "offline"))
+        self.mode = mode = logging_cfg.mode
         if not enabled:
             self._f = None
             return
@@ -216,8 +217,8 @@ class MetricsLogger:
         os.environ.setdefault("WANDB_SILENT", "true")
         try:
             self.wandb_run = wandb.init(
-                project=logging_cfg.get("project") or "dropless", entity=logging_cfg.get("entity"),
-                name=logging_cfg.get("name") or run_dir.name, dir=str(run_dir), mode=mode,
+                project=logging_cfg.project, entity=logging_cfg.entity,
+                name=logging_cfg.name or run_dir.name, dir=str(run_dir), mode=mode,
                 config=dict(config) if config is not None else None, id=run_id,
                 resume="allow" if run_id else None,
                 # each logger its own run: wandb's default in a script returns the run still open in

@@ -41,8 +41,8 @@ from dropless.dispatch.base import Dispatcher
 from dropless.dispatch.registry import dispatcher_class
 from dropless.model.loss import check_loss_impl
 
-__all__ = ["BinDataConfig", "DispatcherConfig", "FIELD_DOCS", "GemmConfig", "LoggingConfig", "OptimConfig", "RunConfig",
-           "SCHEMAS", "TextDataConfig", "TrainConfig",
+__all__ = ["BIN_ID_BITS", "BinDataConfig", "DispatcherConfig", "FIELD_DOCS", "GemmConfig", "LoggingConfig",
+           "OptimConfig", "RunConfig", "SCHEMAS", "TextDataConfig", "TrainConfig", "need", "need_val_fraction",
            "validate_model"]
 
 # OmegaConf reads these annotations at runtime: keep typing.List / Optional (not PEP 604) for Python 3.10.
@@ -51,6 +51,8 @@ __all__ = ["BinDataConfig", "DispatcherConfig", "FIELD_DOCS", "GemmConfig", "Log
 DEVICES = ("auto", "cpu", "cuda")
 #: the values ``train.dist_backend`` takes (``auto``: ``nccl`` on CUDA, ``gloo`` on the CPU)
 DIST_BACKENDS = ("auto", "nccl", "gloo")
+#: ``data.dtype`` of a ``.bin`` -> bits of one token id (``data.vocab_size`` is at most 2**bits)
+BIN_ID_BITS = {"uint16": 16, "uint32": 32}
 _F32_MAX = 3.4028234663852886e38  # float32's largest finite value: the fused AdamW takes the hyperparameters as fp32
 
 
@@ -59,6 +61,12 @@ def need(ok: bool, field: str, value: Any, why: str) -> None:
     if not ok:
         shown = str(value).lower() if isinstance(value, bool) else repr(value)
         raise ConfigError(f"{field}={shown}: {why}")
+
+
+def need_val_fraction(value: float) -> None:
+    """``data.val_fraction`` (either data group) in [0, 1); 0 only in a run that never validates is a rule
+    between groups (:func:`dropless.train.startup.check_train_config`)."""
+    need(0.0 <= value < 1.0, "data.val_fraction", value, "must lie in [0, 1) (the tail held out for validation)")
 
 
 def validate_model(args: ModelArgs) -> ModelArgs:
@@ -166,6 +174,13 @@ class TextDataConfig:
     vocab_size: int = MISSING
     val_fraction: float = MISSING
 
+    def validate(self) -> None:
+        """``kind`` text, ``vocab_size`` 256 (one id a byte), ``val_fraction`` in [0, 1); the files are
+        :func:`~dropless.train.data.check_data_config`'s."""
+        need(self.kind == "text", "data.kind", self.kind, "is text with data=stdlib (data=bin: a .bin of token ids)")
+        need(self.vocab_size == 256, "data.vocab_size", self.vocab_size, "must be 256 (byte-level text: id = byte)")
+        need_val_fraction(self.val_fraction)
+
 
 @dataclass
 class BinDataConfig:
@@ -177,6 +192,18 @@ class BinDataConfig:
     vocab_size: int = MISSING
     val_path: Optional[str] = MISSING
     val_fraction: float = MISSING
+
+    def validate(self) -> None:
+        """``kind`` bin, a ``path``, a ``dtype`` of :data:`BIN_ID_BITS`, ``vocab_size`` that ``dtype`` can hold,
+        and ``val_fraction`` in [0, 1) where it is used (``val_path`` null or empty); the files are
+        :func:`~dropless.train.data.check_data_config`'s."""
+        need(self.kind == "bin", "data.kind", self.kind, "is bin with data=bin (data=stdlib: text files)")
+        need(self.path, "data.path", self.path, "is required: the .bin file of token ids")
+        need(self.dtype in BIN_ID_BITS, "data.dtype", self.dtype, "must be uint16 or uint32 (one id's width)")
+        top = 1 << BIN_ID_BITS[self.dtype]
+        need(1 <= self.vocab_size <= top, "data.vocab_size", self.vocab_size, f"must lie in [1, {top}] (data.dtype)")
+        if not self.val_path:
+            need_val_fraction(self.val_fraction)
 
 
 @dataclass
@@ -256,7 +283,7 @@ class RunConfig:
     def validate(self) -> None:
         """Every group's own rules (``validate()`` of each; the model's: :func:`validate_model`), then the top
         level's own fields."""
-        for group in (self.train, self.optim, self.logging, self.dispatcher):
+        for group in (self.train, self.optim, self.data, self.logging, self.dispatcher):
             group.validate()
         validate_model(self.model)
         need(not self.resume or self.run_dir, "resume", True, "needs run_dir=PATH: the run directory to continue")
@@ -279,8 +306,7 @@ SCHEMAS = (
 
 
 #: What each field means, by schema: the one source of ``docs/configuration.md``
-#: (``python -m dropless.train.docgen``). Units are in the text; ranges are checked where the
-#: values are used.
+#: (``python -m dropless.train.docgen``). Units are in the text; ranges are each schema's ``validate()``.
 FIELD_DOCS: dict[type, dict[str, str]] = {
     RunConfig: {
         "recipe": "name of the applied recipe (each file in `recipes/` sets it); pick one with `recipe=NAME`",

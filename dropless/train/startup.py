@@ -34,7 +34,7 @@ from dropless.train.data import check_data_config
 from dropless.train.dist import DistEnv, mesh_shape, usable_cores
 from dropless.train.graph import check_capturable, check_graph_device
 from dropless.train.metrics import wandb_problem
-from dropless.train.schema import RunConfig
+from dropless.train.schema import RunConfig, need
 from dropless.train.shard import apply_fsdp, expert_shard_dim, shard_dense_params, shard_experts
 
 
@@ -46,7 +46,8 @@ def check_train_config(cfg: DictConfig) -> RunConfig:
     calls them); the rules between groups are here, the trainer's own first: the mesh
     (:func:`~dropless.train.dist.mesh_shape`: ``dispatcher.ep_size`` against torchrun's ``WORLD_SIZE`` and
     ``model.n_routed_experts``), ``train.shard_experts`` against the dispatcher and the dp size
-    (:func:`~dropless.train.shard.expert_shard_dim`), the data (:func:`~dropless.train.data.check_data_config`),
+    (:func:`~dropless.train.shard.expert_shard_dim`), the data's vocabulary within the model's, ``data.val_fraction=0``
+    only with ``train.val_every=0``, the data's paths (:func:`~dropless.train.data.check_data_config`),
     ``train.compile_moe`` and CUDA graphs (:func:`~dropless.train.graph.check_capturable`) against the dispatcher
     and the GEMM backend; then the library's own guards, asked early: ``init_from``
     (:func:`~dropless.convert.start.resolve_source`), ``train.seq_len`` against ``model.max_position_embeddings``
@@ -57,8 +58,6 @@ def check_train_config(cfg: DictConfig) -> RunConfig:
     """
     missing = sorted(OmegaConf.missing_keys(cfg))  # '???' left by a group (data=bin's path, vocab_size)
     if missing:
-        if any(k.startswith("data.") for k in missing):  # the data check names every data field at once
-            check_data_config(cfg.data, validates=cfg.train.val_every > 0)
         raise ConfigError(f"{', '.join(missing)}: required, and has no default; set it on the command line "
                           f"({missing[0]}=VALUE)")
     run: RunConfig = OmegaConf.to_object(cfg)
@@ -67,7 +66,12 @@ def check_train_config(cfg: DictConfig) -> RunConfig:
     ep, dp = mesh_shape(run.dispatcher, int(os.environ.get("WORLD_SIZE", "1")), args.n_routed_experts)
     if t.shard_experts:
         expert_shard_dim(kind, dp, ep, args.n_routed_experts, args.hidden_size, args.moe_intermediate_size)
-    check_data_config(cfg.data, args.vocab_size, validates=t.val_every > 0)  # every data problem in one error
+    data = run.data
+    need(data.vocab_size <= args.vocab_size, "data.vocab_size", data.vocab_size,
+         f"exceeds model.vocab_size={args.vocab_size}, the embedding's rows: raise model.vocab_size")
+    need(data.val_fraction > 0 or t.val_every == 0 or data.kind == "bin" and data.val_path, "data.val_fraction",
+         data.val_fraction, "0 holds out nothing to validate on: only with train.val_every=0 (or data.val_path)")
+    check_data_config(data)  # the paths, from a stat
     if t.compile and t.compile_moe:
         check_compile_moe(kind)
     if t.cuda_graph:

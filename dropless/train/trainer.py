@@ -111,7 +111,7 @@ class Trainer(StepLoop):
             note = save_config(self.run_dir, cfg, idle=bool(cfg.resume) and self.step >= self.steps)
             if note:
                 self.print(note)
-        self.metrics = MetricsLogger(self.run_dir, cfg.logging, OmegaConf.to_container(cfg, resolve=True),
+        self.metrics = MetricsLogger(self.run_dir, self.run.logging, OmegaConf.to_container(cfg, resolve=True),
                                      enabled=self.main, resume=bool(cfg.resume), start_step=self.step)
         if self.metrics.note:
             self.print(f"[dropless] {self.metrics.note}")
@@ -143,7 +143,7 @@ class Trainer(StepLoop):
         t, env = self.run.train, self.env
         self.run_dir = resolve_run_dir(cfg, env)
         validates = t.val_every > 0
-        self.tokens = load_tokens(cfg.data, self.args.vocab_size, validates)
+        self.tokens = load_tokens(self.run.data)
         self.loader = ShardedLoader(self.tokens.train, self.seq_len, self.batch, env.rank, env.world_size,
                                     self.run.seed, pin_memory=env.device.type == "cuda")
         self.val_batches, note = run_val_windows(self.tokens.val, self.seq_len, self.batch, t.val_batches,
