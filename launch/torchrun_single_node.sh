@@ -4,7 +4,8 @@
 #
 #   launch/torchrun_single_node.sh                              # CPU default recipe, gloo
 #   NPROC=4 launch/torchrun_single_node.sh dispatcher=a2a       # 4 ranks, EP = 4
-#   NPROC=8 launch/torchrun_single_node.sh recipe=h200_single dispatcher=a2a model.n_routed_experts=64
+#   NPROC=8 launch/torchrun_single_node.sh recipe=h200_single dispatcher=a2a train.cuda_graph=false \
+#       model.recompute_gather=false                          # 8 GPUs, EP = 8 (the recipe's graphs need local)
 set -euo pipefail
 
 if [[ -z "${NPROC:-}" ]]; then

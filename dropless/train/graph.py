@@ -75,7 +75,7 @@ def check_capturable(kind: type[Dispatcher], gemm: str, shard_dense: bool) -> No
     """
     problems = []
     if kind.collectives:
-        problems.append(f"dispatcher={kind.name} {kind.collectives} (use dispatcher=local)")
+        problems.append(f"dispatcher={kind.name}: {kind.collectives} (use dispatcher=local)")
     if gemm != "torch":
         problems.append(f"model.gemm={gemm} is not gemm=torch (gemm=loop reads the expert offsets on the host, "
                         "the FP8 backends keep their weight cache in host logic that a replay would skip; use "
