@@ -37,7 +37,7 @@ from dropless.ops.fp8_quant import (
     quant_weight,
     swiglu_quant_rows,
 )
-from dropless.ops.ue8m0 import pow2_ceil
+from dropless.ops.ue8m0 import amax_scale, pow2_ceil
 from tests.conftest import py_layout
 from tests.ue8m0_sweep import (
     amax_sweep,
@@ -482,3 +482,16 @@ def test_pow2_ceil_matches_the_bit_rule_on_every_exponent():
     assert torch.equal(got, want.float())  # 2^128 overflows to inf
     assert torch.equal(pow2_ceil(torch.tensor([float("inf"), 3e38])), torch.tensor([float("inf"), float("inf")]))
     assert pow2_ceil(torch.tensor([float("nan")])).isnan().all()
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_amax_scale_is_the_round_to_nearest_quotient_on_every_device(device):
+    """``amax / 448`` as the kernels' ``div_rn`` gives it: the fp64 quotient rounded once to fp32, for every
+    amax of a sweep over many exponents and mantissas (on CUDA a host-scalar divisor would be a multiply by
+    the rounded reciprocal, one ulp off for some of them)."""
+    g = torch.Generator().manual_seed(0)
+    exp = torch.randint(-30, 40, (20000,), generator=g)  # amax above the 1e-12 floor
+    amax = torch.ldexp(1 + torch.rand(20000, generator=g), exp)
+    amax = amax.float().to(device)
+    want = (amax.double() / 448.0).float()  # fp64 is wide enough that rounding twice is rounding once
+    assert torch.equal(amax_scale(amax, 1e-12), want)
