@@ -22,8 +22,9 @@ Measurements:
 * ``whole_layer``: the MoE layer, T 8,192, H 7,168, I 2,048, E 32, k 8, ``n_group`` 8,
   ``topk_group`` 4, one shared expert (``local`` dispatcher): forward+backward ms, ``speedup``.
 * ``crossover``: each expert GEMM of :mod:`dropless.ops.fp8_policy` (FC1, FC2, both data gradients,
-  the weight gradient in FP8) alone, bf16 vs FP8, over 64 … 16,384 rows per expert (4 experts,
-  A 128), and per GEMM the ``min_rows`` for fp8_policy's crossover table.
+  the weight gradient in FP8) alone, bf16 vs FP8, over 64 … 16,384 rows per expert (``--crossover-shapes``:
+  H, I and the number of experts, default 7,168 × 2,048 × 4; A 128), and per GEMM the ``min_rows`` for
+  fp8_policy's crossover table.
 * ``quant_kernels``: the quantisation kernels over a 28,672-row buffer (H 7,168, A 128, 4
   experts) with 3,072 live rows vs every row: ``quant_rows`` with the layout (live rows) and
   without (the full buffer), the landing gather without and with the codes
@@ -301,8 +302,9 @@ def main(argv=None) -> int:
     p.add_argument("--alignment", type=int, default=128, help="expert_alignment (a multiple of 16)")
     p.add_argument("--ue8m0", action="store_true", help="power-of-two scales")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, runs on the CPU too (checks the script)")
-    p.add_argument("--crossover-shapes", default="7168x2048",
-                   help="comma-separated HxI (hidden x moe_intermediate) shapes for the crossover measurement")
+    p.add_argument("--crossover-shapes", default="7168x2048x4",
+                   help="comma-separated HxI or HxIxE (hidden x moe_intermediate x local experts, E default 4) "
+                        "shapes for the crossover measurement")
     a = p.parse_args(argv)
     only = a.only.split(",")
     unknown = sorted(set(only) - set(MEASUREMENTS))
@@ -337,9 +339,10 @@ def main(argv=None) -> int:
         quant_kernels(M, live, H, A, device, a.ue8m0)
     if "crossover" in only:
         sizes = [16, 64] if a.smoke else [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
-        shapes = [(H, I)] if a.smoke else [tuple(int(v) for v in s.split("x")) for s in a.crossover_shapes.split(",")]
-        for ch, ci in shapes:
-            crossover(ch, ci, len(counts), 128, sizes, device, a.ue8m0)
+        shapes = ([(H, I, len(counts))] if a.smoke else
+                  [(*(int(v) for v in s.split("x")), 4)[:3] for s in a.crossover_shapes.split(",")])
+        for ch, ci, ce in shapes:
+            crossover(ch, ci, ce, 128, sizes, device, a.ue8m0)
     emit(device=device.type, bench="wall", only=only, seconds=round(time.perf_counter() - t0, 1))
     return 0
 
