@@ -244,50 +244,54 @@ def quant_kernels(M, live_counts, H, A, device, ue8m0) -> None:
 
 
 #: The experts' GEMMs as fp8_policy names them: (K, N) of ``[m, K] @ [K, N]`` in terms of H, I, and whether
-#: the FP8 path quantises the left operand in a pass of its own (FC1's output gradient; the others are
-#: quantised where they are made: the landing gather, the SwiGLU, the combine's backward)
-CROSSOVER_GEMMS = {"fc1": (("H", "2I"), False), "fc2": (("I", "H"), False), "fc2_dgrad": (("H", "I"), False),
-                   "fc1_dgrad": (("2I", "H"), True), "wgrad": (("H", "2I"), True)}
+#: the fused FP8 path can take the left operand already quantised where it is made (the landing gather for
+#: FC1, the SwiGLU for FC2, the combine's backward for FC2's data gradient); FC1's data gradient and the
+#: FP8 weight gradient always quantise in a pass of their own
+CROSSOVER_GEMMS = {"fc1": (("H", "2I"), True), "fc2": (("I", "H"), True), "fc2_dgrad": (("H", "I"), True),
+                   "fc1_dgrad": (("2I", "H"), False), "wgrad": (("H", "2I"), False)}
 
 
 def crossover(H, I, e, A, sizes, device, ue8m0) -> None:
-    """Per GEMM of fp8_policy, bf16 vs FP8 over rows per expert; one line per size and one ``crossover`` line:
-    ``min_rows`` = the smallest size from which FP8 is at least as fast at every larger size tried (None:
-    never), the value for fp8_policy's table. The FP8 time counts a quantisation pass where the FP8 path
-    runs one (FC1's data gradient; both operands of the FP8 weight gradient, ``wgrad="fp8"``)."""
+    """Per GEMM of fp8_policy, bf16 vs FP8 over rows per expert; one line per size and one ``crossover`` line
+    per GEMM and ``quant``: ``min_rows`` = the smallest size from which FP8 is at least as fast at every larger
+    size tried (None: never), the value for fp8_policy's table. ``quant``: ``separate`` times the FP8 GEMM
+    with the quantisation pass of its left operand (what ``gemm=fp8`` runs with ``fused_quant=False`` and on
+    the recompute paths); ``in_kernel`` without it (the operand quantised by the kernel that makes it, where
+    the fused path can). The FP8 weight gradient (``wgrad="fp8"``) counts both operands' passes."""
     from dropless.ops.torch_backend import TorchBackend
 
     dims = {"H": H, "I": I, "2I": 2 * I}
     bf16 = TorchBackend()
     fp8 = Fp8Backend(emulate=device.type != "cuda", ue8m0=ue8m0, wgrad="fp8")
-    for name, ((kd, nd), quant_pass) in CROSSOVER_GEMMS.items():
+    for name, ((kd, nd), in_kernel) in CROSSOVER_GEMMS.items():
         K, N = dims[kd], dims[nd]
         w = torch.randn(e, K, N, device=device, dtype=torch.bfloat16) * 0.02
-        faster = []
+        quants = ("separate", "in_kernel") if in_kernel else ("separate",)
+        faster = {q: [] for q in quants}
         for m in sizes:
             layout = ExpertLayout.from_counts(torch.full((e,), m, device=device), A, num_rows=e * m)
             x = torch.randn(layout.capacity, K, device=device, dtype=torch.bfloat16)
             if name == "wgrad":
                 dy = torch.randn(layout.capacity, N, device=device, dtype=torch.bfloat16)
                 ms_b = bench(lambda: bf16.gmm_wgrad(x, dy, layout), device, warmup=3, iters=10)
-                ms_f = bench(lambda: fp8.gmm_wgrad(x, dy, layout), device, warmup=3, iters=10)
+                times = {"separate": bench(lambda: fp8.gmm_wgrad(x, dy, layout), device, warmup=3, iters=10)}
             else:
                 q, qs = fp8.quant_act(x, layout)
                 b, bs = fp8.weight(w)
                 ms_b = bench(lambda: bf16.gmm(x, w, layout), device, warmup=3, iters=10)
-                ms_f = bench((lambda: fp8.gmm(x, w, layout)) if quant_pass else
-                             (lambda: fp8.scaled_gmm(q, qs, b, bs, layout)), device, warmup=3, iters=10)
-            faster.append(ms_f <= ms_b)
-            emit(device=device.type, bench="crossover_point", gemm=name, rows_per_expert=m, experts=e, K=K, N=N,
-                 alignment=A, bf16_us=round(ms_b * 1e3, 1), fp8_us=round(ms_f * 1e3, 1),
-                 speedup=round(ms_b / ms_f, 3))
-        min_rows = None
-        for i in range(len(sizes)):
-            if all(faster[i:]):
-                min_rows = sizes[i]
-                break
-        emit(device=device.type, bench="crossover", gemm=name, H=H, I=I, experts=e, alignment=A, ue8m0=ue8m0,
-             sizes=sizes, min_rows=min_rows)
+                times = {"separate": bench(lambda: fp8.gmm(x, w, layout), device, warmup=3, iters=10)}
+                if in_kernel:
+                    times["in_kernel"] = bench(lambda: fp8.scaled_gmm(q, qs, b, bs, layout), device, warmup=3,
+                                               iters=10)
+            for qn, ms_f in times.items():
+                faster[qn].append(ms_f <= ms_b)
+                emit(device=device.type, bench="crossover_point", gemm=name, quant=qn, rows_per_expert=m, experts=e,
+                     K=K, N=N, alignment=A, bf16_us=round(ms_b * 1e3, 1), fp8_us=round(ms_f * 1e3, 1),
+                     speedup=round(ms_b / ms_f, 3))
+        for qn, fast in faster.items():
+            min_rows = next((sizes[i] for i in range(len(sizes)) if all(fast[i:])), None)
+            emit(device=device.type, bench="crossover", gemm=name, quant=qn, H=H, I=I, experts=e, alignment=A,
+                 ue8m0=ue8m0, sizes=sizes, min_rows=min_rows)
 
 
 def _fill(M: int, e: int, A: int) -> list[int]:
