@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
+import string
 import subprocess
 import sys
 import time
@@ -455,16 +457,23 @@ def test_start_up_warnings_are_repeated_below_the_resolved_config(tmp_path, caps
     scrolls off, so dropless-train prints it again after the config."""
     from dropless.train.__main__ import main
 
-    assert main(QUICK + [f"run_dir={tmp_path}", "train.steps=3", "train.val_every=3", "train.val_batches=100000",
-                         "train.ckpt_every=0", "logging.mode=disabled", "logging.progress=false"]) == 0
+    # 200,000 bytes of text: the last 1 % (2,000 tokens) holds 30 windows of 65, 3 micro-batches of 8, so
+    # asking for 4 gives the note, and validation stays short
+    src, run_dir = tmp_path / "src", tmp_path / "run"
+    src.mkdir()
+    rng = random.Random(0)
+    (src / "a.py").write_text("".join(rng.choice(string.ascii_letters + " \n") for _ in range(200_000)))
+    assert main(QUICK + [f"run_dir={run_dir}", f"data.path={src}", "train.steps=3", "train.val_every=3",
+                         "train.val_batches=4", "train.ckpt_every=0", "logging.mode=disabled",
+                         "logging.progress=false"]) == 0
     out = capsys.readouterr().out
     cfg_at = out.index("[dropless] resolved config:")
-    note = "train.val_batches=100000: the validation split holds"
+    note = "train.val_batches=4: the validation split holds 3 micro-batch(es)"
     assert out.index(note) < cfg_at                               # as it came, during start-up
     assert out.index(f"[dropless] warning (repeated from start-up): {note}") > cfg_at
     assert out.count(note) == 2
     # the last line gives the run's speed: the median of the steps' own figures
-    speeds = sorted(r["tokens_per_s"] for r in records(tmp_path) if "tokens_per_s" in r)
+    speeds = sorted(r["tokens_per_s"] for r in records(run_dir) if "tokens_per_s" in r)
     done = [line for line in out.splitlines() if line.startswith("[dropless] done: 3 steps in ")]
     assert len(done) == 1 and len(speeds) == 3
     assert f"; median {speeds[1]:,.0f} tokens/s" in done[0] and " GiB; val_loss " in done[0], done[0]
