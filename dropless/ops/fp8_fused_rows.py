@@ -108,37 +108,57 @@ if select.HAS_TRITON:
         tl.atomic_max(flag_ptr, nbad, mask=nbad > 0)
 
     @triton.jit
+    def _row_scales(amax_g, w, HAS_W: tl.constexpr, UE8M0: tl.constexpr, ROW_DTYPE: tl.constexpr):
+        """``(scale, row amax)`` of the gradient rows ``(g · w).to(ROW_DTYPE)`` from ``amax_g = max |g|`` alone
+        (shapes that broadcast; without weights the rows are ``g`` itself).
+
+        The row's amax is ``(amax_g · |w|).to(ROW_DTYPE)`` bit for bit: ``|(g · w).to(dtype)|`` is the same
+        two roundings (fp32 product, then the rows' dtype) of ``|g| · |w|`` (round to nearest even is
+        odd-symmetric), and that map does not decrease with ``|g|``, so the largest ``|g|`` gives the
+        largest ``|row|`` (ties and underflow included). A non-finite row amax means a non-finite row."""
+        if HAS_W:
+            ramax = (amax_g * tl.abs(w)).to(ROW_DTYPE).to(tl.float32)
+        else:  # w holds zeros: the shape of the weighted case, amax_g's value (+0 changes no amax)
+            ramax = amax_g + w
+        return _scale_of(ramax, UE8M0), ramax
+
+    @triton.jit
     def _combine_bwd_quant_kernel(grad_ptr, rows_ptr, dest_ptr, w_ptr, grad_rows_ptr, grad_w_ptr, q_ptr, s_ptr,
                                   flag_ptr, H, stride_g, stride_r, stride_gr, stride_q, stride_s, K: tl.constexpr,
                                   KP: tl.constexpr, HAS_W: tl.constexpr, NEED_GW: tl.constexpr,
                                   GROUP: tl.constexpr, UE8M0: tl.constexpr, NUM_HB: tl.constexpr,
-                                  BLOCK_H: tl.constexpr):
-        """rows.py's combine-backward kernel (all ``k`` choices of token ``n`` as one ``[KP, BLOCK_H]`` tile)
-        plus the codes and scales of each gradient row, from its value rounded to the rows' dtype."""
+                                  BLOCK_H: tl.constexpr, NUM_AB: tl.constexpr, BLOCK_A: tl.constexpr):
+        """rows.py's combine-backward kernel (all ``k`` choices of token ``n`` as one ``[KP, BLOCK_H]`` tile,
+        the same loop: equal rows and weight gradient) plus the codes and scales of each gradient row.
+
+        The scales come from the token's ``|g|`` maxima, not from the ``k`` rows (:func:`_row_scales`):
+        ``GROUP`` 0, a first pass over ``g`` alone (``BLOCK_A`` columns a step, one read of the token's
+        gradient; the main loop's second read finds it in cache); 128, each block's groups of ``g``."""
         n = tl.program_id(0)
         js = tl.arange(0, KP)
         jmask = js < K
         d = tl.load(dest_ptr + n * K + js, mask=jmask, other=-1)
         live = jmask & (d >= 0)
         d64 = tl.maximum(d, 0).to(tl.int64)
+        any_live = (tl.sum(live.to(tl.int32), axis=0) > 0).to(tl.int32)
         if HAS_W:
             w = tl.load(w_ptr + n * K + js, mask=jmask, other=0.0).to(tl.float32)
+        else:
+            w = tl.zeros([KP], dtype=tl.float32)
         grow = grad_ptr + n.to(tl.int64) * stride_g
-        bad = tl.zeros([KP, BLOCK_H], dtype=tl.int32)
-        if GROUP == 0:  # first pass: each choice's row amax
-            amax = tl.zeros([KP, BLOCK_H], dtype=tl.float32)
-            for hb in tl.static_range(NUM_HB):
-                cols = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-                cmask = cols < H
-                g = tl.load(grow + cols, mask=cmask, other=0.0).to(tl.float32)
-                gw = g[None, :] + tl.zeros([KP, BLOCK_H], dtype=tl.float32)
-                if HAS_W:
-                    gw = gw * w[:, None]
-                r = gw.to(grad_rows_ptr.dtype.element_ty).to(tl.float32)
-                amax = tl.maximum(amax, tl.abs(r))
-                bad += tl.where(live[:, None] & cmask[None, :] & ~(tl.abs(r) <= 3.4028234663852886e38), 1, 0)
-            scale = _scale_of(tl.max(amax, axis=1), UE8M0)
+        nbad = n * 0
+        if GROUP == 0:  # the token's amax, then each choice's scale from it
+            amax = tl.zeros([BLOCK_A], dtype=tl.float32)
+            gbad = tl.zeros([BLOCK_A], dtype=tl.int32)
+            for ab in tl.static_range(NUM_AB):
+                cols = ab * BLOCK_A + tl.arange(0, BLOCK_A)
+                a = tl.abs(tl.load(grow + cols, mask=cols < H, other=0.0).to(tl.float32))
+                amax = tl.maximum(amax, a)
+                gbad += tl.where(~(a <= 3.4028234663852886e38), 1, 0)
+            scale, ramax = _row_scales(tl.max(amax, axis=0), w, HAS_W, UE8M0, grad_rows_ptr.dtype.element_ty)
             tl.store(s_ptr + d64 * stride_s, scale, mask=live)
+            nbad = tl.sum(gbad, axis=0) * any_live + tl.sum(tl.where(live & ~(ramax <= 3.4028234663852886e38), 1, 0),
+                                                            axis=0)
         dot = tl.zeros([KP], dtype=tl.float32)
         for hb in tl.static_range(NUM_HB):
             cols = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -153,14 +173,17 @@ if select.HAS_TRITON:
             r = rq.to(tl.float32)
             if GROUP == 0:
                 q = _codes(r, scale[:, None])
-            else:
-                bad += tl.where(m2 & ~(tl.abs(r) <= 3.4028234663852886e38), 1, 0)
-                r3 = tl.reshape(r, (KP, BLOCK_H // GROUP, GROUP))
-                sg = _scale_of(tl.max(tl.abs(r3), axis=2), UE8M0)
-                q = tl.reshape(_codes(r3, sg[:, :, None]), (KP, BLOCK_H))
+            else:  # the block's 1xGROUP groups of |g| (padding columns load 0), then each choice's scales
+                ga = tl.abs(g)
+                nbad += tl.sum(tl.where(cmask & ~(ga <= 3.4028234663852886e38), 1, 0), axis=0) * any_live
+                gmax = tl.max(tl.reshape(ga, (BLOCK_H // GROUP, GROUP)), axis=1)
+                sg, ramax = _row_scales(gmax[None, :], w[:, None], HAS_W, UE8M0, grad_rows_ptr.dtype.element_ty)
                 grp = hb * (BLOCK_H // GROUP) + tl.arange(0, BLOCK_H // GROUP)
-                tl.store(s_ptr + d64[:, None] * stride_s + grp[None, :], sg,
-                         mask=live[:, None] & (grp[None, :] * GROUP < H))
+                gmask = live[:, None] & (grp[None, :] * GROUP < H)
+                nbad += tl.sum(tl.sum(tl.where(gmask & ~(ramax <= 3.4028234663852886e38), 1, 0), axis=1), axis=0)
+                r3 = tl.reshape(r, (KP, BLOCK_H // GROUP, GROUP))
+                q = tl.reshape(_codes(r3, sg[:, :, None]), (KP, BLOCK_H))
+                tl.store(s_ptr + d64[:, None] * stride_s + grp[None, :], sg, mask=gmask)
             tl.store(q_ptr + d64[:, None] * stride_q + cols[None, :],
                      q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=m2)
             if NEED_GW:
@@ -168,13 +191,15 @@ if select.HAS_TRITON:
                 dot += tl.sum(g[None, :] * y, axis=1)
         if NEED_GW:
             tl.store(grad_w_ptr + n * K + js, dot, mask=jmask)
-        nbad = tl.sum(tl.sum(bad, axis=1), axis=0)
         tl.atomic_max(flag_ptr, nbad, mask=nbad > 0)
 
 
 #: Columns per block and warps of the fused kernels (a block holds whole 1x128 groups). The combine's
 #: are rows.py's (its weight gradient sums each block's products in the same order: equal bit for bit).
 FUSED_BLOCK_H, FUSED_WARPS = 1024, 4
+#: Columns a step of the combine's amax pass over a token's gradient (one scale per row): 16 bf16 a thread
+#: at COMBINE_BWD_WARPS warps, two 16-byte loads.
+AMAX_BLOCK_H = 2048
 
 
 def _check(name: str, x: torch.Tensor, dest_Nk: torch.Tensor, group: int) -> None:
@@ -227,11 +252,12 @@ def _combine_quant_launch(g: torch.Tensor, y: torch.Tensor | None, dest: torch.T
     bh = min(COMBINE_BWD_BLOCK_H, triton.next_power_of_2(h))
     if group:
         bh = max(bh, group)
+    ba = min(AMAX_BLOCK_H, triton.next_power_of_2(h))
     _combine_bwd_quant_kernel[(n,)](
         g, y, dest, weight if weight is not None else dest, grad_y, grad_w if need_gw else grad_y, q, s, flag, h,
         g.stride(0), y.stride(0), grad_y.stride(0), q.stride(0), s.stride(0), K=k, KP=triton.next_power_of_2(k),
         HAS_W=weight is not None, NEED_GW=need_gw, GROUP=group, UE8M0=ue8m0, NUM_HB=-(-h // bh), BLOCK_H=bh,
-        num_warps=COMBINE_BWD_WARPS)
+        NUM_AB=-(-h // ba), BLOCK_A=ba, num_warps=COMBINE_BWD_WARPS)
 
 
 def scatter_quant_rows(x_NH: torch.Tensor, src_M: torch.Tensor, dest_Nk: torch.Tensor, group: int = 0,
