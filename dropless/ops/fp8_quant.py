@@ -21,10 +21,13 @@ Ops (each picks its Triton kernel or its torch reference in one place, :func:`dr
 Scales: ``scale = max(amax, 1e-12) / 448`` (448 = largest finite e4m3), so ``|q| <= 448``;
 with ``ue8m0`` the power-of-two ceiling of that (exactly representable in UE8M0), read from the
 fp32 scale's bits (:mod:`dropless.ops.ue8m0`: DeepGEMM's scales bit for bit, ``amax / scale <= 448``).
-With a layout, the Triton kernels walk rows ``[start[i], end[i])`` of each expert only
-(program ``(p, i)`` takes blocks ``p, p + P, …`` of expert ``i``'s rows; a block is ``BLOCK_M``
-whole rows with one scale per row, ``BLOCK_M`` rows × up to 1,024 columns with ``group=128``):
-padding rows of ``q`` and ``scale`` stay unwritten and cost nothing (docs/design.md#the-live-row-contract, rule 2-3).
+With a layout, the Triton row kernel walks the live rows ``[start[i], end[i])`` of the experts only: a
+fixed 1-D grid (about the GPU's resident capacity, from the host-known capacity ``M`` and SM count)
+whose programs number the live blocks of all experts themselves from the device-side ``start`` / ``end``
+and take blocks ``p, p + G, …`` (:mod:`dropless.ops.flat_tiles`; a block is ``BLOCK_M`` whole rows with
+one scale per row, ``BLOCK_M`` rows × up to 1,024 columns with ``group=128``), so the time follows the live
+rows: padding rows and empty experts cost no program, and padding rows of ``q`` and ``scale`` stay
+unwritten (docs/design.md#the-live-row-contract, rule 2-3).
 The torch references compute every row.
 
 Non-finite input: a live row holding NaN or ±Inf has no usable scale. Every op here counts
@@ -39,6 +42,7 @@ import torch
 
 from dropless.layout import ExpertLayout
 from dropless.ops import select
+from dropless.ops.flat_tiles import grid_size
 from dropless.ops.ue8m0 import FP8_MAX, amax_scale, pow2_ceil  # FP8_MAX: the one definition (448)
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -51,6 +55,7 @@ if select.HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from dropless.ops.flat_tiles import flat_unit, live_tiles
     from dropless.ops.ue8m0 import pow2_ceil_bits
 
     @triton.jit
@@ -94,31 +99,38 @@ if select.HAS_TRITON:
         tl.atomic_max(flag_ptr, bad, mask=bad > 0)
 
     @triton.jit
-    def _quant_kernel(x_ptr, q_ptr, s_ptr, flag_ptr, start_ptr, end_ptr, M, K, stride_x, stride_q, stride_s,
+    def _quant_kernel(x_ptr, q_ptr, s_ptr, flag_ptr, start_ptr, end_ptr, M, E, K, stride_x, stride_q, stride_s,
                       HAS_LAYOUT: tl.constexpr, SWIGLU: tl.constexpr, UE8M0: tl.constexpr, GROUP: tl.constexpr,
-                      NUM_KB: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-        # blocks of BLOCK_M rows x BLOCK_K columns; block t of an expert covers rows lo + (t // NUM_KB)·BLOCK_M
-        # and columns (t % NUM_KB)·BLOCK_K (NUM_KB = 1 with one scale per row: the whole row in one block)
+                      NUM_KB: tl.constexpr, EP: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+        # blocks of BLOCK_M rows x BLOCK_K columns (NUM_KB = 1 with one scale per row: the whole row in one
+        # block). With a layout, the live blocks of every expert in one flat numbering (flat_tiles.py);
+        # without, block t covers rows (t // NUM_KB)·BLOCK_M and columns (t % NUM_KB)·BLOCK_K of all M rows.
+        # Program p takes blocks p, p + G, …
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         if HAS_LAYOUT:
-            ex = tl.program_id(1)
-            lo = tl.load(start_ptr + ex)
-            hi = tl.minimum(tl.load(end_ptr + ex), M)
+            ar, nb_v, cum_v, start_v, end_v, n = live_tiles(start_ptr, end_ptr, M, E, EP, NUM_KB, BLOCK_M)
         else:
-            lo = M * 0
-            hi = M
-        n = (tl.maximum(hi - lo, 0) + BLOCK_M - 1) // BLOCK_M * NUM_KB
+            n = (M + BLOCK_M - 1) // BLOCK_M * NUM_KB
         if INTERPRET:  # the interpreter's scalars are 1-element arrays, which range() rejects
-            t = pid + lo * 0
+            t = pid + n * 0
             while t < n:
-                _quant_block(x_ptr, q_ptr, s_ptr, flag_ptr, lo + (t // NUM_KB) * BLOCK_M, hi, (t % NUM_KB) * BLOCK_K,
-                             K, stride_x, stride_q, stride_s, SWIGLU, UE8M0, GROUP, BLOCK_M, BLOCK_K)
+                if HAS_LAYOUT:
+                    r0, hi, c0 = flat_unit(t, ar, nb_v, cum_v, start_v, end_v, NUM_KB, BLOCK_M, BLOCK_K)
+                else:
+                    r0, hi, c0 = (t // NUM_KB) * BLOCK_M, M, (t % NUM_KB) * BLOCK_K
+                _quant_block(x_ptr, q_ptr, s_ptr, flag_ptr, r0, hi, c0, K, stride_x, stride_q, stride_s, SWIGLU,
+                             UE8M0, GROUP, BLOCK_M, BLOCK_K)
                 t += nprog
         else:
             for t in range(pid, n, nprog):
-                _quant_block(x_ptr, q_ptr, s_ptr, flag_ptr, lo + (t // NUM_KB) * BLOCK_M, hi, (t % NUM_KB) * BLOCK_K,
-                             K, stride_x, stride_q, stride_s, SWIGLU, UE8M0, GROUP, BLOCK_M, BLOCK_K)
+                if HAS_LAYOUT:
+                    r0, hi, c0 = flat_unit(t, ar, nb_v, cum_v, start_v, end_v, NUM_KB, BLOCK_M, BLOCK_K)
+                else:
+                    r0, hi, c0 = (t // NUM_KB) * BLOCK_M, M, (t % NUM_KB) * BLOCK_K
+                _quant_block(x_ptr, q_ptr, s_ptr, flag_ptr, r0, hi, c0, K, stride_x, stride_q, stride_s, SWIGLU,
+                             UE8M0, GROUP, BLOCK_M, BLOCK_K)
 
     @triton.jit
     def _quant_cols_kernel(w_ptr, q_ptr, s_ptr, N, stride_we, stride_wk, stride_wn, K: tl.constexpr,
@@ -212,6 +224,10 @@ if select.HAS_TRITON:
 #: The 1x128 launch (``group=128``): blocks of 4 rows x up to 1,024 columns (8 scale groups), each
 #: independent of the others, 32 programs per SM (the tile shape the SwiGLU kernels measured best).
 GROUP_BLOCK = (4, 1024, 4, 32)  # (rows, columns, warps, programs per SM)
+#: The one-scale-per-row launch over a layout's live rows, ``(rows, warps, programs per SM)`` of a block
+#: holding whole rows: up to 1,024 columns the best at K = 512 / 1,024 over 64 experts, wider the best at
+#: K 2,048-7,168 over the per-rank shape's 4 experts (benchmarks/results/fp8_kernels.jsonl).
+ROW_BLOCK_NARROW, ROW_BLOCK_WIDE = (4, 4, 32), (1, 8, 32)
 
 
 def _launch(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, flag: torch.Tensor, layout: ExpertLayout | None,
@@ -223,25 +239,29 @@ def _launch(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, flag: torch.Tenso
         block_k = min(block_k, triton.next_power_of_2(k))
     else:  # one scale per row: a block holds whole rows
         block_k = triton.next_power_of_2(k)
-        if block_k <= 1024 and layout is not None:  # the best at K = 512 / 1024 over 64 experts
-            block_m, num_warps, per_sm = 4, 4, 32    # (benchmarks/results/fp8_kernels.jsonl); dense: slower
-        elif layout is not None:  # K 2,048-7,168 over the per-rank shape's 4 experts (fp8_kernels.jsonl)
-            block_m, num_warps, per_sm = 1, 8, 32
+        if block_k <= 1024 and layout is not None:
+            block_m, num_warps, per_sm = ROW_BLOCK_NARROW
+        elif layout is not None:
+            block_m, num_warps, per_sm = ROW_BLOCK_WIDE
         else:  # 8-16 KiB of input per block
             block_m = max(1, min(16, 8192 // block_k))
             num_warps, per_sm = (8 if block_k * block_m >= 4096 else 4), 8
     num_kb = -(-k // block_k)
-    units = max(1, -(-m // block_m)) * num_kb
-    if layout is not None:
+    tiles = max(1, -(-m // block_m)) * num_kb
+    if layout is not None:  # a flat grid over the live blocks of every expert (flat_tiles.py)
         e = layout.num_experts
-        grid = (max(1, min(units, -(-sms * per_sm // max(e, 1)))), e)
+        if e == 0:
+            return
+        grid = (grid_size(tiles, e, num_kb, sms * per_sm),)
         start, end = layout.start, layout.end
     else:
-        grid = (max(1, min(units, sms * per_sm)), 1)
+        e = 1
+        grid = (max(1, min(tiles, sms * per_sm)),)
         start = end = flag
-    _quant_kernel[grid](x, q, s, flag, start, end, m, k, x.stride(0), q.stride(0), s.stride(0),
+    _quant_kernel[grid](x, q, s, flag, start, end, m, e, k, x.stride(0), q.stride(0), s.stride(0),
                         HAS_LAYOUT=layout is not None, SWIGLU=swiglu, UE8M0=ue8m0, GROUP=group, NUM_KB=num_kb,
-                        INTERPRET=select.interpreting(), BLOCK_M=block_m, BLOCK_K=block_k, num_warps=num_warps)
+                        EP=triton.next_power_of_2(max(e, 2)), INTERPRET=select.interpreting(), BLOCK_M=block_m,
+                        BLOCK_K=block_k, num_warps=num_warps)
 
 
 def _quant_torch(a: torch.Tensor, ue8m0: bool, group: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
