@@ -368,14 +368,17 @@ def test_recompute_paths_quantise_themselves():
 
 
 @pytest.mark.parametrize("path", PATHS, indirect=True)
-@pytest.mark.parametrize("fold", [False, True], ids=["weights-in-combine", "folded"])
-def test_moe_layer_fused_equals_separate_passes_kernel_path(path, fold):
+@pytest.mark.parametrize("dispatcher,fold", [("local", False), ("local", True), ("a2a", False)],
+                         ids=["weights-in-combine", "folded", "a2a"])
+def test_moe_layer_fused_equals_separate_passes_kernel_path(path, dispatcher, fold):
     """The same equality with every op on its Triton kernel (CUDA, or the CPU interpreter): the fused kernels'
     codes feed the emulated GEMMs in place of the Triton quantiser's, and the combine's weight gradient is
-    rows.py's bit for bit."""
+    rows.py's bit for bit. a2a: FC2's rows come back to the tokens by a one-choice combine without weights
+    (the combine's backward without a weight gradient, its wider blocks)."""
     res = {}
     for fused in (False, True):
-        m = _moe("local", Fp8Backend(emulate=True, fused_quant=fused), expert_alignment=8, fold_routing_weights=fold)
+        m = _moe(dispatcher, Fp8Backend(emulate=True, fused_quant=fused), expert_alignment=8,
+                 fold_routing_weights=fold)
         res[fused] = _run(m.to(DEV))
     for a, b in zip(res[True], res[False]):
         assert torch.equal(a, b)

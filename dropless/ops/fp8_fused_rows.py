@@ -200,6 +200,8 @@ FUSED_BLOCK_H, FUSED_WARPS = 1024, 4
 #: Columns a step of the combine's amax pass over a token's gradient (one scale per row): 16 bf16 a thread
 #: at COMBINE_BWD_WARPS warps, two 16-byte loads.
 AMAX_BLOCK_H = 2048
+#: Elements of the combine's ``[k, BLOCK_H]`` tile when no weight gradient fixes its blocks (16 a thread).
+COMBINE_QUANT_TILE = 2048
 
 
 def _check(name: str, x: torch.Tensor, dest_Nk: torch.Tensor, group: int) -> None:
@@ -249,13 +251,17 @@ def _combine_quant_launch(g: torch.Tensor, y: torch.Tensor | None, dest: torch.T
         return
     need_gw = grad_w is not None
     y = y if need_gw else grad_y
-    bh = min(COMBINE_BWD_BLOCK_H, triton.next_power_of_2(h))
+    kp = triton.next_power_of_2(k)
+    # with the weight gradient, rows.py's blocks (its dot products summed in the same order); without, blocks
+    # of COMBINE_QUANT_TILE elements (one choice, as the a2a dispatcher's combine: 2,048 columns, not 256)
+    bh = COMBINE_BWD_BLOCK_H if need_gw else max(COMBINE_BWD_BLOCK_H, COMBINE_QUANT_TILE // kp)
+    bh = min(bh, triton.next_power_of_2(h))
     if group:
         bh = max(bh, group)
     ba = min(AMAX_BLOCK_H, triton.next_power_of_2(h))
     _combine_bwd_quant_kernel[(n,)](
         g, y, dest, weight if weight is not None else dest, grad_y, grad_w if need_gw else grad_y, q, s, flag, h,
-        g.stride(0), y.stride(0), grad_y.stride(0), q.stride(0), s.stride(0), K=k, KP=triton.next_power_of_2(k),
+        g.stride(0), y.stride(0), grad_y.stride(0), q.stride(0), s.stride(0), K=k, KP=kp,
         HAS_W=weight is not None, NEED_GW=need_gw, GROUP=group, UE8M0=ue8m0, NUM_HB=-(-h // bh), BLOCK_H=bh,
         NUM_AB=-(-h // ba), BLOCK_A=ba, num_warps=COMBINE_BWD_WARPS)
 
