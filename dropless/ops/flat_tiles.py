@@ -34,10 +34,15 @@ if select.HAS_TRITON:
         return ar, nb_v, cum_v, start_v, end_v, tl.sum(nb_v, 0)
 
     @triton.jit
+    def flat_expert(b, cum_v):
+        """The expert whose tiles include tile ``b``."""
+        return tl.sum((cum_v <= b).to(tl.int32), 0)
+
+    @triton.jit
     def flat_unit(b, ar, nb_v, cum_v, start_v, end_v, NUM_NB: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr):
         """Tile ``b`` of the flat numbering: ``(first row, end of its expert, first column)``."""
-        ex = tl.sum((cum_v <= b).to(tl.int32), 0)  # the expert whose tiles include b
+        ex = flat_expert(b, cum_v)
         sel = ar == ex
         t = b - tl.sum(tl.where(sel, cum_v - nb_v, 0), 0)  # its number within the expert
         lo = tl.sum(tl.where(sel, start_v, 0), 0)

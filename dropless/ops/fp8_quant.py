@@ -55,7 +55,7 @@ if select.HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from dropless.ops.flat_tiles import flat_unit, live_tiles
+    from dropless.ops.flat_tiles import flat_expert, flat_unit, live_tiles
     from dropless.ops.ue8m0 import pow2_ceil_bits
 
     @triton.jit
@@ -167,58 +167,64 @@ if select.HAS_TRITON:
             tl.store(qbase + ks[None, :], tl.trans(q), mask=(ks[None, :] < K) & cmask[:, None])
 
     @triton.jit
-    def _tok_block(end_ptr, start_ptr, E, r0, E_POW2: tl.constexpr):
-        """The expert of the 128-row block at ``r0`` and its ``[lo, hi)``; ``ok`` False for a gap / tail block."""
-        es = tl.arange(0, E_POW2)
-        ends = tl.load(end_ptr + es, mask=es < E, other=2147483647)
-        ex = tl.sum(tl.where(ends <= r0, 1, 0), axis=0)  # ends are non-decreasing: the block's expert
-        exc = tl.minimum(ex, E - 1)
-        lo = tl.load(start_ptr + exc)
-        hi = tl.load(end_ptr + exc)
-        return exc, lo, hi, (ex < E) & (r0 >= lo)
+    def _quant_tok_tile(x_ptr, q_ptr, s_ptr, flag_ptr, r0, hi, ex, c0, K, stride_x, stride_q, UE8M0: tl.constexpr,
+                        PASS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Rows ``[r0, r0 + BLOCK_R)`` of expert ``ex`` (live below ``hi``), columns ``[c0, c0 + BLOCK_K)``."""
+        b = r0 // BLOCK_R
+        rows = r0 + tl.arange(0, BLOCK_R)
+        live = rows < hi
+        r64 = rows.to(tl.int64)
+        cols = c0 + tl.arange(0, BLOCK_K)
+        cmask = cols < K
+        m = live[:, None] & cmask[None, :]
+        a = tl.load(x_ptr + r64[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        if PASS < 2:  # count the non-finite elements once (pass 2 reads the same rows again)
+            bad = tl.sum(tl.sum(tl.where(m & ~(tl.abs(a) <= 3.4028234663852886e38), 1, 0), axis=1), axis=0)
+            tl.atomic_max(flag_ptr, bad, mask=bad > 0)
+        if PASS == 1:
+            tl.atomic_max(s_ptr + ex.to(tl.int64) * K + cols, tl.max(tl.abs(a), axis=0), mask=cmask)
+        else:
+            if PASS == 0:
+                amax = tl.maximum(tl.max(tl.abs(a), axis=0), 1e-12)
+                scale = tl.math.div_rn(amax, 448.0)  # the expressions of _quant_block
+                if UE8M0:
+                    scale = pow2_ceil_bits(scale)
+                tl.store(s_ptr + b.to(tl.int64) * K + cols, scale, mask=cmask)
+            else:
+                scale = tl.load(s_ptr + ex.to(tl.int64) * K + cols, mask=cmask, other=1.0)
+            q = tl.clamp(tl.math.div_rn(a, scale[None, :]), -448.0, 448.0)
+            q = q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+            # q^T [K, M']: rows contiguous
+            tl.store(q_ptr + cols[:, None].to(tl.int64) * stride_q + r64[None, :], tl.trans(q), mask=cmask[:, None])
 
     @triton.jit
-    def _quant_tok_kernel(x_ptr, q_ptr, s_ptr, flag_ptr, start_ptr, end_ptr, E, K, stride_x, stride_q,
-                          UE8M0: tl.constexpr, E_POW2: tl.constexpr, PASS: tl.constexpr,
-                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Program ``(b, j)``: rows ``[b·BLOCK_R, (b+1)·BLOCK_R)`` (one scale block), columns ``[j·BLOCK_K, …)``.
+    def _quant_tok_kernel(x_ptr, q_ptr, s_ptr, flag_ptr, start_ptr, end_ptr, M, E, K, stride_x, stride_q,
+                          UE8M0: tl.constexpr, EP: tl.constexpr, PASS: tl.constexpr, NUM_CB: tl.constexpr,
+                          INTERPRET: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Tiles of ``BLOCK_R`` rows (one scale block) × ``BLOCK_K`` columns over the live row blocks of every
+        expert, in one flat numbering (flat_tiles.py; program ``p`` takes tiles ``p, p + G, …``).
 
-        The block belongs to the expert ``i`` with ``start[i] <= b·BLOCK_R < end[i]`` (every start a
-        multiple of ``BLOCK_R``, so a block never holds two experts' rows); a block in a gap or past
-        the last live row is left unwritten. Rows at or past ``end[i]`` are written as zeros (the
-        GEMM reads whole blocks) and never read from ``x``. ``PASS`` 0: codes with the block's own
-        scales, written to ``s [M'/128, K]``; 1: only the columns' amax, into the expert's row of
-        ``s [e, K]`` (atomic max; ``s`` zeroed first); 2: codes with the expert's scales read from
-        ``s [e, K]``."""
-        b = tl.program_id(0)
-        r0 = b * BLOCK_R
-        ex, lo, hi, ok = _tok_block(end_ptr, start_ptr, E, r0, E_POW2)
-        if ok:
-            rows = r0 + tl.arange(0, BLOCK_R)
-            live = rows < hi
-            r64 = rows.to(tl.int64)
-            cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-            cmask = cols < K
-            m = live[:, None] & cmask[None, :]
-            a = tl.load(x_ptr + r64[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            if PASS < 2:  # count the non-finite elements once (pass 2 reads the same rows again)
-                bad = tl.sum(tl.sum(tl.where(m & ~(tl.abs(a) <= 3.4028234663852886e38), 1, 0), axis=1), axis=0)
-                tl.atomic_max(flag_ptr, bad, mask=bad > 0)
-            if PASS == 1:
-                tl.atomic_max(s_ptr + ex.to(tl.int64) * K + cols, tl.max(tl.abs(a), axis=0), mask=cmask)
-            else:
-                if PASS == 0:
-                    amax = tl.maximum(tl.max(tl.abs(a), axis=0), 1e-12)
-                    scale = tl.math.div_rn(amax, 448.0)  # the expressions of _quant_block
-                    if UE8M0:
-                        scale = pow2_ceil_bits(scale)
-                    tl.store(s_ptr + b.to(tl.int64) * K + cols, scale, mask=cmask)
-                else:
-                    scale = tl.load(s_ptr + ex.to(tl.int64) * K + cols, mask=cmask, other=1.0)
-                q = tl.clamp(tl.math.div_rn(a, scale[None, :]), -448.0, 448.0)
-                q = q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-                # q^T [K, M']: rows contiguous
-                tl.store(q_ptr + cols[:, None].to(tl.int64) * stride_q + r64[None, :], tl.trans(q), mask=cmask[:, None])
+        A block belongs to one expert ``i`` (every start a multiple of ``BLOCK_R``, so a block never holds
+        two experts' rows); a block in a gap or past the last live row is no tile and stays unwritten.
+        Rows at or past ``end[i]`` are written as zeros (the GEMM reads whole blocks) and never read
+        from ``x``. ``PASS`` 0: codes with the block's own scales, written to ``s [M'/128, K]``; 1: only
+        the columns' amax, into the expert's row of ``s [e, K]`` (atomic max; ``s`` zeroed first); 2:
+        codes with the expert's scales read from ``s [e, K]``."""
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        ar, nb_v, cum_v, start_v, end_v, n = live_tiles(start_ptr, end_ptr, M, E, EP, NUM_CB, BLOCK_R)
+        if INTERPRET:  # the interpreter's scalars are 1-element arrays, which range() rejects
+            t = pid + n * 0
+            while t < n:
+                r0, hi, c0 = flat_unit(t, ar, nb_v, cum_v, start_v, end_v, NUM_CB, BLOCK_R, BLOCK_K)
+                _quant_tok_tile(x_ptr, q_ptr, s_ptr, flag_ptr, r0, hi, flat_expert(t, cum_v), c0, K, stride_x,
+                                stride_q, UE8M0, PASS, BLOCK_R, BLOCK_K)
+                t += nprog
+        else:
+            for t in range(pid, n, nprog):
+                r0, hi, c0 = flat_unit(t, ar, nb_v, cum_v, start_v, end_v, NUM_CB, BLOCK_R, BLOCK_K)
+                _quant_tok_tile(x_ptr, q_ptr, s_ptr, flag_ptr, r0, hi, flat_expert(t, cum_v), c0, K, stride_x,
+                                stride_q, UE8M0, PASS, BLOCK_R, BLOCK_K)
 
 
 #: The 1x128 launch (``group=128``): blocks of 4 rows x up to 1,024 columns (8 scale groups), each
@@ -357,8 +363,22 @@ def swiglu_quant_rows(h13_MI2: torch.Tensor, layout: ExpertLayout | None = None,
 
 
 TOKEN_BLOCK = 128  # rows per scale block of quant_token_blocks (the FP8 weight gradient's contracted dim)
-TOKEN_COLS, TOKEN_WARPS = 64, 4  # columns per program and warps of the token-block kernels (the best of 5
+TOKEN_COLS, TOKEN_WARPS = 64, 4  # columns per tile and warps of the token-block kernels (the best of 5
 #                                   launches at K 7,168 / 4,096: benchmarks/results/moe_layer.jsonl)
+TOKEN_PER_SM = 16  # programs per SM of their flat grid (4-warp programs: 64 warps, an SM's most)
+
+
+def _tok_launch(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, flag: torch.Tensor, layout: ExpertLayout,
+                pass_: int, ue8m0: bool) -> None:
+    """The token-block kernel's pass ``pass_`` on a flat grid over the live 128-row blocks (flat_tiles.py)."""
+    m, k = x.shape
+    e, ncb = layout.num_experts, triton.cdiv(k, TOKEN_COLS)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+    grid = (grid_size(-(-m // TOKEN_BLOCK) * ncb, e, ncb, sms * TOKEN_PER_SM),)
+    _quant_tok_kernel[grid](x, q, s, flag, layout.start, layout.end, m, e, k, x.stride(0), q.stride(0), UE8M0=ue8m0,
+                            EP=triton.next_power_of_2(max(e, 2)), PASS=pass_, NUM_CB=ncb,
+                            INTERPRET=select.interpreting(), BLOCK_R=TOKEN_BLOCK, BLOCK_K=TOKEN_COLS,
+                            num_warps=TOKEN_WARPS)
 
 
 def _token_shape(name: str, x_MK: torch.Tensor, layout: ExpertLayout) -> tuple[int, int, int, int]:
@@ -407,10 +427,7 @@ def quant_token_blocks(x_MK: torch.Tensor, layout: ExpertLayout, ue8m0: bool = F
         flag = torch.zeros(1, dtype=torch.int32, device=x.device)
         e = layout.num_experts
         if nblk and k and e:
-            _quant_tok_kernel[(nblk, triton.cdiv(k, TOKEN_COLS))](
-                x, q, s, flag, layout.start, layout.end, e, k, x.stride(0), q.stride(0), UE8M0=ue8m0,
-                E_POW2=max(2, triton.next_power_of_2(e)), PASS=0, BLOCK_R=TOKEN_BLOCK,
-                BLOCK_K=TOKEN_COLS, num_warps=TOKEN_WARPS)
+            _tok_launch(x, q, s, flag, layout, 0, ue8m0)
         bad = flag[0]
     else:
         a = torch.where(layout.live_mask().unsqueeze(1), x_MK.float(), torch.zeros((), device=x_MK.device))
@@ -451,18 +468,13 @@ def quant_expert_columns(x_MK: torch.Tensor, layout: ExpertLayout, ue8m0: bool =
         q = torch.empty(k, mp, dtype=FP8_DTYPE, device=x.device)
         amax = torch.zeros(e, k, dtype=torch.float32, device=x.device)
         flag = torch.zeros(1, dtype=torch.int32, device=x.device)
-        grid = (nblk, triton.cdiv(k, TOKEN_COLS))
-        args = dict(UE8M0=ue8m0, E_POW2=max(2, triton.next_power_of_2(max(e, 1))),
-                    BLOCK_R=TOKEN_BLOCK, BLOCK_K=TOKEN_COLS, num_warps=TOKEN_WARPS)
         if nblk and k and e:
-            _quant_tok_kernel[grid](x, q, amax, flag, layout.start, layout.end, e, k, x.stride(0), q.stride(0),
-                                    PASS=1, **args)
+            _tok_launch(x, q, amax, flag, layout, 1, ue8m0)
         s = amax_scale(amax, SCALE_EPS)
         if ue8m0:
             s = pow2_ceil(s)
         if nblk and k and e:
-            _quant_tok_kernel[grid](x, q, s, flag, layout.start, layout.end, e, k, x.stride(0), q.stride(0),
-                                    PASS=2, **args)
+            _tok_launch(x, q, s, flag, layout, 2, ue8m0)
         bad = flag[0]
     else:
         live = layout.live_mask()
