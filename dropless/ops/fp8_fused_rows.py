@@ -14,7 +14,11 @@ rows, with :func:`~dropless.ops.fp8_quant.quant_rows`' rule and layout
   of the rows themselves: FC1's weight gradient).
 * :func:`combine_bwd_quant` — :func:`~dropless.ops.rows.combine_bwd` plus the codes and
   scales of the gradient rows it writes, quantised from the rows as written (rounded to the
-  gradient's dtype first, as a separate pass would read them).
+  gradient's dtype first, as a separate pass would read them). A row is ``(g · w).to(dtype)``
+  for the token's gradient ``g`` and the choice's weight ``w``; its amax (of the row, or of each
+  1×128 group) is ``(amax|g| · |w|).to(dtype)`` bit for bit (both roundings are odd-symmetric and
+  monotone), so the kernel reduces ``|g|`` once per token (per group) and derives each of the
+  ``k`` rows' scales from it, instead of reducing the ``k`` rows.
 
 Codes and scales equal :func:`~dropless.ops.fp8_quant.quant_rows` of the unfused op's output on
 every live row, bit for bit (the same fp32 expressions: ``scale = max(amax, 1e-12) / 448``,
