@@ -240,7 +240,9 @@ def load_kernels(folder: str) -> tuple:
 #: quant_kernels --sweep: the one-scale-per-row launch over live rows (fp8_quant.ROW_BLOCK_WIDE: rows,
 #: warps, programs per SM) and the tile of the combine's backward without a weight gradient
 #: (fp8_fused_rows.COMBINE_QUANT_TILE), each timed beside the default
-SWEEP_ROW_BLOCK = [(1, 8, 32), (1, 4, 32), (1, 8, 8), (1, 16, 8), (2, 8, 16), (1, 8, 64), (1, 4, 8)]
+#: (a few programs per SM: each loops over many rows, the persistent form)
+SWEEP_ROW_BLOCK = [(1, 8, 32), (1, 8, 16), (1, 8, 8), (1, 8, 4), (1, 8, 2), (1, 4, 32), (1, 4, 8), (1, 4, 4),
+                   (1, 16, 8), (1, 16, 2), (2, 8, 16), (2, 8, 4)]
 SWEEP_COMBINE_TILE = [1024, 2048, 4096]
 
 
