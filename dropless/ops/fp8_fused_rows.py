@@ -112,16 +112,16 @@ if select.HAS_TRITON:
         tl.atomic_max(flag_ptr, nbad, mask=nbad > 0)
 
     @triton.jit
-    def _row_scales(amax_g, w, HAS_W: tl.constexpr, UE8M0: tl.constexpr, ROW_DTYPE: tl.constexpr):
-        """``(scale, row amax)`` of the gradient rows ``(g · w).to(ROW_DTYPE)`` from ``amax_g = max |g|`` alone
-        (shapes that broadcast; without weights the rows are ``g`` itself).
+    def _row_scales(amax_g, w, rows_ptr, HAS_W: tl.constexpr, UE8M0: tl.constexpr):
+        """``(scale, row amax)`` of the gradient rows ``(g · w).to(dtype)`` (``dtype``: ``rows_ptr``'s element type)
+        from ``amax_g = max |g|`` alone (shapes that broadcast; without weights the rows are ``g`` itself).
 
-        The row's amax is ``(amax_g · |w|).to(ROW_DTYPE)`` bit for bit: ``|(g · w).to(dtype)|`` is the same
+        The row's amax is ``(amax_g · |w|).to(dtype)`` bit for bit: ``|(g · w).to(dtype)|`` is the same
         two roundings (fp32 product, then the rows' dtype) of ``|g| · |w|`` (round to nearest even is
         odd-symmetric), and that map does not decrease with ``|g|``, so the largest ``|g|`` gives the
         largest ``|row|`` (ties and underflow included). A non-finite row amax means a non-finite row."""
         if HAS_W:
-            ramax = (amax_g * tl.abs(w)).to(ROW_DTYPE).to(tl.float32)
+            ramax = (amax_g * tl.abs(w)).to(rows_ptr.dtype.element_ty).to(tl.float32)
         else:  # w holds zeros: the shape of the weighted case, amax_g's value (+0 changes no amax)
             ramax = amax_g + w
         return _scale_of(ramax, UE8M0), ramax
@@ -154,17 +154,17 @@ if select.HAS_TRITON:
         if GROUP == 0:  # the token's amax, then each choice's scale from it
             amax = tl.zeros([BLOCK_A], dtype=tl.float32)
             gbad = tl.zeros([BLOCK_A], dtype=tl.int32)
-            for ab in tl.static_range(NUM_AB):
+            for ab in range(NUM_AB):
                 cols = ab * BLOCK_A + tl.arange(0, BLOCK_A)
                 a = tl.abs(tl.load(grow + cols, mask=cols < H, other=0.0).to(tl.float32))
                 amax = tl.maximum(amax, a)
                 gbad += tl.where(~(a <= 3.4028234663852886e38), 1, 0)
-            scale, ramax = _row_scales(tl.max(amax, axis=0), w, HAS_W, UE8M0, grad_rows_ptr.dtype.element_ty)
+            scale, ramax = _row_scales(tl.max(amax, axis=0), w, grad_rows_ptr, HAS_W, UE8M0)
             tl.store(s_ptr + d64 * stride_s, scale, mask=live)
             nbad = tl.sum(gbad, axis=0) * any_live + tl.sum(tl.where(live & ~(ramax <= 3.4028234663852886e38), 1, 0),
                                                             axis=0)
         dot = tl.zeros([KP], dtype=tl.float32)
-        for hb in tl.static_range(NUM_HB):
+        for hb in range(NUM_HB):
             cols = hb * BLOCK_H + tl.arange(0, BLOCK_H)
             cmask = cols < H
             g = tl.load(grow + cols, mask=cmask, other=0.0).to(tl.float32)
@@ -181,7 +181,7 @@ if select.HAS_TRITON:
                 ga = tl.abs(g)
                 nbad += tl.sum(tl.where(cmask & ~(ga <= 3.4028234663852886e38), 1, 0), axis=0) * any_live
                 gmax = tl.max(tl.reshape(ga, (BLOCK_H // GROUP, GROUP)), axis=1)
-                sg, ramax = _row_scales(gmax[None, :], w[:, None], HAS_W, UE8M0, grad_rows_ptr.dtype.element_ty)
+                sg, ramax = _row_scales(gmax[None, :], w[:, None], grad_rows_ptr, HAS_W, UE8M0)
                 grp = hb * (BLOCK_H // GROUP) + tl.arange(0, BLOCK_H // GROUP)
                 gmask = live[:, None] & (grp[None, :] * GROUP < H)
                 nbad += tl.sum(tl.sum(tl.where(gmask & ~(ramax <= 3.4028234663852886e38), 1, 0), axis=1), axis=0)

@@ -111,26 +111,34 @@ if select.HAS_TRITON:
         nprog = tl.num_programs(0)
         if HAS_LAYOUT:
             ar, nb_v, cum_v, start_v, end_v, n = live_tiles(start_ptr, end_ptr, M, E, EP, NUM_KB, BLOCK_M)
-        else:
-            n = (M + BLOCK_M - 1) // BLOCK_M * NUM_KB
-        if INTERPRET:  # the interpreter's scalars are 1-element arrays, which range() rejects
-            t = pid + n * 0
-            while t < n:
-                if HAS_LAYOUT:
+            if INTERPRET:  # the interpreter's scalars are 1-element arrays, which range() rejects
+                t = pid + n * 0
+                while t < n:
                     r0, hi, c0 = flat_unit(t, ar, nb_v, cum_v, start_v, end_v, NUM_KB, BLOCK_M, BLOCK_K)
-                else:
-                    r0, hi, c0 = (t // NUM_KB) * BLOCK_M, M, (t % NUM_KB) * BLOCK_K
-                _quant_block(x_ptr, q_ptr, s_ptr, flag_ptr, r0, hi, c0, K, stride_x, stride_q, stride_s, SWIGLU,
-                             UE8M0, GROUP, BLOCK_M, BLOCK_K)
-                t += nprog
-        else:
-            for t in range(pid, n, nprog):
-                if HAS_LAYOUT:
+                    _quant_block(x_ptr, q_ptr, s_ptr, flag_ptr, r0, hi, c0, K, stride_x, stride_q, stride_s, SWIGLU,
+                                 UE8M0, GROUP, BLOCK_M, BLOCK_K)
+                    t += nprog
+            else:
+                for t in range(pid, n, nprog):
                     r0, hi, c0 = flat_unit(t, ar, nb_v, cum_v, start_v, end_v, NUM_KB, BLOCK_M, BLOCK_K)
-                else:
-                    r0, hi, c0 = (t // NUM_KB) * BLOCK_M, M, (t % NUM_KB) * BLOCK_K
-                _quant_block(x_ptr, q_ptr, s_ptr, flag_ptr, r0, hi, c0, K, stride_x, stride_q, stride_s, SWIGLU,
-                             UE8M0, GROUP, BLOCK_M, BLOCK_K)
+                    _quant_block(x_ptr, q_ptr, s_ptr, flag_ptr, r0, hi, c0, K, stride_x, stride_q, stride_s, SWIGLU,
+                                 UE8M0, GROUP, BLOCK_M, BLOCK_K)
+        else:
+            lo = M * 0
+            hi = M
+            n = (tl.maximum(hi - lo, 0) + BLOCK_M - 1) // BLOCK_M * NUM_KB
+            if INTERPRET:
+                t = pid + lo
+                while t < n:
+                    _quant_block(x_ptr, q_ptr, s_ptr, flag_ptr, lo + (t // NUM_KB) * BLOCK_M, hi,
+                                 (t % NUM_KB) * BLOCK_K, K, stride_x, stride_q, stride_s, SWIGLU, UE8M0, GROUP,
+                                 BLOCK_M, BLOCK_K)
+                    t += nprog
+            else:
+                for t in range(pid, n, nprog):
+                    _quant_block(x_ptr, q_ptr, s_ptr, flag_ptr, lo + (t // NUM_KB) * BLOCK_M, hi,
+                                 (t % NUM_KB) * BLOCK_K, K, stride_x, stride_q, stride_s, SWIGLU, UE8M0, GROUP,
+                                 BLOCK_M, BLOCK_K)
 
     @triton.jit
     def _quant_cols_kernel(w_ptr, q_ptr, s_ptr, N, stride_we, stride_wk, stride_wn, K: tl.constexpr,
