@@ -78,19 +78,18 @@ if select.HAS_TRITON:
         bad = tl.zeros([BLOCK_H], dtype=tl.int32)
         if GROUP == 0:
             amax = tl.zeros([BLOCK_H], dtype=tl.float32)
-            for hb in tl.static_range(NUM_HB):
+            for hb in range(NUM_HB):
                 cols = hb * BLOCK_H + tl.arange(0, BLOCK_H)
                 a = tl.load(xrow + cols, mask=cols < H, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.abs(a))
                 bad += tl.where((cols < H) & ~(tl.abs(a) <= 3.4028234663852886e38), 1, 0)
             scale = _scale_of(tl.max(amax, axis=0), UE8M0)
             tl.store(s_ptr + d64 * stride_s, scale + tl.zeros([KP], dtype=tl.float32), mask=ok)
-        for hb in tl.static_range(NUM_HB):
+        for hb in range(NUM_HB):
             cols = hb * BLOCK_H + tl.arange(0, BLOCK_H)
             cmask = cols < H
             v = tl.load(xrow + cols, mask=cmask, other=0.0)
             a = v.to(tl.float32)
-            m2 = ok[:, None] & cmask[None, :]
             if GROUP == 0:
                 q = _codes(a, scale)
             else:
@@ -103,11 +102,14 @@ if select.HAS_TRITON:
                          tl.broadcast_to(sg[None, :], (KP, BLOCK_H // GROUP)),
                          mask=ok[:, None] & (grp[None, :] * GROUP < H))
             q8 = q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-            tl.store(q_ptr + d64[:, None] * stride_q + cols[None, :], tl.broadcast_to(q8[None, :], (KP, BLOCK_H)),
-                     mask=m2)
-            if KEEP:
-                tl.store(rows_ptr + d64[:, None] * stride_r + cols[None, :],
-                         tl.broadcast_to(v[None, :], (KP, BLOCK_H)), mask=m2)
+            for j in tl.static_range(K):  # one row at a time: no [k, BLOCK_H] tile of addresses
+                dj = tl.load(dest_ptr + n * K + j)
+                # the test on a block, not the scalar: Triton's interpreter turns `block & scalar` into int32
+                okj = cmask & ((cols * 0 + dj) >= 0) & ((cols * 0 + dj) < M)
+                dj64 = tl.maximum(dj, 0).to(tl.int64)
+                tl.store(q_ptr + dj64 * stride_q + cols, q8, mask=okj)
+                if KEEP:
+                    tl.store(rows_ptr + dj64 * stride_r + cols, v, mask=okj)
         nbad = tl.sum(bad, axis=0) * token_live.to(tl.int32)
         tl.atomic_max(flag_ptr, nbad, mask=nbad > 0)
 
