@@ -25,12 +25,24 @@ Measurements:
   the weight gradient in FP8) alone, bf16 vs FP8, over 64 … 16,384 rows per expert (``--crossover-shapes``:
   H, I and the number of experts, default 7,168 × 2,048 × 4; A 128), and per GEMM the ``min_rows`` for
   fp8_policy's crossover table.
-* ``quant_kernels``: the quantisation kernels over a 28,672-row buffer (H 7,168, A 128, 4
-  experts) with 3,072 live rows vs every row: ``quant_rows`` with the layout (live rows) and
-  without (the full buffer), the landing gather without and with the codes
-  (``scatter_rows`` / ``scatter_quant_rows``), the combine backward without and with
-  (``combine_bwd`` / ``combine_bwd_quant``); ``us`` and ``gbps`` over the bytes the op must move
-  on live rows (bf16 in/out 2 bytes, codes 1 byte, a 4-byte scale per row or per 128 columns).
+* ``quant_kernels``: the quantisation kernels over a 28,672-row buffer (H 7,168, A 128, 4 experts) with
+  3,072 live rows, then every row live (``rows_live``): ``quant_rows`` with the layout (``quant_rows_live``)
+  and without (``quant_rows_full_buffer``: every row of the buffer); the landing gather without and with the
+  codes (``scatter_rows`` / ``scatter_quant_rows``); the combine's backward of one choice per token
+  (``k`` 1, no weight gradient: the a2a dispatcher's) without codes (``combine_bwd``), writing them
+  (``combine_bwd_quant``) and followed by the separate pass instead (``combine_bwd_then_quant_rows``:
+  what ``fused_quant=False`` runs); the same three with ``k`` 8 choices per token and the routing
+  weights' gradient (``need_gw``: the local dispatcher's; ``combine_bwd``, ``combine_bwd_quant_k``,
+  ``combine_bwd_k_then_quant_rows``); ``quant_token_blocks`` (the FP8 weight gradient's operand).
+  ``group`` 0 (one scale per row) / 128 (1x128) / null (no codes); ``impl`` "new" (this checkout) or
+  "old" (``--old DIR``: DIR's copies of fp8_quant.py and fp8_fused_rows.py, e.g. another revision's, timed
+  in the same process on the same inputs); ``us`` the median time, ``gbps`` over the bytes the op must
+  move on live rows (bf16 in/out 2 bytes, codes 1 byte, a 4-byte scale per row or per 128 columns, the
+  combined rows ``y`` read once for the weight gradient). ``--sweep`` adds ``quant_sweep`` lines: launch
+  variants of the row quantiser over live rows (``row_block``: rows, warps, programs per SM of
+  ``fp8_quant.ROW_BLOCK_WIDE``) and of the combine's tile without a weight gradient (``combine_tile``:
+  ``fp8_fused_rows.COMBINE_QUANT_TILE``). On the CPU under ``TRITON_INTERPRET=1`` the kernels run
+  in Triton's interpreter (``--smoke``).
 
 Expert weights are drawn on the device; their FP8 copies are made once and cached for every
 timed step, as for the micro-batches of one optimizer step. Times: median of CUDA-event timings
@@ -38,13 +50,16 @@ after warm-up (``--smoke``: wall clock on the CPU, the emulated FP8 backend, tin
 check the script end to end).
 
 Usage: ``python benchmarks/fp8_fused.py [--only experts_rows,experts_only,whole_layer,quant_kernels,crossover]
-[--alignment 128] [--ue8m0] [--smoke] | python benchmarks/stamp.py >> benchmarks/results/fp8_fused.jsonl``.
+[--alignment 128] [--ue8m0] [--old DIR] [--sweep] [--smoke] | python benchmarks/stamp.py >>
+benchmarks/results/fp8_fused.jsonl``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import statistics
 import time
 
@@ -55,9 +70,10 @@ from dropless.dispatch.local import LocalDispatcher
 from dropless.experts import GroupedExperts
 from dropless.layout import ExpertLayout
 from dropless.moe import MoE
+from dropless.ops import fp8_fused_rows as ff
+from dropless.ops import fp8_quant as fq
+from dropless.ops import select
 from dropless.ops.fp8_backend import Fp8Backend
-from dropless.ops.fp8_fused_rows import combine_bwd_quant, scatter_quant_rows
-from dropless.ops.fp8_quant import quant_rows
 from dropless.ops.fp8_rows import RowQuantiser
 from dropless.ops.rows import combine_bwd, scatter_rows
 
@@ -208,39 +224,125 @@ def whole_layer(variant, T, H, I, E, k, A, device, ue8m0, base=None) -> dict:
     return line
 
 
-def quant_kernels(M, live_counts, H, A, device, ue8m0) -> None:
-    """The quantisation kernels over live rows vs the whole buffer; ``gbps`` over the live bytes."""
+def load_kernels(folder: str) -> tuple:
+    """``(fp8_quant, fp8_fused_rows)`` modules from ``folder`` (another revision's copies of
+    dropless/ops/fp8_quant.py and fp8_fused_rows.py), loaded beside this checkout's under other names; their
+    imports of the rest of ``dropless`` resolve to this checkout."""
+    mods = []
+    for name in ("fp8_quant", "fp8_fused_rows"):
+        spec = importlib.util.spec_from_file_location(f"_other_{name}", os.path.join(folder, f"{name}.py"))
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        mods.append(mod)
+    return tuple(mods)
+
+
+#: quant_kernels --sweep: the one-scale-per-row launch over live rows (fp8_quant.ROW_BLOCK_WIDE: rows,
+#: warps, programs per SM) and the tile of the combine's backward without a weight gradient
+#: (fp8_fused_rows.COMBINE_QUANT_TILE), each timed beside the default
+#: (a few programs per SM: each loops over many rows, the persistent form)
+SWEEP_ROW_BLOCK = [(1, 8, 32), (1, 8, 16), (1, 8, 8), (1, 8, 4), (1, 8, 2), (1, 4, 32), (1, 4, 8), (1, 4, 4),
+                   (1, 16, 8), (1, 16, 2), (2, 8, 16), (2, 8, 4)]
+SWEEP_COMBINE_TILE = [1024, 2048, 4096]
+
+
+def quant_kernels(M, live_counts, H, A, device, ue8m0, k=8, old=None, sweep=False) -> None:
+    """The quantisation kernels over live rows vs the whole buffer; ``gbps`` over the live bytes. ``old``: another
+    revision's ``(fp8_quant, fp8_fused_rows)`` (:func:`load_kernels`), timed beside this checkout's on the same
+    inputs (``impl`` "old" / "new")."""
+    impls = {"new": (fq, ff)}
+    if old is not None:
+        impls["old"] = old
     for live_rows in (sum(live_counts), None):  # 3,072 live rows, then every row live
         counts = live_counts if live_rows else _fill(M, len(live_counts), A)
         layout = ExpertLayout.from_counts(torch.tensor(counts, device=device), A, capacity=M)
         n = sum(counts)
         x_MH = torch.randn(M, H, device=device, dtype=torch.bfloat16)
         # one token per live row, landed in a shuffled order; padding rows named by no token
-        dest = layout.live_mask().nonzero().squeeze(1)[torch.randperm(n, device=device)].unsqueeze(1)
+        rows_n = layout.live_mask().nonzero().squeeze(1)[torch.randperm(n, device=device)]
+        dest = rows_n.unsqueeze(1)
         src = torch.full((M,), -1, dtype=torch.int64, device=device)
-        src[dest.squeeze(1)] = torch.arange(n, device=device)
+        src[rows_n] = torch.arange(n, device=device)
         x_NH = torch.randn(n, H, device=device, dtype=torch.bfloat16)
         w_N1 = torch.rand(n, 1, device=device)
+        # k choices per token (the local dispatcher's combine, with the routing weights' gradient)
+        t = n // k
+        dest_k = rows_n[:t * k].view(t, k)
+        g_TH = torch.randn(t, H, device=device, dtype=torch.bfloat16)
+        w_Tk = torch.rand(t, k, device=device)
         row_b = H * 2
+        common = dict(ue8m0=ue8m0, rows_live=n, rows_alloc=M, H=H, alignment=A)
+
+        def timed(op, fn, nbytes, group, impl=None, **kw):
+            ms = bench(fn, device, warmup=3, iters=20)
+            emit(device=device.type, bench="quant_kernels", op=op, group=group, impl=impl, **common, **kw,
+                 us=round(ms * 1e3, 1), gbps=round(nbytes / ms / 1e6, 1))
+
+        # the kernels without codes (rows.py's), timed once
+        timed("scatter_rows", lambda: scatter_rows(x_NH, dest, M), n * 2 * row_b, None)
+        timed("combine_bwd", lambda: combine_bwd(x_NH, None, dest, w_N1, M, False), n * 2 * row_b, None, k=1,
+              need_gw=False)
+        timed("combine_bwd", lambda: combine_bwd(g_TH, x_MH, dest_k, w_Tk, M, True), t * row_b + 2 * t * k * row_b,
+              None, k=k, need_gw=True)
         for group in (0, 128):
             sb = 4 * (H // 128) if group else 4
-            ops = {
-                "quant_rows_live": (lambda: quant_rows(x_MH, layout, ue8m0, group=group), n * (row_b + H + sb)),
-                "quant_rows_full_buffer": (lambda: quant_rows(x_MH, None, ue8m0, group=group), n * (row_b + H + sb)),
-                "scatter_rows": (lambda: scatter_rows(x_NH, dest, M), n * 2 * row_b),
-                "scatter_quant_rows": (lambda: scatter_quant_rows(x_NH, src, dest, group, ue8m0),
-                                       n * (2 * row_b + H + sb)),
-                "combine_bwd": (lambda: combine_bwd(x_NH, None, dest, w_N1, M, False), n * 2 * row_b),
-                "combine_bwd_quant": (lambda: combine_bwd_quant(x_NH, None, dest, w_N1, M, False, group, ue8m0),
-                                      n * (2 * row_b + H + sb)),
-            }
-            for op, (fn, nbytes) in ops.items():
-                if group and "quant" not in op:  # no codes: timed once
-                    continue
-                ms = bench(fn, device, warmup=3, iters=20)
-                emit(device=device.type, bench="quant_kernels", op=op, group=group if "quant" in op else None,
-                     ue8m0=ue8m0, rows_live=n, rows_alloc=M, H=H, alignment=A, us=round(ms * 1e3, 1),
-                     gbps=round(nbytes / ms / 1e6, 1))
+            codes_b = n * (H + sb)
+            for impl, (q_mod, f_mod) in impls.items():
+                ops = {
+                    "quant_rows_live": (lambda: q_mod.quant_rows(x_MH, layout, ue8m0, group=group),
+                                        n * row_b + codes_b, {}),
+                    "quant_rows_full_buffer": (lambda: q_mod.quant_rows(x_MH, None, ue8m0, group=group),
+                                               n * row_b + codes_b, {}),
+                    "scatter_quant_rows": (lambda: f_mod.scatter_quant_rows(x_NH, src, dest, group, ue8m0),
+                                           n * 2 * row_b + codes_b, {}),
+                    # FC2's output-gradient codes: the combine's backward writing them, against rows.py's
+                    # combine backward followed by the separate pass over the live rows it wrote
+                    "combine_bwd_quant": (lambda: f_mod.combine_bwd_quant(x_NH, None, dest, w_N1, M, False, group,
+                                                                          ue8m0), n * 2 * row_b + codes_b,
+                                          dict(k=1, need_gw=False)),
+                    "combine_bwd_then_quant_rows": (
+                        lambda: q_mod.quant_rows(combine_bwd(x_NH, None, dest, w_N1, M, False)[0], layout, ue8m0,
+                                                 group=group), n * 2 * row_b + codes_b, dict(k=1, need_gw=False)),
+                    "combine_bwd_quant_k": (lambda: f_mod.combine_bwd_quant(g_TH, x_MH, dest_k, w_Tk, M, True,
+                                                                            group, ue8m0),
+                                            t * row_b + 2 * t * k * row_b + t * k * (H + sb),
+                                            dict(k=k, need_gw=True)),
+                    "combine_bwd_k_then_quant_rows": (
+                        lambda: q_mod.quant_rows(combine_bwd(g_TH, x_MH, dest_k, w_Tk, M, True)[0], layout, ue8m0,
+                                                 group=group), t * row_b + 2 * t * k * row_b + t * k * (H + sb),
+                        dict(k=k, need_gw=True)),
+                }
+                if group == 0 and A % fq.TOKEN_BLOCK == 0:  # the FP8 weight gradient's operand (alignment 128)
+                    ops["quant_token_blocks"] = (lambda: q_mod.quant_token_blocks(x_MH, layout, ue8m0),
+                                                 n * row_b + n * H + 4 * H * -(-n // fq.TOKEN_BLOCK), {})
+                for op, (fn, nbytes, kw) in ops.items():
+                    timed(op, fn, nbytes, group, impl, **kw)
+        if sweep:
+            _sweep(x_MH, x_NH, dest, w_N1, layout, M, H, device, ue8m0, common)
+
+
+def _sweep(x_MH, x_NH, dest, w_N1, layout, M, H, device, ue8m0, common) -> None:
+    """Launch variants of this checkout's kernels (bench ``quant_sweep``); the module constants are restored."""
+    n = common["rows_live"]
+    row_b, saved = H * 2, (fq.ROW_BLOCK_WIDE, ff.COMBINE_QUANT_TILE)
+    try:
+        for cfg in SWEEP_ROW_BLOCK:
+            fq.ROW_BLOCK_WIDE = cfg
+            ms = bench(lambda: fq.quant_rows(x_MH, layout, ue8m0), device, warmup=3, iters=20)
+            emit(device=device.type, bench="quant_sweep", op="quant_rows_live", group=0, row_block=list(cfg),
+                 **common, us=round(ms * 1e3, 1), gbps=round(n * (row_b + H + 4) / ms / 1e6, 1))
+        fq.ROW_BLOCK_WIDE = saved[0]
+        for tile in SWEEP_COMBINE_TILE:
+            ff.COMBINE_QUANT_TILE = tile
+            for group in (0, 128):
+                ms = bench(lambda: ff.combine_bwd_quant(x_NH, None, dest, w_N1, M, False, group, ue8m0), device,
+                           warmup=3, iters=20)
+                sb = 4 * (H // 128) if group else 4
+                emit(device=device.type, bench="quant_sweep", op="combine_bwd_quant", group=group, k=1,
+                     combine_tile=tile, **common, us=round(ms * 1e3, 1),
+                     gbps=round(n * (2 * row_b + H + sb) / ms / 1e6, 1))
+    finally:
+        fq.ROW_BLOCK_WIDE, ff.COMBINE_QUANT_TILE = saved
 
 
 #: The experts' GEMMs as fp8_policy names them: (K, N) of ``[m, K] @ [K, N]`` in terms of H, I, and whether
@@ -306,6 +408,9 @@ def main(argv=None) -> int:
     p.add_argument("--alignment", type=int, default=128, help="expert_alignment (a multiple of 16)")
     p.add_argument("--ue8m0", action="store_true", help="power-of-two scales")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, runs on the CPU too (checks the script)")
+    p.add_argument("--old", metavar="DIR", help="quant_kernels: also time the fp8_quant.py and fp8_fused_rows.py "
+                   "in DIR (another revision's copies) on the same inputs")
+    p.add_argument("--sweep", action="store_true", help="quant_kernels: also time launch variants (quant_sweep)")
     p.add_argument("--crossover-shapes", default="7168x2048x4",
                    help="comma-separated HxI or HxIxE (hidden x moe_intermediate x local experts, E default 4) "
                         "shapes for the crossover measurement")
@@ -340,7 +445,15 @@ def main(argv=None) -> int:
             line = whole_layer(v, T, H, I, E, k, A, device, a.ue8m0, base)
             base = base or line
     if "quant_kernels" in only:
-        quant_kernels(M, live, H, A, device, a.ue8m0)
+        old = load_kernels(a.old) if a.old else None
+        forced = select.FORCE_TRITON
+        # on the CPU under Triton's interpreter (TRITON_INTERPRET=1) the kernels themselves run
+        select.FORCE_TRITON = forced or (device.type != "cuda" and select.HAS_TRITON and select.interpreting())
+        try:
+            # --smoke: alignment 128 as the real shape's (the FP8 weight gradient's operand needs it)
+            quant_kernels(M, live, H, 128 if a.smoke else A, device, a.ue8m0, old=old, sweep=a.sweep)
+        finally:
+            select.FORCE_TRITON = forced
     if "crossover" in only:
         sizes = [16, 64] if a.smoke else [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
         shapes = ([(H, I, len(counts))] if a.smoke else

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
-from benchmarks.fp8_fused import VARIANTS, main
+from benchmarks.fp8_fused import SWEEP_COMBINE_TILE, SWEEP_ROW_BLOCK, VARIANTS, main
 
 
 def test_fp8_fused_benchmark_smoke_json_lines(capsys):
@@ -20,8 +21,28 @@ def test_fp8_fused_benchmark_smoke_json_lines(capsys):
     ops = {(r["op"], r["group"], r["rows_live"]) for r in kern}
     assert ("scatter_quant_rows", 128, 96) in ops and ("combine_bwd_quant", 0, 512) in ops
     assert ("quant_rows_full_buffer", 0, 96) in ops and ("scatter_rows", None, 96) in ops
+    assert ("combine_bwd_quant_k", 128, 96) in ops and ("combine_bwd_k_then_quant_rows", 0, 512) in ops
+    assert ("combine_bwd_then_quant_rows", 0, 96) in ops and ("quant_token_blocks", 0, 96) in ops
+    assert {r["impl"] for r in kern if r["group"] is not None} == {"new"}
+    assert {r["k"] for r in kern if r["op"] == "combine_bwd"} == {1, 8}
     assert all(r["rows_alloc"] == 512 and r["us"] > 0 and r["gbps"] >= 0 for r in kern)
     assert lines[-1]["bench"] == "wall" and lines[-1]["seconds"] > 0
+
+
+def test_fp8_fused_benchmark_times_another_revision_and_sweeps(capsys):
+    """``--old DIR`` loads DIR's fp8_quant.py / fp8_fused_rows.py (here this checkout's own) and times them beside
+    the current ones (``impl`` "old"); ``--sweep`` adds the launch variants."""
+    import dropless.ops as ops_pkg
+
+    assert main(["--smoke", "--only", "quant_kernels", "--old", os.path.dirname(ops_pkg.__file__), "--sweep"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    kern = [r for r in lines if r["bench"] == "quant_kernels" and r["group"] is not None]
+    assert {r["impl"] for r in kern} == {"new", "old"}
+    assert {(r["op"], r["group"], r["rows_live"]) for r in kern if r["impl"] == "old"} == \
+        {(r["op"], r["group"], r["rows_live"]) for r in kern if r["impl"] == "new"}
+    sweep = [r for r in lines if r["bench"] == "quant_sweep"]
+    assert {tuple(r["row_block"]) for r in sweep if "row_block" in r} == set(SWEEP_ROW_BLOCK)
+    assert {r["combine_tile"] for r in sweep if "combine_tile" in r} == set(SWEEP_COMBINE_TILE)
 
 
 def test_fp8_fused_benchmark_refuses_an_unknown_measurement():

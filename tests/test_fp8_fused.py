@@ -97,20 +97,71 @@ def test_scatter_quant_rows_equals_quantising_the_landed_rows(path, group, ue8m0
     assert rows2 is None and _same_codes(q2, q, live) and torch.equal(s2[live], s[live])
 
 
+def _signed_weights(n, k, seed):
+    """Routing weights of both signs and many magnitudes: +0, -0, bf16-exact values (their products with bf16
+    gradients often fall exactly halfway between two bf16 values), fp32 values of full precision."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.exp2(torch.randint(-6, 7, (n, k), generator=g).float())
+    w[::2] = w[::2].to(torch.bfloat16).float()
+    w[1, 0], w[2, :] = 0.0, -0.0
+    return w.to(DEV)
+
+
+def _hard_grads(n, h, dtype, seed):
+    """``_tokens`` plus a token of subnormal magnitudes (bf16/fp32) and a token of equal magnitudes (every column
+    ties for the amax)."""
+    g = _tokens(n, h, dtype, seed=seed)
+    tiny = torch.finfo(dtype).tiny
+    g[9] = (torch.randn(h, generator=torch.Generator().manual_seed(seed)) * tiny * 4).to(DEV, dtype)
+    g[10] = torch.where(torch.arange(h, device=DEV) % 3 == 0, -1.5, 1.5).to(dtype)
+    return g
+
+
+def test_row_amax_is_the_token_amax_times_the_weight():
+    """The identity combine_bwd_quant's scales rest on: ``max_c |(g_c · w).to(dt)| == (max_c |g_c| · |w|).to(dt)``
+    bit for bit (fp32 product, one rounding to the rows' dtype), for weights of both signs and zero, over
+    20,000 rows per dtype holding exact rounding ties, subnormal products, products that overflow to inf, and
+    all-zero rows (each kind present, counted below)."""
+    gen = torch.Generator().manual_seed(0)
+    r, c = 20000, 64
+    for dt, (lo, hi) in {torch.bfloat16: (-140, 127), torch.float16: (-30, 16), torch.float32: (-150, 127)}.items():
+        e = torch.randint(lo, hi, (r, 1), generator=gen).float()
+        g = (torch.randn(r, c, generator=gen) * torch.exp2(e)).clamp(-torch.finfo(dt).max, torch.finfo(dt).max)
+        g = g.to(dt)
+        g[::97] = 0.0
+        w = torch.randn(r, generator=gen) * torch.exp2(torch.randint(-6, 7, (r,), generator=gen).float())
+        w[::2] = w[::2].to(torch.bfloat16).float()  # few mantissa bits: exact products, many ties
+        w[::7], w[1::7] = 0.0, -0.0
+        prod = g.float() * w.unsqueeze(1)
+        rows = prod.to(dt).float()
+        row_amax = rows.abs().amax(1)
+        from_token = (g.float().abs().amax(1) * w.abs()).to(dt).float()
+        assert torch.equal(row_amax, from_token), dt
+        finfo = torch.finfo(dt)
+        assert bool(torch.isinf(row_amax).any()) and bool((row_amax == 0).any())
+        assert bool(((prod.abs() < finfo.tiny) & (prod != 0)).any())  # subnormal (or flushed) products
+        # a tie: the product lies exactly halfway between its rounding and the next value beyond it
+        beyond = torch.nextafter(prod.to(dt), torch.where(prod > rows, torch.inf, -torch.inf).to(dt)).double()
+        ties = (prod != rows) & (2 * prod.double() == rows.double() + beyond)
+        assert dt == torch.float32 or bool(ties.any()), dt  # fp32 rows: the product is the row, no rounding
+
+
 @pytest.mark.parametrize("path", PATHS, indirect=True)
 @pytest.mark.parametrize("group", [0, 128])
 @pytest.mark.parametrize("weighted,need_gw", [(True, True), (True, False), (False, False)])
 @pytest.mark.parametrize("ue8m0", [False, True], ids=["fp32-scales", "ue8m0"])
-def test_combine_bwd_quant_equals_quantising_the_gradient_rows(path, group, weighted, need_gw, ue8m0):
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float32])
+def test_combine_bwd_quant_equals_quantising_the_gradient_rows(path, group, weighted, need_gw, ue8m0, dt):
     """``grad_y`` and ``grad_w`` as ``combine_bwd``'s; codes and scales as ``quant_rows`` of ``grad_y`` on live
-    rows, bit for bit (quantised from the rows as rounded to their dtype: bf16 here)."""
+    rows, bit for bit (quantised from the rows as rounded to their dtype), with weights of both signs and zero,
+    a zero token, a token of subnormal magnitudes, one whose columns tie for the amax, an empty expert."""
     n, k, e, h = 40, 3, 6, 384
     lay, dest, src = _routing(n, k, e, alignment=8, seed=2)
     m, live = lay.capacity, lay.live_mask()
-    dt = torch.bfloat16
-    g = _tokens(n, h, dt, seed=3)
+    assert int(lay.counts[2]) == 0
+    g = _hard_grads(n, h, dt, seed=3)
     g[7] = float("nan")  # token 7 landed nowhere: its gradient row is never read
-    w = torch.rand(n, k, generator=torch.Generator().manual_seed(4)).to(DEV) if weighted else None
+    w = _signed_weights(n, k, seed=4) if weighted else None
     y = torch.randn(m, h, generator=torch.Generator().manual_seed(5)).to(DEV, dt)
     y[~live] = float("nan")
     gy, gw, q, s = ff.combine_bwd_quant(g, y, dest, w, m, need_gw, group, ue8m0)
@@ -123,6 +174,8 @@ def test_combine_bwd_quant_equals_quantising_the_gradient_rows(path, group, weig
     assert _same_codes(q, q_ref, live) and torch.equal(s[live], s_ref[live])
     _, s_t, _ = _quant_torch(torch.where(live.unsqueeze(1), gy0.float(), 0.0), ue8m0, group)
     assert torch.equal(s[live], s_t[live])
+    for tok in (5, 9, 10):  # the zero, subnormal and tied tokens reach live rows
+        assert bool((live & (src == tok)).any())
 
 
 @pytest.mark.parametrize("path", PATHS, indirect=True)
@@ -153,6 +206,21 @@ def test_nonfinite_live_row_raises_and_a_row_landed_nowhere_does_not(path, group
             ff.scatter_quant_rows(x2, src, dest, group)
         with pytest.raises(RuntimeError, match="gemm=fp8.*NaN or Inf"):
             ff.combine_bwd_quant(x2, None, dest, None, m, False, group)
+    # finite gradients and weights whose product overflows: the row holds Inf (its amax does too)
+    w = torch.ones(n, k, device=DEV)
+    w[live_tok] = -1e30
+    x3 = x.clone()
+    x3[live_tok, 200] = 1e10
+    if DEV == "cuda":
+        flag = torch.zeros(1, dtype=torch.int32, device=DEV)
+        q = torch.empty(m, h, dtype=ff.FP8_DTYPE, device=DEV)
+        s = torch.empty((m, h // 128) if group else (m,), device=DEV)
+        ff._combine_quant_launch(x3, None, dest.contiguous(), w, x3.new_empty(m, h), None, q, s, flag, group, False)
+        assert int(flag) > 0
+    else:
+        with pytest.raises(RuntimeError, match="gemm=fp8.*NaN or Inf"):
+            ff.combine_bwd_quant(x3, None, dest, w, m, False, group)
+    ff.combine_bwd_quant(x3, None, dest, torch.ones(n, k, device=DEV), m, False, group)  # finite: no error
 
 
 @pytest.mark.skipif(not TRITON_HERE, reason="no CUDA and Triton's interpreter is off")
@@ -300,14 +368,17 @@ def test_recompute_paths_quantise_themselves():
 
 
 @pytest.mark.parametrize("path", PATHS, indirect=True)
-@pytest.mark.parametrize("fold", [False, True], ids=["weights-in-combine", "folded"])
-def test_moe_layer_fused_equals_separate_passes_kernel_path(path, fold):
+@pytest.mark.parametrize("dispatcher,fold", [("local", False), ("local", True), ("a2a", False)],
+                         ids=["weights-in-combine", "folded", "a2a"])
+def test_moe_layer_fused_equals_separate_passes_kernel_path(path, dispatcher, fold):
     """The same equality with every op on its Triton kernel (CUDA, or the CPU interpreter): the fused kernels'
     codes feed the emulated GEMMs in place of the Triton quantiser's, and the combine's weight gradient is
-    rows.py's bit for bit."""
+    rows.py's bit for bit. a2a: FC2's rows come back to the tokens by a one-choice combine without weights
+    (the combine's backward without a weight gradient, its wider blocks)."""
     res = {}
     for fused in (False, True):
-        m = _moe("local", Fp8Backend(emulate=True, fused_quant=fused), expert_alignment=8, fold_routing_weights=fold)
+        m = _moe(dispatcher, Fp8Backend(emulate=True, fused_quant=fused), expert_alignment=8,
+                 fold_routing_weights=fold)
         res[fused] = _run(m.to(DEV))
     for a, b in zip(res[True], res[False]):
         assert torch.equal(a, b)

@@ -437,17 +437,21 @@ def test_fp8_quant_weight_column_kernel_equals_the_row_path(ue8m0):
             fq.quant_weight(w2, contract_dim=1)
 
 
+@pytest.mark.parametrize("per_sm", [16, 1], ids=["default-grid", "4-programs"])
 @pytest.mark.parametrize("expert_scales", [False, True])
-def test_fp8_quant_token_blocks_kernel_live_rows_only(expert_scales, monkeypatch):
+def test_fp8_quant_token_blocks_kernel_live_rows_only(expert_scales, per_sm, monkeypatch):
     """The FP8 weight gradient's operand kernels (``quant_token_blocks``: one scale per column per
     128-row block; ``quant_expert_columns``: per column per expert, two passes): scales equal the torch
     reference (bit for bit: the same fp32 expressions) over live blocks / experts, codes transposed
     ``[K, M']`` with zeros past each expert's end up to its block boundary; block codes equal the row
     kernel's on the block's transposed rows (on the CPU the interpreter's e4m3 conversion is the same in
     both kernels), and the torch reference's on CUDA; NaN padding rows never reach a scale; a NaN in a
-    live row raises (on the CPU at once). K = 200 is not a multiple of the column tiles."""
+    live row raises (on the CPU at once). K = 200 is not a multiple of the column tiles. The flat grid's
+    programs take several tiles each with 4 programs (the CPU counts 4 SMs); a block holding no live row
+    (the alignment gap, the tail) is never written."""
     from dropless.ops import fp8_quant as fq
 
+    monkeypatch.setattr(fq, "TOKEN_PER_SM", per_sm)
     torch.manual_seed(4)
     counts, K = [300, 0, 129, 5], 200
     lay = ExpertLayout.from_counts(torch.tensor(counts, device=DEV), alignment=128, num_rows=sum(counts) + 150)
@@ -485,6 +489,17 @@ def test_fp8_quant_token_blocks_kernel_live_rows_only(expert_scales, monkeypatch
         x2[torch.nonzero(live)[200, 0], 3] = float("nan")
         with pytest.raises(RuntimeError, match="NaN or Inf"):
             quant(x2, lay)
+    if not expert_scales:  # the padding blocks keep what was there
+        q2 = torch.full((K, mp), 0x5A, dtype=torch.uint8, device=DEV).view(fq.FP8_DTYPE)
+        s2 = torch.full((mp // 128, K), -1.0, device=DEV)
+        fq._tok_launch(x, q2, s2, torch.zeros(1, dtype=torch.int32, device=DEV), lay, 0, False)
+        blk_live = torch.zeros(mp // 128, dtype=torch.bool)
+        for s0, t in segs:
+            blk_live[s0 // 128:-(-t // 128)] = True
+        dead = (~blk_live).nonzero().squeeze(1).tolist()
+        assert dead and all((s2[b] == -1.0).all() for b in dead)
+        assert all((q2.view(torch.uint8)[:, b * 128:(b + 1) * 128] == 0x5A).all() for b in dead)
+        assert torch.equal(s2[blk_live.to(DEV)], s[blk_live.to(DEV)])
 
 
 UE8M0_KERNEL_CASES = {

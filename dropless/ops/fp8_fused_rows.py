@@ -14,7 +14,11 @@ rows, with :func:`~dropless.ops.fp8_quant.quant_rows`' rule and layout
   of the rows themselves: FC1's weight gradient).
 * :func:`combine_bwd_quant` — :func:`~dropless.ops.rows.combine_bwd` plus the codes and
   scales of the gradient rows it writes, quantised from the rows as written (rounded to the
-  gradient's dtype first, as a separate pass would read them).
+  gradient's dtype first, as a separate pass would read them). A row is ``(g · w).to(dtype)``
+  for the token's gradient ``g`` and the choice's weight ``w``; its amax (of the row, or of each
+  1×128 group) is ``(amax|g| · |w|).to(dtype)`` bit for bit (both roundings are odd-symmetric and
+  monotone), so the kernel reduces ``|g|`` once per token (per group) and derives each of the
+  ``k`` rows' scales from it, instead of reducing the ``k`` rows.
 
 Codes and scales equal :func:`~dropless.ops.fp8_quant.quant_rows` of the unfused op's output on
 every live row, bit for bit (the same fp32 expressions: ``scale = max(amax, 1e-12) / 448``,
@@ -74,19 +78,18 @@ if select.HAS_TRITON:
         bad = tl.zeros([BLOCK_H], dtype=tl.int32)
         if GROUP == 0:
             amax = tl.zeros([BLOCK_H], dtype=tl.float32)
-            for hb in tl.static_range(NUM_HB):
+            for hb in range(NUM_HB):
                 cols = hb * BLOCK_H + tl.arange(0, BLOCK_H)
                 a = tl.load(xrow + cols, mask=cols < H, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.abs(a))
                 bad += tl.where((cols < H) & ~(tl.abs(a) <= 3.4028234663852886e38), 1, 0)
             scale = _scale_of(tl.max(amax, axis=0), UE8M0)
             tl.store(s_ptr + d64 * stride_s, scale + tl.zeros([KP], dtype=tl.float32), mask=ok)
-        for hb in tl.static_range(NUM_HB):
+        for hb in range(NUM_HB):
             cols = hb * BLOCK_H + tl.arange(0, BLOCK_H)
             cmask = cols < H
             v = tl.load(xrow + cols, mask=cmask, other=0.0)
             a = v.to(tl.float32)
-            m2 = ok[:, None] & cmask[None, :]
             if GROUP == 0:
                 q = _codes(a, scale)
             else:
@@ -99,48 +102,71 @@ if select.HAS_TRITON:
                          tl.broadcast_to(sg[None, :], (KP, BLOCK_H // GROUP)),
                          mask=ok[:, None] & (grp[None, :] * GROUP < H))
             q8 = q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-            tl.store(q_ptr + d64[:, None] * stride_q + cols[None, :], tl.broadcast_to(q8[None, :], (KP, BLOCK_H)),
-                     mask=m2)
-            if KEEP:
-                tl.store(rows_ptr + d64[:, None] * stride_r + cols[None, :],
-                         tl.broadcast_to(v[None, :], (KP, BLOCK_H)), mask=m2)
+            for j in tl.static_range(K):  # one row at a time: no [k, BLOCK_H] tile of addresses
+                dj = tl.load(dest_ptr + n * K + j)
+                # the test on a block, not the scalar: Triton's interpreter turns `block & scalar` into int32
+                okj = cmask & ((cols * 0 + dj) >= 0) & ((cols * 0 + dj) < M)
+                dj64 = tl.maximum(dj, 0).to(tl.int64)
+                tl.store(q_ptr + dj64 * stride_q + cols, q8, mask=okj)
+                if KEEP:
+                    tl.store(rows_ptr + dj64 * stride_r + cols, v, mask=okj)
         nbad = tl.sum(bad, axis=0) * token_live.to(tl.int32)
         tl.atomic_max(flag_ptr, nbad, mask=nbad > 0)
+
+    @triton.jit
+    def _row_scales(amax_g, w, rows_ptr, HAS_W: tl.constexpr, UE8M0: tl.constexpr):
+        """``(scale, row amax)`` of the gradient rows ``(g · w).to(dtype)`` (``dtype``: ``rows_ptr``'s element type)
+        from ``amax_g = max |g|`` alone (shapes that broadcast; without weights the rows are ``g`` itself).
+
+        The row's amax is ``(amax_g · |w|).to(dtype)`` bit for bit: ``|(g · w).to(dtype)|`` is the same
+        two roundings (fp32 product, then the rows' dtype) of ``|g| · |w|`` (round to nearest even is
+        odd-symmetric), and that map does not decrease with ``|g|``, so the largest ``|g|`` gives the
+        largest ``|row|`` (ties and underflow included). A non-finite row amax means a non-finite row."""
+        if HAS_W:
+            ramax = (amax_g * tl.abs(w)).to(rows_ptr.dtype.element_ty).to(tl.float32)
+        else:  # w holds zeros: the shape of the weighted case, amax_g's value (+0 changes no amax)
+            ramax = amax_g + w
+        return _scale_of(ramax, UE8M0), ramax
 
     @triton.jit
     def _combine_bwd_quant_kernel(grad_ptr, rows_ptr, dest_ptr, w_ptr, grad_rows_ptr, grad_w_ptr, q_ptr, s_ptr,
                                   flag_ptr, H, stride_g, stride_r, stride_gr, stride_q, stride_s, K: tl.constexpr,
                                   KP: tl.constexpr, HAS_W: tl.constexpr, NEED_GW: tl.constexpr,
                                   GROUP: tl.constexpr, UE8M0: tl.constexpr, NUM_HB: tl.constexpr,
-                                  BLOCK_H: tl.constexpr):
-        """rows.py's combine-backward kernel (all ``k`` choices of token ``n`` as one ``[KP, BLOCK_H]`` tile)
-        plus the codes and scales of each gradient row, from its value rounded to the rows' dtype."""
+                                  BLOCK_H: tl.constexpr, NUM_AB: tl.constexpr, BLOCK_A: tl.constexpr):
+        """rows.py's combine-backward kernel (all ``k`` choices of token ``n`` as one ``[KP, BLOCK_H]`` tile,
+        the same loop: equal rows and weight gradient) plus the codes and scales of each gradient row.
+
+        The scales come from the token's ``|g|`` maxima, not from the ``k`` rows (:func:`_row_scales`):
+        ``GROUP`` 0, a first pass over ``g`` alone (``BLOCK_A`` columns a step, one read of the token's
+        gradient; the main loop's second read finds it in cache); 128, each block's groups of ``g``."""
         n = tl.program_id(0)
         js = tl.arange(0, KP)
         jmask = js < K
         d = tl.load(dest_ptr + n * K + js, mask=jmask, other=-1)
         live = jmask & (d >= 0)
         d64 = tl.maximum(d, 0).to(tl.int64)
+        any_live = (tl.sum(live.to(tl.int32), axis=0) > 0).to(tl.int32)
         if HAS_W:
             w = tl.load(w_ptr + n * K + js, mask=jmask, other=0.0).to(tl.float32)
+        else:
+            w = tl.zeros([KP], dtype=tl.float32)
         grow = grad_ptr + n.to(tl.int64) * stride_g
-        bad = tl.zeros([KP, BLOCK_H], dtype=tl.int32)
-        if GROUP == 0:  # first pass: each choice's row amax
-            amax = tl.zeros([KP, BLOCK_H], dtype=tl.float32)
-            for hb in tl.static_range(NUM_HB):
-                cols = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-                cmask = cols < H
-                g = tl.load(grow + cols, mask=cmask, other=0.0).to(tl.float32)
-                gw = g[None, :] + tl.zeros([KP, BLOCK_H], dtype=tl.float32)
-                if HAS_W:
-                    gw = gw * w[:, None]
-                r = gw.to(grad_rows_ptr.dtype.element_ty).to(tl.float32)
-                amax = tl.maximum(amax, tl.abs(r))
-                bad += tl.where(live[:, None] & cmask[None, :] & ~(tl.abs(r) <= 3.4028234663852886e38), 1, 0)
-            scale = _scale_of(tl.max(amax, axis=1), UE8M0)
+        nbad = n * 0
+        if GROUP == 0:  # the token's amax, then each choice's scale from it
+            amax = tl.zeros([BLOCK_A], dtype=tl.float32)
+            gbad = tl.zeros([BLOCK_A], dtype=tl.int32)
+            for ab in range(NUM_AB):
+                cols = ab * BLOCK_A + tl.arange(0, BLOCK_A)
+                a = tl.abs(tl.load(grow + cols, mask=cols < H, other=0.0).to(tl.float32))
+                amax = tl.maximum(amax, a)
+                gbad += tl.where(~(a <= 3.4028234663852886e38), 1, 0)
+            scale, ramax = _row_scales(tl.max(amax, axis=0), w, grad_rows_ptr, HAS_W, UE8M0)
             tl.store(s_ptr + d64 * stride_s, scale, mask=live)
+            nbad = tl.sum(gbad, axis=0) * any_live + tl.sum(tl.where(live & ~(ramax <= 3.4028234663852886e38), 1, 0),
+                                                            axis=0)
         dot = tl.zeros([KP], dtype=tl.float32)
-        for hb in tl.static_range(NUM_HB):
+        for hb in range(NUM_HB):
             cols = hb * BLOCK_H + tl.arange(0, BLOCK_H)
             cmask = cols < H
             g = tl.load(grow + cols, mask=cmask, other=0.0).to(tl.float32)
@@ -153,14 +179,17 @@ if select.HAS_TRITON:
             r = rq.to(tl.float32)
             if GROUP == 0:
                 q = _codes(r, scale[:, None])
-            else:
-                bad += tl.where(m2 & ~(tl.abs(r) <= 3.4028234663852886e38), 1, 0)
-                r3 = tl.reshape(r, (KP, BLOCK_H // GROUP, GROUP))
-                sg = _scale_of(tl.max(tl.abs(r3), axis=2), UE8M0)
-                q = tl.reshape(_codes(r3, sg[:, :, None]), (KP, BLOCK_H))
+            else:  # the block's 1xGROUP groups of |g| (padding columns load 0), then each choice's scales
+                ga = tl.abs(g)
+                nbad += tl.sum(tl.where(cmask & ~(ga <= 3.4028234663852886e38), 1, 0), axis=0) * any_live
+                gmax = tl.max(tl.reshape(ga, (BLOCK_H // GROUP, GROUP)), axis=1)
+                sg, ramax = _row_scales(gmax[None, :], w[:, None], grad_rows_ptr, HAS_W, UE8M0)
                 grp = hb * (BLOCK_H // GROUP) + tl.arange(0, BLOCK_H // GROUP)
-                tl.store(s_ptr + d64[:, None] * stride_s + grp[None, :], sg,
-                         mask=live[:, None] & (grp[None, :] * GROUP < H))
+                gmask = live[:, None] & (grp[None, :] * GROUP < H)
+                nbad += tl.sum(tl.sum(tl.where(gmask & ~(ramax <= 3.4028234663852886e38), 1, 0), axis=1), axis=0)
+                r3 = tl.reshape(r, (KP, BLOCK_H // GROUP, GROUP))
+                q = tl.reshape(_codes(r3, sg[:, :, None]), (KP, BLOCK_H))
+                tl.store(s_ptr + d64[:, None] * stride_s + grp[None, :], sg, mask=gmask)
             tl.store(q_ptr + d64[:, None] * stride_q + cols[None, :],
                      q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=m2)
             if NEED_GW:
@@ -168,13 +197,17 @@ if select.HAS_TRITON:
                 dot += tl.sum(g[None, :] * y, axis=1)
         if NEED_GW:
             tl.store(grad_w_ptr + n * K + js, dot, mask=jmask)
-        nbad = tl.sum(tl.sum(bad, axis=1), axis=0)
         tl.atomic_max(flag_ptr, nbad, mask=nbad > 0)
 
 
 #: Columns per block and warps of the fused kernels (a block holds whole 1x128 groups). The combine's
 #: are rows.py's (its weight gradient sums each block's products in the same order: equal bit for bit).
 FUSED_BLOCK_H, FUSED_WARPS = 1024, 4
+#: Columns a step of the combine's amax pass over a token's gradient (one scale per row): 16 bf16 a thread
+#: at COMBINE_BWD_WARPS warps, two 16-byte loads.
+AMAX_BLOCK_H = 2048
+#: Elements of the combine's ``[k, BLOCK_H]`` tile when no weight gradient fixes its blocks (16 a thread).
+COMBINE_QUANT_TILE = 2048
 
 
 def _check(name: str, x: torch.Tensor, dest_Nk: torch.Tensor, group: int) -> None:
@@ -224,14 +257,19 @@ def _combine_quant_launch(g: torch.Tensor, y: torch.Tensor | None, dest: torch.T
         return
     need_gw = grad_w is not None
     y = y if need_gw else grad_y
-    bh = min(COMBINE_BWD_BLOCK_H, triton.next_power_of_2(h))
+    kp = triton.next_power_of_2(k)
+    # with the weight gradient, rows.py's blocks (its dot products summed in the same order); without, blocks
+    # of COMBINE_QUANT_TILE elements (one choice, as the a2a dispatcher's combine: 2,048 columns, not 256)
+    bh = COMBINE_BWD_BLOCK_H if need_gw else max(COMBINE_BWD_BLOCK_H, COMBINE_QUANT_TILE // kp)
+    bh = min(bh, triton.next_power_of_2(h))
     if group:
         bh = max(bh, group)
+    ba = min(AMAX_BLOCK_H, triton.next_power_of_2(h))
     _combine_bwd_quant_kernel[(n,)](
         g, y, dest, weight if weight is not None else dest, grad_y, grad_w if need_gw else grad_y, q, s, flag, h,
-        g.stride(0), y.stride(0), grad_y.stride(0), q.stride(0), s.stride(0), K=k, KP=triton.next_power_of_2(k),
+        g.stride(0), y.stride(0), grad_y.stride(0), q.stride(0), s.stride(0), K=k, KP=kp,
         HAS_W=weight is not None, NEED_GW=need_gw, GROUP=group, UE8M0=ue8m0, NUM_HB=-(-h // bh), BLOCK_H=bh,
-        num_warps=COMBINE_BWD_WARPS)
+        NUM_AB=-(-h // ba), BLOCK_A=ba, num_warps=COMBINE_BWD_WARPS)
 
 
 def scatter_quant_rows(x_NH: torch.Tensor, src_M: torch.Tensor, dest_Nk: torch.Tensor, group: int = 0,

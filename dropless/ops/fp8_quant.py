@@ -21,10 +21,13 @@ Ops (each picks its Triton kernel or its torch reference in one place, :func:`dr
 Scales: ``scale = max(amax, 1e-12) / 448`` (448 = largest finite e4m3), so ``|q| <= 448``;
 with ``ue8m0`` the power-of-two ceiling of that (exactly representable in UE8M0), read from the
 fp32 scale's bits (:mod:`dropless.ops.ue8m0`: DeepGEMM's scales bit for bit, ``amax / scale <= 448``).
-With a layout, the Triton kernels walk rows ``[start[i], end[i])`` of each expert only
-(program ``(p, i)`` takes blocks ``p, p + P, …`` of expert ``i``'s rows; a block is ``BLOCK_M``
-whole rows with one scale per row, ``BLOCK_M`` rows × up to 1,024 columns with ``group=128``):
-padding rows of ``q`` and ``scale`` stay unwritten and cost nothing (docs/design.md#the-live-row-contract, rule 2-3).
+With a layout, the Triton row kernel walks the live rows ``[start[i], end[i])`` of the experts only: a
+fixed 1-D grid (about the GPU's resident capacity, from the host-known capacity ``M`` and SM count)
+whose programs number the live blocks of all experts themselves from the device-side ``start`` / ``end``
+and take blocks ``p, p + G, …`` (:mod:`dropless.ops.flat_tiles`; a block is ``BLOCK_M`` whole rows with
+one scale per row, ``BLOCK_M`` rows × up to 1,024 columns with ``group=128``), so the time follows the live
+rows: padding rows and empty experts cost no program, and padding rows of ``q`` and ``scale`` stay
+unwritten (docs/design.md#the-live-row-contract, rule 2-3).
 The torch references compute every row.
 
 Non-finite input: a live row holding NaN or ±Inf has no usable scale. Every op here counts
@@ -39,6 +42,7 @@ import torch
 
 from dropless.layout import ExpertLayout
 from dropless.ops import select
+from dropless.ops.flat_tiles import grid_size
 from dropless.ops.ue8m0 import FP8_MAX, amax_scale, pow2_ceil  # FP8_MAX: the one definition (448)
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -51,6 +55,7 @@ if select.HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from dropless.ops.flat_tiles import flat_expert, flat_unit, live_tiles
     from dropless.ops.ue8m0 import pow2_ceil_bits
 
     @triton.jit
@@ -94,31 +99,46 @@ if select.HAS_TRITON:
         tl.atomic_max(flag_ptr, bad, mask=bad > 0)
 
     @triton.jit
-    def _quant_kernel(x_ptr, q_ptr, s_ptr, flag_ptr, start_ptr, end_ptr, M, K, stride_x, stride_q, stride_s,
+    def _quant_kernel(x_ptr, q_ptr, s_ptr, flag_ptr, start_ptr, end_ptr, M, E, K, stride_x, stride_q, stride_s,
                       HAS_LAYOUT: tl.constexpr, SWIGLU: tl.constexpr, UE8M0: tl.constexpr, GROUP: tl.constexpr,
-                      NUM_KB: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-        # blocks of BLOCK_M rows x BLOCK_K columns; block t of an expert covers rows lo + (t // NUM_KB)·BLOCK_M
-        # and columns (t % NUM_KB)·BLOCK_K (NUM_KB = 1 with one scale per row: the whole row in one block)
+                      NUM_KB: tl.constexpr, EP: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+        # blocks of BLOCK_M rows x BLOCK_K columns (NUM_KB = 1 with one scale per row: the whole row in one
+        # block). With a layout, the live blocks of every expert in one flat numbering (flat_tiles.py);
+        # without, block t covers rows (t // NUM_KB)·BLOCK_M and columns (t % NUM_KB)·BLOCK_K of all M rows.
+        # Program p takes blocks p, p + G, …
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         if HAS_LAYOUT:
-            ex = tl.program_id(1)
-            lo = tl.load(start_ptr + ex)
-            hi = tl.minimum(tl.load(end_ptr + ex), M)
+            ar, nb_v, cum_v, start_v, end_v, n = live_tiles(start_ptr, end_ptr, M, E, EP, NUM_KB, BLOCK_M)
+            if INTERPRET:  # the interpreter's scalars are 1-element arrays, which range() rejects
+                t = pid + n * 0
+                while t < n:
+                    r0, hi, c0 = flat_unit(t, ar, nb_v, cum_v, start_v, end_v, NUM_KB, BLOCK_M, BLOCK_K)
+                    _quant_block(x_ptr, q_ptr, s_ptr, flag_ptr, r0, hi, c0, K, stride_x, stride_q, stride_s, SWIGLU,
+                                 UE8M0, GROUP, BLOCK_M, BLOCK_K)
+                    t += nprog
+            else:
+                for t in range(pid, n, nprog):
+                    r0, hi, c0 = flat_unit(t, ar, nb_v, cum_v, start_v, end_v, NUM_KB, BLOCK_M, BLOCK_K)
+                    _quant_block(x_ptr, q_ptr, s_ptr, flag_ptr, r0, hi, c0, K, stride_x, stride_q, stride_s, SWIGLU,
+                                 UE8M0, GROUP, BLOCK_M, BLOCK_K)
         else:
             lo = M * 0
             hi = M
-        n = (tl.maximum(hi - lo, 0) + BLOCK_M - 1) // BLOCK_M * NUM_KB
-        if INTERPRET:  # the interpreter's scalars are 1-element arrays, which range() rejects
-            t = pid + lo * 0
-            while t < n:
-                _quant_block(x_ptr, q_ptr, s_ptr, flag_ptr, lo + (t // NUM_KB) * BLOCK_M, hi, (t % NUM_KB) * BLOCK_K,
-                             K, stride_x, stride_q, stride_s, SWIGLU, UE8M0, GROUP, BLOCK_M, BLOCK_K)
-                t += nprog
-        else:
-            for t in range(pid, n, nprog):
-                _quant_block(x_ptr, q_ptr, s_ptr, flag_ptr, lo + (t // NUM_KB) * BLOCK_M, hi, (t % NUM_KB) * BLOCK_K,
-                             K, stride_x, stride_q, stride_s, SWIGLU, UE8M0, GROUP, BLOCK_M, BLOCK_K)
+            n = (tl.maximum(hi - lo, 0) + BLOCK_M - 1) // BLOCK_M * NUM_KB
+            if INTERPRET:
+                t = pid + lo
+                while t < n:
+                    _quant_block(x_ptr, q_ptr, s_ptr, flag_ptr, lo + (t // NUM_KB) * BLOCK_M, hi,
+                                 (t % NUM_KB) * BLOCK_K, K, stride_x, stride_q, stride_s, SWIGLU, UE8M0, GROUP,
+                                 BLOCK_M, BLOCK_K)
+                    t += nprog
+            else:
+                for t in range(pid, n, nprog):
+                    _quant_block(x_ptr, q_ptr, s_ptr, flag_ptr, lo + (t // NUM_KB) * BLOCK_M, hi,
+                                 (t % NUM_KB) * BLOCK_K, K, stride_x, stride_q, stride_s, SWIGLU, UE8M0, GROUP,
+                                 BLOCK_M, BLOCK_K)
 
     @triton.jit
     def _quant_cols_kernel(w_ptr, q_ptr, s_ptr, N, stride_we, stride_wk, stride_wn, K: tl.constexpr,
@@ -155,63 +175,73 @@ if select.HAS_TRITON:
             tl.store(qbase + ks[None, :], tl.trans(q), mask=(ks[None, :] < K) & cmask[:, None])
 
     @triton.jit
-    def _tok_block(end_ptr, start_ptr, E, r0, E_POW2: tl.constexpr):
-        """The expert of the 128-row block at ``r0`` and its ``[lo, hi)``; ``ok`` False for a gap / tail block."""
-        es = tl.arange(0, E_POW2)
-        ends = tl.load(end_ptr + es, mask=es < E, other=2147483647)
-        ex = tl.sum(tl.where(ends <= r0, 1, 0), axis=0)  # ends are non-decreasing: the block's expert
-        exc = tl.minimum(ex, E - 1)
-        lo = tl.load(start_ptr + exc)
-        hi = tl.load(end_ptr + exc)
-        return exc, lo, hi, (ex < E) & (r0 >= lo)
+    def _quant_tok_tile(x_ptr, q_ptr, s_ptr, flag_ptr, r0, hi, ex, c0, K, stride_x, stride_q, UE8M0: tl.constexpr,
+                        PASS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Rows ``[r0, r0 + BLOCK_R)`` of expert ``ex`` (live below ``hi``), columns ``[c0, c0 + BLOCK_K)``."""
+        b = r0 // BLOCK_R
+        rows = r0 + tl.arange(0, BLOCK_R)
+        live = rows < hi
+        r64 = rows.to(tl.int64)
+        cols = c0 + tl.arange(0, BLOCK_K)
+        cmask = cols < K
+        m = live[:, None] & cmask[None, :]
+        a = tl.load(x_ptr + r64[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        if PASS < 2:  # count the non-finite elements once (pass 2 reads the same rows again)
+            bad = tl.sum(tl.sum(tl.where(m & ~(tl.abs(a) <= 3.4028234663852886e38), 1, 0), axis=1), axis=0)
+            tl.atomic_max(flag_ptr, bad, mask=bad > 0)
+        if PASS == 1:
+            tl.atomic_max(s_ptr + ex.to(tl.int64) * K + cols, tl.max(tl.abs(a), axis=0), mask=cmask)
+        else:
+            if PASS == 0:
+                amax = tl.maximum(tl.max(tl.abs(a), axis=0), 1e-12)
+                scale = tl.math.div_rn(amax, 448.0)  # the expressions of _quant_block
+                if UE8M0:
+                    scale = pow2_ceil_bits(scale)
+                tl.store(s_ptr + b.to(tl.int64) * K + cols, scale, mask=cmask)
+            else:
+                scale = tl.load(s_ptr + ex.to(tl.int64) * K + cols, mask=cmask, other=1.0)
+            q = tl.clamp(tl.math.div_rn(a, scale[None, :]), -448.0, 448.0)
+            q = q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+            # q^T [K, M']: rows contiguous
+            tl.store(q_ptr + cols[:, None].to(tl.int64) * stride_q + r64[None, :], tl.trans(q), mask=cmask[:, None])
 
     @triton.jit
-    def _quant_tok_kernel(x_ptr, q_ptr, s_ptr, flag_ptr, start_ptr, end_ptr, E, K, stride_x, stride_q,
-                          UE8M0: tl.constexpr, E_POW2: tl.constexpr, PASS: tl.constexpr,
-                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Program ``(b, j)``: rows ``[b·BLOCK_R, (b+1)·BLOCK_R)`` (one scale block), columns ``[j·BLOCK_K, …)``.
+    def _quant_tok_kernel(x_ptr, q_ptr, s_ptr, flag_ptr, start_ptr, end_ptr, M, E, K, stride_x, stride_q,
+                          UE8M0: tl.constexpr, EP: tl.constexpr, PASS: tl.constexpr, NUM_CB: tl.constexpr,
+                          INTERPRET: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Tiles of ``BLOCK_R`` rows (one scale block) × ``BLOCK_K`` columns over the live row blocks of every
+        expert, in one flat numbering (flat_tiles.py; program ``p`` takes tiles ``p, p + G, …``).
 
-        The block belongs to the expert ``i`` with ``start[i] <= b·BLOCK_R < end[i]`` (every start a
-        multiple of ``BLOCK_R``, so a block never holds two experts' rows); a block in a gap or past
-        the last live row is left unwritten. Rows at or past ``end[i]`` are written as zeros (the
-        GEMM reads whole blocks) and never read from ``x``. ``PASS`` 0: codes with the block's own
-        scales, written to ``s [M'/128, K]``; 1: only the columns' amax, into the expert's row of
-        ``s [e, K]`` (atomic max; ``s`` zeroed first); 2: codes with the expert's scales read from
-        ``s [e, K]``."""
-        b = tl.program_id(0)
-        r0 = b * BLOCK_R
-        ex, lo, hi, ok = _tok_block(end_ptr, start_ptr, E, r0, E_POW2)
-        if ok:
-            rows = r0 + tl.arange(0, BLOCK_R)
-            live = rows < hi
-            r64 = rows.to(tl.int64)
-            cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-            cmask = cols < K
-            m = live[:, None] & cmask[None, :]
-            a = tl.load(x_ptr + r64[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            if PASS < 2:  # count the non-finite elements once (pass 2 reads the same rows again)
-                bad = tl.sum(tl.sum(tl.where(m & ~(tl.abs(a) <= 3.4028234663852886e38), 1, 0), axis=1), axis=0)
-                tl.atomic_max(flag_ptr, bad, mask=bad > 0)
-            if PASS == 1:
-                tl.atomic_max(s_ptr + ex.to(tl.int64) * K + cols, tl.max(tl.abs(a), axis=0), mask=cmask)
-            else:
-                if PASS == 0:
-                    amax = tl.maximum(tl.max(tl.abs(a), axis=0), 1e-12)
-                    scale = tl.math.div_rn(amax, 448.0)  # the expressions of _quant_block
-                    if UE8M0:
-                        scale = pow2_ceil_bits(scale)
-                    tl.store(s_ptr + b.to(tl.int64) * K + cols, scale, mask=cmask)
-                else:
-                    scale = tl.load(s_ptr + ex.to(tl.int64) * K + cols, mask=cmask, other=1.0)
-                q = tl.clamp(tl.math.div_rn(a, scale[None, :]), -448.0, 448.0)
-                q = q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-                # q^T [K, M']: rows contiguous
-                tl.store(q_ptr + cols[:, None].to(tl.int64) * stride_q + r64[None, :], tl.trans(q), mask=cmask[:, None])
+        A block belongs to one expert ``i`` (every start a multiple of ``BLOCK_R``, so a block never holds
+        two experts' rows); a block in a gap or past the last live row is no tile and stays unwritten.
+        Rows at or past ``end[i]`` are written as zeros (the GEMM reads whole blocks) and never read
+        from ``x``. ``PASS`` 0: codes with the block's own scales, written to ``s [M'/128, K]``; 1: only
+        the columns' amax, into the expert's row of ``s [e, K]`` (atomic max; ``s`` zeroed first); 2:
+        codes with the expert's scales read from ``s [e, K]``."""
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        ar, nb_v, cum_v, start_v, end_v, n = live_tiles(start_ptr, end_ptr, M, E, EP, NUM_CB, BLOCK_R)
+        if INTERPRET:  # the interpreter's scalars are 1-element arrays, which range() rejects
+            t = pid + n * 0
+            while t < n:
+                r0, hi, c0 = flat_unit(t, ar, nb_v, cum_v, start_v, end_v, NUM_CB, BLOCK_R, BLOCK_K)
+                _quant_tok_tile(x_ptr, q_ptr, s_ptr, flag_ptr, r0, hi, flat_expert(t, cum_v), c0, K, stride_x,
+                                stride_q, UE8M0, PASS, BLOCK_R, BLOCK_K)
+                t += nprog
+        else:
+            for t in range(pid, n, nprog):
+                r0, hi, c0 = flat_unit(t, ar, nb_v, cum_v, start_v, end_v, NUM_CB, BLOCK_R, BLOCK_K)
+                _quant_tok_tile(x_ptr, q_ptr, s_ptr, flag_ptr, r0, hi, flat_expert(t, cum_v), c0, K, stride_x,
+                                stride_q, UE8M0, PASS, BLOCK_R, BLOCK_K)
 
 
 #: The 1x128 launch (``group=128``): blocks of 4 rows x up to 1,024 columns (8 scale groups), each
 #: independent of the others, 32 programs per SM (the tile shape the SwiGLU kernels measured best).
 GROUP_BLOCK = (4, 1024, 4, 32)  # (rows, columns, warps, programs per SM)
+#: The one-scale-per-row launch over a layout's live rows, ``(rows, warps, programs per SM)`` of a block
+#: holding whole rows: up to 1,024 columns the best at K = 512 / 1,024 over 64 experts, wider the best at
+#: K 2,048-7,168 over the per-rank shape's 4 experts (benchmarks/results/fp8_kernels.jsonl).
+ROW_BLOCK_NARROW, ROW_BLOCK_WIDE = (4, 4, 32), (1, 8, 32)
 
 
 def _launch(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, flag: torch.Tensor, layout: ExpertLayout | None,
@@ -223,25 +253,29 @@ def _launch(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, flag: torch.Tenso
         block_k = min(block_k, triton.next_power_of_2(k))
     else:  # one scale per row: a block holds whole rows
         block_k = triton.next_power_of_2(k)
-        if block_k <= 1024 and layout is not None:  # the best at K = 512 / 1024 over 64 experts
-            block_m, num_warps, per_sm = 4, 4, 32    # (benchmarks/results/fp8_kernels.jsonl); dense: slower
-        elif layout is not None:  # K 2,048-7,168 over the per-rank shape's 4 experts (fp8_kernels.jsonl)
-            block_m, num_warps, per_sm = 1, 8, 32
+        if block_k <= 1024 and layout is not None:
+            block_m, num_warps, per_sm = ROW_BLOCK_NARROW
+        elif layout is not None:
+            block_m, num_warps, per_sm = ROW_BLOCK_WIDE
         else:  # 8-16 KiB of input per block
             block_m = max(1, min(16, 8192 // block_k))
             num_warps, per_sm = (8 if block_k * block_m >= 4096 else 4), 8
     num_kb = -(-k // block_k)
-    units = max(1, -(-m // block_m)) * num_kb
-    if layout is not None:
+    tiles = max(1, -(-m // block_m)) * num_kb
+    if layout is not None:  # a flat grid over the live blocks of every expert (flat_tiles.py)
         e = layout.num_experts
-        grid = (max(1, min(units, -(-sms * per_sm // max(e, 1)))), e)
+        if e == 0:
+            return
+        grid = (grid_size(tiles, e, num_kb, sms * per_sm),)
         start, end = layout.start, layout.end
     else:
-        grid = (max(1, min(units, sms * per_sm)), 1)
+        e = 1
+        grid = (max(1, min(tiles, sms * per_sm)),)
         start = end = flag
-    _quant_kernel[grid](x, q, s, flag, start, end, m, k, x.stride(0), q.stride(0), s.stride(0),
+    _quant_kernel[grid](x, q, s, flag, start, end, m, e, k, x.stride(0), q.stride(0), s.stride(0),
                         HAS_LAYOUT=layout is not None, SWIGLU=swiglu, UE8M0=ue8m0, GROUP=group, NUM_KB=num_kb,
-                        INTERPRET=select.interpreting(), BLOCK_M=block_m, BLOCK_K=block_k, num_warps=num_warps)
+                        EP=triton.next_power_of_2(max(e, 2)), INTERPRET=select.interpreting(), BLOCK_M=block_m,
+                        BLOCK_K=block_k, num_warps=num_warps)
 
 
 def _quant_torch(a: torch.Tensor, ue8m0: bool, group: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -337,8 +371,22 @@ def swiglu_quant_rows(h13_MI2: torch.Tensor, layout: ExpertLayout | None = None,
 
 
 TOKEN_BLOCK = 128  # rows per scale block of quant_token_blocks (the FP8 weight gradient's contracted dim)
-TOKEN_COLS, TOKEN_WARPS = 64, 4  # columns per program and warps of the token-block kernels (the best of 5
+TOKEN_COLS, TOKEN_WARPS = 64, 4  # columns per tile and warps of the token-block kernels (the best of 5
 #                                   launches at K 7,168 / 4,096: benchmarks/results/moe_layer.jsonl)
+TOKEN_PER_SM = 16  # programs per SM of their flat grid (4-warp programs: 64 warps, an SM's most)
+
+
+def _tok_launch(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, flag: torch.Tensor, layout: ExpertLayout,
+                pass_: int, ue8m0: bool) -> None:
+    """The token-block kernel's pass ``pass_`` on a flat grid over the live 128-row blocks (flat_tiles.py)."""
+    m, k = x.shape
+    e, ncb = layout.num_experts, triton.cdiv(k, TOKEN_COLS)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+    grid = (grid_size(-(-m // TOKEN_BLOCK) * ncb, e, ncb, sms * TOKEN_PER_SM),)
+    _quant_tok_kernel[grid](x, q, s, flag, layout.start, layout.end, m, e, k, x.stride(0), q.stride(0), UE8M0=ue8m0,
+                            EP=triton.next_power_of_2(max(e, 2)), PASS=pass_, NUM_CB=ncb,
+                            INTERPRET=select.interpreting(), BLOCK_R=TOKEN_BLOCK, BLOCK_K=TOKEN_COLS,
+                            num_warps=TOKEN_WARPS)
 
 
 def _token_shape(name: str, x_MK: torch.Tensor, layout: ExpertLayout) -> tuple[int, int, int, int]:
@@ -387,10 +435,7 @@ def quant_token_blocks(x_MK: torch.Tensor, layout: ExpertLayout, ue8m0: bool = F
         flag = torch.zeros(1, dtype=torch.int32, device=x.device)
         e = layout.num_experts
         if nblk and k and e:
-            _quant_tok_kernel[(nblk, triton.cdiv(k, TOKEN_COLS))](
-                x, q, s, flag, layout.start, layout.end, e, k, x.stride(0), q.stride(0), UE8M0=ue8m0,
-                E_POW2=max(2, triton.next_power_of_2(e)), PASS=0, BLOCK_R=TOKEN_BLOCK,
-                BLOCK_K=TOKEN_COLS, num_warps=TOKEN_WARPS)
+            _tok_launch(x, q, s, flag, layout, 0, ue8m0)
         bad = flag[0]
     else:
         a = torch.where(layout.live_mask().unsqueeze(1), x_MK.float(), torch.zeros((), device=x_MK.device))
@@ -431,18 +476,13 @@ def quant_expert_columns(x_MK: torch.Tensor, layout: ExpertLayout, ue8m0: bool =
         q = torch.empty(k, mp, dtype=FP8_DTYPE, device=x.device)
         amax = torch.zeros(e, k, dtype=torch.float32, device=x.device)
         flag = torch.zeros(1, dtype=torch.int32, device=x.device)
-        grid = (nblk, triton.cdiv(k, TOKEN_COLS))
-        args = dict(UE8M0=ue8m0, E_POW2=max(2, triton.next_power_of_2(max(e, 1))),
-                    BLOCK_R=TOKEN_BLOCK, BLOCK_K=TOKEN_COLS, num_warps=TOKEN_WARPS)
         if nblk and k and e:
-            _quant_tok_kernel[grid](x, q, amax, flag, layout.start, layout.end, e, k, x.stride(0), q.stride(0),
-                                    PASS=1, **args)
+            _tok_launch(x, q, amax, flag, layout, 1, ue8m0)
         s = amax_scale(amax, SCALE_EPS)
         if ue8m0:
             s = pow2_ceil(s)
         if nblk and k and e:
-            _quant_tok_kernel[grid](x, q, s, flag, layout.start, layout.end, e, k, x.stride(0), q.stride(0),
-                                    PASS=2, **args)
+            _tok_launch(x, q, s, flag, layout, 2, ue8m0)
         bad = flag[0]
     else:
         live = layout.live_mask()

@@ -45,6 +45,7 @@ if select.HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from dropless.ops.flat_tiles import flat_unit as _flat_unit
     from dropless.ops.ue8m0 import pow2_ceil_bits
 
     @triton.jit
@@ -92,17 +93,6 @@ if select.HAS_TRITON:
             grp = c0 // GROUP + tl.arange(0, BLOCK_N // GROUP)
             tl.store(s_ptr + grp[None, :] * stride_s + rows[:, None], scale,
                      mask=rmask[:, None] & (grp[None, :] * GROUP < I))
-
-    @triton.jit
-    def _flat_unit(b, ar, nb_v, cum_v, start_v, end_v, NUM_NB: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
-        """Tile ``b`` of the flat numbering: ``(first row, end of its expert, first column)``."""
-        ex = tl.sum((cum_v <= b).to(tl.int32), 0)  # the expert whose tiles include b
-        sel = ar == ex
-        t = b - tl.sum(tl.where(sel, cum_v - nb_v, 0), 0)  # its number within the expert
-        lo = tl.sum(tl.where(sel, start_v, 0), 0)
-        hi = tl.sum(tl.where(sel, end_v, 0), 0)
-        return lo + (t // NUM_NB) * BLOCK_M, hi, (t % NUM_NB) * BLOCK_N
 
     @triton.jit
     def _swiglu_kernel(h_ptr, do_ptr, w_ptr, out_ptr, s_ptr, dw_ptr, start_ptr, end_ptr, M, E, I, stride_h,
