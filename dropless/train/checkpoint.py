@@ -72,7 +72,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from dropless.config import ConfigError
 
 __all__ = ["MARKER", "Checkpointer", "PendingSave", "SaveError", "SaveNote", "checkpoint_dir", "finish_save",
-           "host_stager", "saved_world_size",
+           "host_stager", "saved_world_size", "world_size_note",
            "incomplete_checkpoints", "is_complete", "latest_checkpoint", "list_checkpoints", "load", "prune", "save",
            "start_save"]
 
@@ -143,6 +143,19 @@ def saved_world_size(path: Path) -> int | None:
     except OSError:
         return None
     return None
+
+
+def world_size_note(path: Path, world_size: int) -> str | None:
+    """A warning when the checkpoint at ``path`` was saved by another number of ranks than ``world_size``
+    (:func:`saved_world_size`): it loads, but the data position no longer continues the run's. Else None."""
+    saved = saved_world_size(path)
+    if saved is None or saved == world_size:
+        return None
+    return (f"resume: {Path(path).name} was saved by {saved} rank(s), this run has {world_size}: the weights and "
+            "optimizer state carry over, but each rank's shard of the training windows changes with the rank "
+            "count, so the rest of this data epoch is not the uninterrupted run's (some windows seen again, some "
+            "left to the next epoch), and the tokens per step scale with the ranks (the learning-rate schedule "
+            "counts optimizer steps)")
 
 
 def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
