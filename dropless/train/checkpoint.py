@@ -164,11 +164,14 @@ def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
     return ck[-1] if ck else None
 
 
+#: DCP's note that it saves or loads in one process (no process group), which a one-process run silences
+_SINGLE_PROCESS_NOTE = r"torch\.distributed is .*, assuming the intent is to (save|load) in a single process"
+
+
 def _quiet():
     ctx = warnings.catch_warnings()
     ctx.__enter__()
-    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-    warnings.filterwarnings("ignore", message=".*assuming the intent.*")
+    warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_NOTE)
     return ctx
 
 
@@ -201,10 +204,9 @@ def _publish(partial: Path, path: Path, step: int, env: Any) -> None:
 
 
 def _writer(partial: Path, threads: int) -> dcp.FileSystemWriter:
-    """DCP's file writer into ``partial`` with ``threads`` writing threads (each writes its own file;
+    """DCP's file writer into ``partial`` with ``threads`` (>= 1: :meth:`~dropless.train.schema.TrainConfig.validate`)
+    writing threads (each writes its own file;
     one thread wrote about 0.8 GB/s, see docs/performance.md#checkpoints)."""
-    if int(threads) < 1:
-        raise ValueError(f"threads={threads}: a checkpoint needs at least one writing thread")
     return dcp.FileSystemWriter(str(partial), thread_count=int(threads))
 
 
@@ -313,8 +315,7 @@ def start_save(path: Path, app_state: dict[str, Stateful], env: Any, step: int, 
     path = Path(path)
     partial = _begin(path, env)
     if not env.distributed:  # DCP's note, from the writer thread (catch_warnings cannot reach it there)
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized, "
-                                "assuming the intent is to save in a single process")
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_NOTE)
     _writing.add(partial.resolve())
     try:
         # with no stager of ours DCP stages through the writer (a BlockingAsyncStager: a new host copy)

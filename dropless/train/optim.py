@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from typing import Any, Callable, Iterable
 
 import torch
@@ -83,6 +84,14 @@ def build_scheduler(optimizer: torch.optim.Optimizer, optim_cfg: Any, total_step
     """
     lr = float(optim_cfg.lr)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, optim_cfg, total_steps) / lr)
+
+
+def schedule_step(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+    """``scheduler.step()`` where the optimizer may not have stepped (a skipped step still counts in the
+    schedule; a resume sets the step's rate), without torch's warning about that order."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+        scheduler.step()
 
 
 # ----------------------------------------------------------------------------- AdamW
