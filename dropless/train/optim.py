@@ -144,7 +144,8 @@ class MasterWeights:
 
     Args:
         model: the built, initialised model (fp32 parameters).
-        dtype: the compute dtype (``torch.bfloat16``, or ``torch.float32``: no copies).
+        dtype: the compute dtype (``torch.bfloat16``, or ``torch.float32``: no copies), as
+            :func:`~dropless.train.startup.compute_dtype` reads ``train.dtype``.
         skip: ids of parameters to leave as they are (FSDP2-managed ones).
 
     Attributes:
@@ -165,8 +166,6 @@ class MasterWeights:
             self.state_module = model
             self.named_masters = named
             return
-        if dtype != torch.bfloat16:
-            raise ValueError(f"MasterWeights: compute dtype must be float32 or bfloat16, got {dtype}")
         to_master: dict[int, nn.Parameter] = {}
         with torch.no_grad():
             for p in self.compute:
@@ -198,12 +197,11 @@ def _mirror(model: nn.Module, replace: dict[int, nn.Parameter]) -> nn.Module:
             made[name] = nn.Module()
             made[parent].add_module(leaf, made[name])
         dst = made[name]
-        for pn, p in mod._parameters.items():
-            if p is not None:
-                dst.register_parameter(pn, replace.get(id(p), p))
-        for bn, b in mod._buffers.items():
-            if b is not None:
-                dst.register_buffer(bn, b, persistent=bn not in mod._non_persistent_buffers_set)
+        for pn, p in mod.named_parameters(recurse=False, remove_duplicate=False):
+            dst.register_parameter(pn, replace.get(id(p), p))
+        for bn, b in mod.named_buffers(recurse=False, remove_duplicate=False):
+            # whether a buffer is saved: no public accessor (state_dict() would run the modules' hooks)
+            dst.register_buffer(bn, b, persistent=bn not in mod._non_persistent_buffers_set)
     return root
 
 
