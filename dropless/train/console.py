@@ -161,12 +161,11 @@ def divergence(step: int, trained: int, skipped: int, last_skipped: bool, valida
     (``validates`` false: ``train.val_every=0``), so nothing shows the final weights give a finite loss."""
     if trained == 0:
         return None
-    why = []
+    why, cause = [], "skipped for a non-finite loss or gradient norm"
     if skipped == trained:
-        why.append(f"every optimizer step of the run ({trained}) was skipped for a non-finite loss or gradient "
-                   "norm: nothing was trained")
+        why.append(f"every optimizer step of the run ({trained}) was {cause}: nothing was trained")
     elif nonfinite_val_steps or (last_skipped and not validates):
-        why.append(f"{skipped} of {trained} optimizer steps were skipped for a non-finite loss or gradient norm")
+        why.append(f"{skipped} of {trained} optimizer steps were {cause}")
         if last_skipped and not validates:
             why.append(f"the last step ({step}) among them, with no validation (train.val_every=0) to show "
                        "that the final weights give a finite loss")
