@@ -306,14 +306,13 @@ class StepLoop:
         loss_v, aux_v, dropped_v, stop_v, gnorm_v = host[:5]
         self._stop_agreed = stop_v > 0
         if not (math.isfinite(loss_v) and math.isfinite(gnorm_v)):
+            what = f"step {p.step}: non-finite training loss ({loss_v}) or gradient norm ({gnorm_v})"
             if self.run.train.nonfinite == "error":
-                raise NonFiniteError(f"step {p.step}: non-finite training loss ({loss_v}) or gradient norm "
-                                     f"({gnorm_v}); the weights are those after step {p.step - 1}. Lower optim.lr, "
+                raise NonFiniteError(f"{what}; the weights are those after step {p.step - 1}. Lower optim.lr, "
                                      "check the data, or set train.nonfinite=skip to skip such steps")
             self.skipped_steps += 1
-            self.console.print(f"[dropless] step {p.step}: non-finite loss ({loss_v}) or gradient norm "
-                               f"({gnorm_v}); optimizer step skipped (train.nonfinite=skip; {self.skipped_steps} "
-                               "skipped so far)")
+            self.console.print(f"[dropless] {what}; optimizer step skipped (train.nonfinite=skip; "
+                               f"{self.skipped_steps} skipped so far)")
         now = time.perf_counter()
         dt = now - (self._t_mark if self._t_mark is not None else p.t0)
         self._t_mark = now
