@@ -22,8 +22,9 @@ Measurements:
 * ``whole_layer``: the MoE layer, T 8,192, H 7,168, I 2,048, E 32, k 8, ``n_group`` 8,
   ``topk_group`` 4, one shared expert (``local`` dispatcher): forward+backward ms, ``speedup``.
 * ``crossover``: each expert GEMM of :mod:`dropless.ops.fp8_policy` (FC1, FC2, both data gradients,
-  the weight gradient in FP8) alone, bf16 vs FP8, over 64 … 16,384 rows per expert (4 experts,
-  A 128), and per GEMM the ``min_rows`` for fp8_policy's crossover table.
+  the weight gradient in FP8) alone, bf16 vs FP8, over 64 … 16,384 rows per expert (``--crossover-shapes``:
+  H, I and the number of experts, default 7,168 × 2,048 × 4; A 128), and per GEMM the ``min_rows`` for
+  fp8_policy's crossover table.
 * ``quant_kernels``: the quantisation kernels over a 28,672-row buffer (H 7,168, A 128, 4
   experts) with 3,072 live rows vs every row: ``quant_rows`` with the layout (live rows) and
   without (the full buffer), the landing gather without and with the codes
@@ -243,50 +244,54 @@ def quant_kernels(M, live_counts, H, A, device, ue8m0) -> None:
 
 
 #: The experts' GEMMs as fp8_policy names them: (K, N) of ``[m, K] @ [K, N]`` in terms of H, I, and whether
-#: the FP8 path quantises the left operand in a pass of its own (FC1's output gradient; the others are
-#: quantised where they are made: the landing gather, the SwiGLU, the combine's backward)
-CROSSOVER_GEMMS = {"fc1": (("H", "2I"), False), "fc2": (("I", "H"), False), "fc2_dgrad": (("H", "I"), False),
-                   "fc1_dgrad": (("2I", "H"), True), "wgrad": (("H", "2I"), True)}
+#: the fused FP8 path can take the left operand already quantised where it is made (the landing gather for
+#: FC1, the SwiGLU for FC2, the combine's backward for FC2's data gradient); FC1's data gradient and the
+#: FP8 weight gradient always quantise in a pass of their own
+CROSSOVER_GEMMS = {"fc1": (("H", "2I"), True), "fc2": (("I", "H"), True), "fc2_dgrad": (("H", "I"), True),
+                   "fc1_dgrad": (("2I", "H"), False), "wgrad": (("H", "2I"), False)}
 
 
 def crossover(H, I, e, A, sizes, device, ue8m0) -> None:
-    """Per GEMM of fp8_policy, bf16 vs FP8 over rows per expert; one line per size and one ``crossover`` line:
-    ``min_rows`` = the smallest size from which FP8 is at least as fast at every larger size tried (None:
-    never), the value for fp8_policy's table. The FP8 time counts a quantisation pass where the FP8 path
-    runs one (FC1's data gradient; both operands of the FP8 weight gradient, ``wgrad="fp8"``)."""
+    """Per GEMM of fp8_policy, bf16 vs FP8 over rows per expert; one line per size and one ``crossover`` line
+    per GEMM and ``quant``: ``min_rows`` = the smallest size from which FP8 is at least as fast at every larger
+    size tried (None: never), the value for fp8_policy's table. ``quant``: ``separate`` times the FP8 GEMM
+    with the quantisation pass of its left operand (what ``gemm=fp8`` runs with ``fused_quant=False`` and on
+    the recompute paths); ``in_kernel`` without it (the operand quantised by the kernel that makes it, where
+    the fused path can). The FP8 weight gradient (``wgrad="fp8"``) counts both operands' passes."""
     from dropless.ops.torch_backend import TorchBackend
 
     dims = {"H": H, "I": I, "2I": 2 * I}
     bf16 = TorchBackend()
     fp8 = Fp8Backend(emulate=device.type != "cuda", ue8m0=ue8m0, wgrad="fp8")
-    for name, ((kd, nd), quant_pass) in CROSSOVER_GEMMS.items():
+    for name, ((kd, nd), in_kernel) in CROSSOVER_GEMMS.items():
         K, N = dims[kd], dims[nd]
         w = torch.randn(e, K, N, device=device, dtype=torch.bfloat16) * 0.02
-        faster = []
+        quants = ("separate", "in_kernel") if in_kernel else ("separate",)
+        faster = {q: [] for q in quants}
         for m in sizes:
             layout = ExpertLayout.from_counts(torch.full((e,), m, device=device), A, num_rows=e * m)
             x = torch.randn(layout.capacity, K, device=device, dtype=torch.bfloat16)
             if name == "wgrad":
                 dy = torch.randn(layout.capacity, N, device=device, dtype=torch.bfloat16)
                 ms_b = bench(lambda: bf16.gmm_wgrad(x, dy, layout), device, warmup=3, iters=10)
-                ms_f = bench(lambda: fp8.gmm_wgrad(x, dy, layout), device, warmup=3, iters=10)
+                times = {"separate": bench(lambda: fp8.gmm_wgrad(x, dy, layout), device, warmup=3, iters=10)}
             else:
                 q, qs = fp8.quant_act(x, layout)
                 b, bs = fp8.weight(w)
                 ms_b = bench(lambda: bf16.gmm(x, w, layout), device, warmup=3, iters=10)
-                ms_f = bench((lambda: fp8.gmm(x, w, layout)) if quant_pass else
-                             (lambda: fp8.scaled_gmm(q, qs, b, bs, layout)), device, warmup=3, iters=10)
-            faster.append(ms_f <= ms_b)
-            emit(device=device.type, bench="crossover_point", gemm=name, rows_per_expert=m, experts=e, K=K, N=N,
-                 alignment=A, bf16_us=round(ms_b * 1e3, 1), fp8_us=round(ms_f * 1e3, 1),
-                 speedup=round(ms_b / ms_f, 3))
-        min_rows = None
-        for i in range(len(sizes)):
-            if all(faster[i:]):
-                min_rows = sizes[i]
-                break
-        emit(device=device.type, bench="crossover", gemm=name, H=H, I=I, experts=e, alignment=A, ue8m0=ue8m0,
-             sizes=sizes, min_rows=min_rows)
+                times = {"separate": bench(lambda: fp8.gmm(x, w, layout), device, warmup=3, iters=10)}
+                if in_kernel:
+                    times["in_kernel"] = bench(lambda: fp8.scaled_gmm(q, qs, b, bs, layout), device, warmup=3,
+                                               iters=10)
+            for qn, ms_f in times.items():
+                faster[qn].append(ms_f <= ms_b)
+                emit(device=device.type, bench="crossover_point", gemm=name, quant=qn, rows_per_expert=m, experts=e,
+                     K=K, N=N, alignment=A, bf16_us=round(ms_b * 1e3, 1), fp8_us=round(ms_f * 1e3, 1),
+                     speedup=round(ms_b / ms_f, 3))
+        for qn, fast in faster.items():
+            min_rows = next((sizes[i] for i in range(len(sizes)) if all(fast[i:])), None)
+            emit(device=device.type, bench="crossover", gemm=name, quant=qn, H=H, I=I, experts=e, alignment=A,
+                 ue8m0=ue8m0, sizes=sizes, min_rows=min_rows)
 
 
 def _fill(M: int, e: int, A: int) -> list[int]:
@@ -301,8 +306,9 @@ def main(argv=None) -> int:
     p.add_argument("--alignment", type=int, default=128, help="expert_alignment (a multiple of 16)")
     p.add_argument("--ue8m0", action="store_true", help="power-of-two scales")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, runs on the CPU too (checks the script)")
-    p.add_argument("--crossover-shapes", default="7168x2048",
-                   help="comma-separated HxI (hidden x moe_intermediate) shapes for the crossover measurement")
+    p.add_argument("--crossover-shapes", default="7168x2048x4",
+                   help="comma-separated HxI or HxIxE (hidden x moe_intermediate x local experts, E default 4) "
+                        "shapes for the crossover measurement")
     a = p.parse_args(argv)
     only = a.only.split(",")
     unknown = sorted(set(only) - set(MEASUREMENTS))
@@ -337,9 +343,10 @@ def main(argv=None) -> int:
         quant_kernels(M, live, H, A, device, a.ue8m0)
     if "crossover" in only:
         sizes = [16, 64] if a.smoke else [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
-        shapes = [(H, I)] if a.smoke else [tuple(int(v) for v in s.split("x")) for s in a.crossover_shapes.split(",")]
-        for ch, ci in shapes:
-            crossover(ch, ci, len(counts), 128, sizes, device, a.ue8m0)
+        shapes = ([(H, I, len(counts))] if a.smoke else
+                  [(*(int(v) for v in s.split("x")), 4)[:3] for s in a.crossover_shapes.split(",")])
+        for ch, ci, ce in shapes:
+            crossover(ch, ci, ce, 128, sizes, device, a.ue8m0)
     emit(device=device.type, bench="wall", only=only, seconds=round(time.perf_counter() - t0, 1))
     return 0
 

@@ -70,6 +70,11 @@ def _layer(args: ModelArgs, disp, world: int, sc: dict, device: torch.device, dt
     return moe.to(device=device, dtype=dtype)
 
 
+def _gemm(sc: dict) -> dict:
+    """The scenario's ``gemm`` (e.g. ``fp8``: a2a / agrs then dispatch e4m3 codes + scales), or the dtype's."""
+    return {"gemm": sc["gemm"]} if "gemm" in sc else {}
+
+
 def _cpu(t: torch.Tensor) -> torch.Tensor:
     return t.detach().float().cpu()
 
@@ -110,7 +115,7 @@ def _grads(moe: MoE, name: str, world: int, w13, w2) -> dict:
 def _reference(world: int, sc: dict, device: torch.device) -> dict:
     """One ``local`` layer on the whole global batch (1 chunk, no memory option), same GPU and dtype."""
     dtype = DTYPES[sc["dtype"]]
-    moe = _layer(model_args(sc["dtype"]), None, world, sc, device, dtype)
+    moe = _layer(model_args(sc["dtype"], **_gemm(sc)), None, world, sc, device, dtype)
     x_all, cot_all = global_batch(world)
     x = x_all.to(device, dtype).requires_grad_()
     with torch.no_grad():
@@ -164,7 +169,7 @@ def run_scenario(rank: int, world: int, sc: dict, mesh_ep, mesh_dp, device: torc
     dtype = DTYPES[sc["dtype"]]
     name = sc["dispatcher"]
     args = model_args(sc["dtype"], expert_alignment=sc["alignment"], num_token_chunks=sc.get("chunks", 1),
-                      **sc.get("opts", {}))
+                      **_gemm(sc), **sc.get("opts", {}))
     staged_before = set(C.HOST_STAGED)
     if sc.get("staged"):  # every collective through host copies made by dropless itself
         C.HOST_STAGED.update({"a2a", "ag", "rs"})
@@ -183,8 +188,9 @@ def run_scenario(rank: int, world: int, sc: dict, mesh_ep, mesh_dp, device: torc
         moe.router.tokens_per_expert.zero_()
         y = moe(x)
         rows_live = int(moe.last_stats["rows_live"])
+        fwd_bytes = disp.comm_stats(reset=False) if name in ("a2a", "agrs") else None
         (y * cot).sum().backward()
-        res = dict(y=_cpu(y), x_grad=_cpu(x.grad), topk=topk.cpu(), rows_live=rows_live,
+        res = dict(y=_cpu(y), x_grad=_cpu(x.grad), topk=topk.cpu(), rows_live=rows_live, fwd_bytes=fwd_bytes,
                    **_grads(moe, name, world, w13, w2))
         if sc.get("sync_check"):
             res["syncs"] = _count_syncs(moe, x, cot)
