@@ -144,8 +144,7 @@ class MasterWeights:
 
     Args:
         model: the built, initialised model (fp32 parameters).
-        dtype: the compute dtype (``torch.bfloat16``, or ``torch.float32``: no copies), as
-            :func:`~dropless.train.startup.compute_dtype` reads ``train.dtype``.
+        dtype: the compute dtype (``torch.bfloat16``, or ``torch.float32``: no copies).
         skip: ids of parameters to leave as they are (FSDP2-managed ones).
 
     Attributes:
@@ -166,6 +165,8 @@ class MasterWeights:
             self.state_module = model
             self.named_masters = named
             return
+        if dtype != torch.bfloat16:
+            raise ValueError(f"MasterWeights: compute dtype must be float32 or bfloat16, got {dtype}")
         to_master: dict[int, nn.Parameter] = {}
         with torch.no_grad():
             for p in self.compute:
