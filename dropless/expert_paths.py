@@ -22,6 +22,7 @@ import torch
 
 from dropless.layout import ExpertLayout, poison_padding
 from dropless.ops import GemmBackend, grouped_mm
+from dropless.ops.backends import ExpertGemms
 from dropless.ops.expert_mlp import RecomputeAhead, expert_mlp_recompute
 from dropless.ops.fp8_backend import Fp8Backend
 from dropless.ops.fp8_mlp import fp8_expert_mlp
@@ -116,11 +117,16 @@ class RecomputePath(ExpertPath):
 
     With ``gathers`` (``recompute_gather``) the rows may come as their
     :class:`~dropless.permute.RowSource` and are then never saved.
+
+    Attributes:
+        gemms: the backend of each GEMM; ``backend`` in every role, unless the MoE layer sets an FP8
+            plan's (:meth:`~dropless.ops.fp8_policy.Fp8Plan.gemms`) at its first forward.
     """
 
     def __init__(self, backend: GemmBackend, recompute_fc1: bool, gathers: bool):
         super().__init__(backend)
         self.recompute_fc1, self.gathers = recompute_fc1, gathers
+        self.gemms = ExpertGemms.of(backend)
 
     def __call__(self, rows, layout, row_weight_M, w, fp8_rows):
         source = rows if isinstance(rows, RowSource) else None
@@ -128,7 +134,7 @@ class RecomputePath(ExpertPath):
         ref = source.x_NH if source is not None else x
         check_operands(ref.new_empty(layout.capacity, w.w13.shape[1]) if x is None else x, w.w13, layout, self.backend)
         check_operands(ref.new_empty(layout.capacity, w.w2.shape[1]), w.w2, layout, self.backend)
-        return expert_mlp_recompute(x, w.w13, w.w2, row_weight_M, layout, self.backend, self.recompute_fc1,
+        return expert_mlp_recompute(x, w.w13, w.w2, row_weight_M, layout, self.gemms, self.recompute_fc1,
                                     source=source, wgrad=w.wgrad)
 
     def ahead(self, y_MH):

@@ -21,11 +21,19 @@ from torch.utils.checkpoint import checkpoint
 
 from dropless.config import ModelArgs
 from dropless.dispatch import Dispatcher, LocalDispatcher, Pending
-from dropless.expert_paths import Fp8FusedPath
+from dropless.expert_paths import Fp8FusedPath, RecomputePath
 from dropless.experts import GroupedExperts, compute_dtype
 from dropless.mlp import FeedForward
 from dropless.ops.fp8_backend import Fp8Backend
-from dropless.ops.fp8_policy import ALL_FP8, Fp8Plan, describe, expected_rows_per_expert, plan_fp8
+from dropless.ops.fp8_policy import (
+    ALL_FP8,
+    Fp8Plan,
+    crossover_table,
+    describe,
+    expected_rows_per_expert,
+    plan_fp8,
+    quant_of,
+)
 from dropless.ops.fp8_rows import RowQuantiser
 from dropless.routing import Router, in_backward_recompute
 
@@ -224,32 +232,48 @@ class MoE(nn.Module):
     def _apply_fp8_plan(self, tokens: int) -> None:
         """Decide, at the layer's first forward, which expert GEMMs run in FP8 (:mod:`dropless.ops.fp8_policy`).
 
-        Only on the fused FP8 path. The plan is made once, from the expected rows per local expert of
-        that call (``tokens`` per chunk, balanced routing over the EP group), kept for every later
-        call, and said once per process for each distinct plan and shape (a warning naming the
-        first layer, the GEMMs that run in bf16 and the crossover they are below).
+        On the FP8 paths (the fused node and the recompute nodes with an FP8 backend whose
+        ``plan_gemms`` is on; off, every GEMM runs in FP8). The plan is
+        made once, from the expected rows per local expert of that call (``tokens`` per chunk,
+        balanced routing over the EP group) and the crossover measured nearest the layer's ``H``,
+        ``I`` and local experts for where each GEMM's operand is quantised on this path
+        (:func:`~dropless.ops.fp8_policy.quant_of`), kept for every later call, and said once per
+        process for each distinct plan and shape (a warning naming the first layer, the GEMMs that
+        run in bf16 and the crossover they are below).
         """
         path = self.experts.path
-        if not isinstance(path, Fp8FusedPath):
+        fused = isinstance(path, Fp8FusedPath)
+        if not (fused or isinstance(path, RecomputePath) and isinstance(path.backend, Fp8Backend)):
+            return
+        if not path.backend.plan_gemms:  # every GEMM in FP8 (Fp8Backend's plan_gemms)
+            self._set_plan(path, ALL_FP8)
             return
         if self._fp8_plan is None and tokens == 0:  # nothing to judge by: FP8 for this call, decide later
-            path.plan = ALL_FP8
+            self._set_plan(path, ALL_FP8)
             return
         if self._fp8_plan is None:
-            a = self.args
-            rows = expected_rows_per_expert(tokens, a.num_experts_per_tok, a.n_routed_experts,
-                                            self.dispatcher.ep_size)
-            plan = plan_fp8(rows)
-            if path.backend.wgrad == "bf16":  # the weight gradient is bf16 already: nothing to say about it
+            a, be, d = self.args, path.backend, self.dispatcher
+            rows = expected_rows_per_expert(tokens, a.num_experts_per_tok, a.n_routed_experts, d.ep_size)
+            quant = quant_of(fused, be.fused_quant, fused and d.lands_fp8 and d.expert_parallel)
+            table, measured_at = crossover_table(a.hidden_size, a.moe_intermediate_size, d.num_local_experts, quant)
+            plan = plan_fp8(rows, table)
+            if be.wgrad == "bf16":  # the weight gradient is bf16 already: nothing to say about it
                 plan = dataclasses.replace(plan, wgrad=True)
             self._fp8_plan = plan
-            msg = describe(self._fp8_plan, f"layer {self.layer_id} (and every MoE layer of this shape)", rows,
-                           a.hidden_size, a.moe_intermediate_size)
-            key = (tuple(self._fp8_plan.bf16_gemms()), round(rows), a.hidden_size, a.moe_intermediate_size)
+            msg = describe(plan, f"layer {self.layer_id} (and every MoE layer of this shape)", rows,
+                           a.hidden_size, a.moe_intermediate_size, table, measured_at)
+            key = (tuple(plan.bf16_gemms()), round(rows), a.hidden_size, a.moe_intermediate_size)
             if msg is not None and key not in _FP8_PLANS_SAID:
                 _FP8_PLANS_SAID.add(key)
                 warnings.warn(msg, stacklevel=2)
-        path.plan = self._fp8_plan
+        self._set_plan(path, self._fp8_plan)
+
+    @staticmethod
+    def _set_plan(path, plan: Fp8Plan) -> None:
+        if isinstance(path, Fp8FusedPath):
+            path.plan = plan
+        else:
+            path.gemms = plan.gemms(path.backend)
 
     def _row_quantiser(self, dtype: torch.dtype) -> RowQuantiser | None:
         """FC1's row quantisation for FP8 dispatch (docs/design.md#fp8-dispatch), or None to dispatch rows.

@@ -27,6 +27,7 @@ from dropless.dispatch import build_dispatcher
 from dropless.dispatch import collectives as C
 from dropless.dispatch.mesh import build_mesh
 from dropless.moe import MoE
+from dropless.ops.fp8_backend import Fp8Backend
 from dropless.train.shard import apply_fsdp
 
 # a small DeepSeek-V3-shaped MoE: E=8, k=2, 4 groups keep 2, one shared expert; H, I multiples of 16
@@ -66,6 +67,8 @@ def _prepare(moe: MoE, world: int, sc: dict) -> None:
 def _layer(args: ModelArgs, disp, world: int, sc: dict, device: torch.device, dtype: torch.dtype) -> MoE:
     moe = MoE(args, LAYER_ID, disp)
     moe.init_weights()
+    if args.gemm == "fp8":  # every GEMM in FP8: at this tiny shape the crossover table would pick bf16
+        moe.experts.backend = Fp8Backend(plan_gemms=False)
     _prepare(moe, world, sc)
     return moe.to(device=device, dtype=dtype)
 

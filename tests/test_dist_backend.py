@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -83,6 +84,48 @@ def test_ranks_on_different_device_types_all_raise():
     assert _agree([CUDA, torch.device("cuda", 1)]) == [None, None]  # the same type on other GPUs agrees
 
 
+class _SlowReads:
+    """A store whose reads take ``delay`` seconds and are logged to ``events`` once returned."""
+
+    def __init__(self, store, delay, events, name):
+        self.store, self.delay, self.events, self.name = store, delay, events, name
+
+    def set(self, key, value):
+        self.store.set(key, value)
+
+    def get(self, key):
+        time.sleep(self.delay)
+        got = self.store.get(key)
+        self.events.append(f"{self.name} read {key}")
+        return got
+
+    def wait(self, keys):
+        self.store.wait(keys)
+
+
+def test_no_rank_raises_before_every_rank_has_read_every_device():
+    """Without torchrun rank 0's process holds the store: had it raised (and exited) while rank 1 still read,
+    rank 1's read would fail with a connection error instead of the disagreement."""
+    store, events = dist.HashStore(), []
+    slow = _SlowReads(store, 0.5, events, "rank 1")
+    fast = _SlowReads(store, 0.0, events, "rank 0")
+    errs = [None, None]
+
+    def run(r, st, dev):
+        try:
+            check_same_device(st, r, 2, dev, "gloo")
+        except ConfigError as err:
+            errs[r] = err
+            events.append(f"rank {r} raised")
+    threads = [threading.Thread(target=run, args=(1, slow, CUDA)), threading.Thread(target=run, args=(0, fast, CPU))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert all(isinstance(e, ConfigError) for e in errs), errs
+    assert events.index("rank 1 read device/1") < events.index("rank 0 raised"), events
+
+
 def _start(rank, port, devices, q):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank))
@@ -105,7 +148,7 @@ def test_start_process_group_refuses_mixed_devices_before_making_the_group():
     procs = [ctx.Process(target=_start, args=(r, port, ["cuda:0", "cpu"], q)) for r in range(2)]
     for p in procs:
         p.start()
-    got = dict(q.get(timeout=60) for _ in range(2))
+    got = dict(q.get(timeout=240) for _ in range(2))  # two spawned interpreters importing torch on a busy machine
     for p in procs:
         p.join(30)
     for r in range(2):

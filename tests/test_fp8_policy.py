@@ -32,26 +32,59 @@ def test_plan_follows_the_table_per_gemm():
     assert plan == fp.Fp8Plan(fc1=True, fc2=False, fc1_dgrad=True, fc2_dgrad=False, wgrad=True)
     assert plan.bf16_gemms() == ["fc2", "fc2_dgrad"]
     assert fp.plan_fp8(149.9, table).bf16_gemms() == ["fc2", "fc2_dgrad", "wgrad"]
-    assert fp.plan_fp8(300, table) == fp.ALL_FP8 and fp.plan_fp8(0.0) == fp.ALL_FP8  # unmeasured table: FP8
+    assert fp.plan_fp8(300, table) == fp.ALL_FP8
+    assert fp.plan_fp8(10**9, table | {"fc2": None}).bf16_gemms() == ["fc2"]  # None: never FP8
     assert fp.expected_rows_per_expert(8192, 8, 256, 8) == 2048.0
     assert fp.expected_rows_per_expert(4096, 8, 32) == 1024.0
     with pytest.raises(ValueError, match="fc2_dgrad"):
         fp.plan_fp8(10.0, {k: v for k, v in table.items() if k != "fc2_dgrad"})
 
 
+def test_quant_of_each_path():
+    """The recompute nodes quantise every operand in a pass of its own; the fused node FC2's in the SwiGLU,
+    FC1's in the landing gather (fused_quant) or before an FP8 dispatch, FC2's data gradient's in the
+    combine's backward (fused_quant)."""
+    assert fp.quant_of(False, True, True) == dict.fromkeys(fp.GEMMS, "separate")
+    assert fp.quant_of(True, False, False) == dict(fc1="separate", fc2="in_kernel", fc2_dgrad="separate",
+                                                   fc1_dgrad="separate", wgrad="separate")
+    assert fp.quant_of(True, False, True)["fc1"] == "in_kernel"
+    assert fp.quant_of(True, True, False) == dict(fc1="in_kernel", fc2="in_kernel", fc2_dgrad="in_kernel",
+                                                  fc1_dgrad="separate", wgrad="separate")
+
+
+def test_crossover_table_takes_the_nearest_measured_shape_and_each_gemms_quant():
+    cross = {(1024, 512, 64): {"separate": dict(fc1=None, fc2=None, fc2_dgrad=None, fc1_dgrad=None, wgrad=None),
+                               "in_kernel": dict(fc1=64, fc2=64, fc2_dgrad=64)},
+             (7168, 2048, 4): {"separate": dict(fc1=1024, fc2=2048, fc2_dgrad=4096, fc1_dgrad=512, wgrad=None),
+                               "in_kernel": dict(fc1=512, fc2=512, fc2_dgrad=512)}}
+    q = fp.quant_of(True, False, False)
+    table, at = fp.crossover_table(1024, 512, 64, q, cross)
+    assert at == (1024, 512, 64) and table == dict(fc1=None, fc2=64, fc2_dgrad=None, fc1_dgrad=None, wgrad=None)
+    table, at = fp.crossover_table(7168, 2048, 8, fp.quant_of(True, True, False), cross)  # DeepSeek-V3 at EP 32
+    assert at == (7168, 2048, 4) and table == dict(fc1=512, fc2=512, fc2_dgrad=512, fc1_dgrad=512, wgrad=None)
+    assert fp.crossover_table(1280, 640, 48, q, cross)[1] == (1024, 512, 64)
+    # the shipped table: h200_single's experts (H 1024, I 512, 64 experts, 3,072 rows each) on the fused path
+    table, at = fp.crossover_table(1024, 512, 64, q)
+    assert at == (1024, 512, 64) and fp.plan_fp8(3072, table).bf16_gemms() == ["fc1", "fc1_dgrad", "fc2_dgrad",
+                                                                                "wgrad"]
+    with pytest.raises(ValueError, match="quant"):
+        fp.crossover_table(1024, 512, 64, dict(q, fc1="fused"), cross)
+
+
 def test_describe_names_the_layer_the_gemms_and_the_crossover():
-    table = dict.fromkeys(fp.GEMMS, 0) | {"fc2_dgrad": 512}
+    table = dict.fromkeys(fp.GEMMS, 0) | {"fc2_dgrad": 512, "fc1_dgrad": None}
     assert fp.describe(fp.ALL_FP8, "layer 3", 100.0, 7168, 2048, table) is None
-    msg = fp.describe(fp.plan_fp8(100.0, table), "layer 3", 100.0, 7168, 2048, table)
-    assert "layer 3" in msg and "fc2_dgrad (FP8 from 512 rows)" in msg and "fc1" not in msg.replace("fc1_", "")
+    msg = fp.describe(fp.plan_fp8(100.0, table), "layer 3", 100.0, 7168, 2048, table, (7168, 2048, 4))
+    assert "layer 3" in msg and "fc2_dgrad (FP8 from 512 rows)" in msg and "fc1 " not in msg
+    assert "fc1_dgrad (never faster in FP8)" in msg and "H 7168, I 2048, 4 experts" in msg
     assert "100 expected rows per expert" in msg and "bf16" in msg
 
 
-def _moe(dispatcher="local", layer_id=H.LAYER_ID, **over):
+def _moe(dispatcher="local", layer_id=H.LAYER_ID, plan_gemms=True, **over):
     args = H.model_args(moe_intermediate_size=16, expert_alignment=8, gemm="fp8", **over)
     m = MoE(args, layer_id, build_dispatcher(dispatcher, args, None))
     m.init_weights()
-    m.experts.backend = Fp8Backend(emulate=True, fused_quant=True)
+    m.experts.backend = Fp8Backend(emulate=True, fused_quant=True, plan_gemms=plan_gemms)
     return m
 
 
@@ -68,9 +101,10 @@ def fresh(monkeypatch):
     """No plan said yet in this process; returns a setter for the crossover table."""
     monkeypatch.setattr(moe_mod, "_FP8_PLANS_SAID", set())
 
-    def table(**rows):
-        for g in fp.GEMMS:
-            monkeypatch.setitem(fp.MIN_ROWS_PER_EXPERT, g, rows.get(g, 0))
+    def table(**rows):  # one measured shape, the same entries whatever the quantisation
+        entries = {g: rows.get(g, 0) for g in fp.GEMMS}
+        monkeypatch.setattr(fp, "CROSSOVERS", {(16, 16, 8): {"separate": entries, "in_kernel": entries}})
+    table()
     return table
 
 
@@ -134,3 +168,35 @@ def test_no_tokens_decides_nothing(fresh):
         warnings.simplefilter("error")
         m(torch.zeros(0, m.args.hidden_size))
     assert m._fp8_plan is None
+
+
+def test_recompute_path_runs_each_gemm_where_the_plan_says(fresh):
+    """recompute_gather with gemm=fp8: every GEMM in bf16 equals gemm=torch (same recompute nodes); one GEMM in
+    bf16 runs on the backend's bf16 twin and the others on the FP8 backend."""
+    fresh(**dict.fromkeys(fp.GEMMS, HUGE))
+    with pytest.warns(UserWarning, match=r"fc1 .*fc2 .*fc1_dgrad .*fc2_dgrad .*run in bf16"):
+        got = _run(_moe(recompute_gather=True))
+    ref = MoE(H.model_args(moe_intermediate_size=16, expert_alignment=8, gemm="torch", recompute_gather=True),
+              H.LAYER_ID)
+    ref.init_weights()
+    want = _run(ref)
+    assert len(got) == len(want) >= 6
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_scaled(a, b.double(), 1e-5, f"value {i}")
+    fresh(fc1_dgrad=HUGE)
+    m = _moe(recompute_gather=True)
+    with pytest.warns(UserWarning, match="fc1_dgrad"):
+        _run(m)
+    be, gemms = m.experts.backend, m.experts.path.gemms
+    assert gemms.fc1_dgrad is be.bf16 and gemms.fc1 is be and gemms.fc2 is be and gemms.fc2_dgrad is be
+
+
+def test_without_plan_gemms_every_gemm_is_fp8(fresh):
+    """plan_gemms False (and the emulated backend's default): no plan, nothing said, every GEMM in FP8."""
+    assert not Fp8Backend(emulate=True).plan_gemms and Fp8Backend().plan_gemms
+    fresh(**dict.fromkeys(fp.GEMMS, HUGE))
+    m = _moe(plan_gemms=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _run(m)
+    assert m.experts.path.plan == fp.ALL_FP8

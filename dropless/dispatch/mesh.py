@@ -85,7 +85,7 @@ def check_same_device(store: Any, rank: int, world_size: int, device: torch.devi
     backends (one on the CPU with gloo, one on CUDA with NCCL, e.g. ``device=auto`` where one
     rank sees no GPU) would otherwise wait for each other until the timeout. Each rank writes
     ``device/<rank>`` and reads every rank's (a read waits for the key, up to the store's
-    timeout), so every rank raises the same error.
+    timeout), so every rank raises the same error, and only once every rank has read them all.
 
     Args:
         store: the job's (prefixed) rendezvous store.
@@ -97,6 +97,11 @@ def check_same_device(store: Any, rank: int, world_size: int, device: torch.devi
     store.set(f"device/{rank}", f"{device.type}/{backend}")
     seen = [store.get(f"device/{r}").decode() for r in range(world_size)]
     if len(set(seen)) > 1:
+        # no rank raises before every rank has read: the store may live in one of these processes
+        # (rank 0's, without torchrun), and its exit would turn another rank's pending read into a
+        # connection error instead of this message
+        store.set(f"device_read/{rank}", "1")
+        store.wait([f"device_read/{r}" for r in range(world_size)])
         listing = ", ".join(f"rank {r}: {s.replace('/', ' with ')}" for r, s in enumerate(seen))
         raise ConfigError(f"the ranks disagree on their device or process-group backend ({listing}): every rank "
                           "must run on the same kind of device with the same backend. Set device=cuda or "

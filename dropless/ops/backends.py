@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
@@ -29,6 +30,26 @@ class GemmBackend(Protocol):
     def gmm(self, x_MK: torch.Tensor, w_eKN: torch.Tensor, layout: ExpertLayout) -> torch.Tensor: ...
 
     def gmm_wgrad(self, x_MK: torch.Tensor, dy_MN: torch.Tensor, layout: ExpertLayout) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class ExpertGemms:
+    """The backend of each of the experts' GEMMs (the names of :mod:`dropless.ops.fp8_policy`).
+
+    ``fc1``: ``x @ W13``; ``fc2``: ``h @ W2``; ``fc1_dgrad``: ``dh13 @ W13ᵀ``; ``fc2_dgrad``:
+    ``dy @ W2ᵀ``; ``wgrad``: both weight gradients. :meth:`of` gives one backend every role.
+    """
+
+    fc1: GemmBackend
+    fc2: GemmBackend
+    fc1_dgrad: GemmBackend
+    fc2_dgrad: GemmBackend
+    wgrad: GemmBackend
+
+    @classmethod
+    def of(cls, backend: "GemmBackend | ExpertGemms") -> ExpertGemms:
+        """``backend`` if it already is an :class:`ExpertGemms`, else ``backend`` in every role."""
+        return backend if isinstance(backend, cls) else cls(backend, backend, backend, backend, backend)
 
 
 _REGISTRY: dict[str, Callable[[], GemmBackend]] = {}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from dropless.ops.backends import ExpertGemms
 from dropless.ops.backward import first_order_only, grad_wanted
 from dropless.ops.grouped_gemm import WgradAccumulator, weight_grad
 from dropless.ops.rows import RowSource, gather_rows, gather_sum, land_rows, regather_rows
@@ -33,11 +34,11 @@ class _RecomputeBox:
         self.fc2_saved: tuple | None = None  # FC2's saved tensors, unpacked once by the ahead hook
 
 
-def _rebuild_h13(box: _RecomputeBox, x_in, w13, src_M, layout, backend) -> torch.Tensor:
+def _rebuild_h13(box: _RecomputeBox, x_in, w13, src_M, layout, gemms: ExpertGemms) -> torch.Tensor:
     """``box.h13`` = FC1 of the landed rows (re-gathered when ``src_M`` is given), unless already there."""
     if box.h13 is None:
         rows = _landed(x_in, src_M)  # eager only (the two-node path); compiled, _ExpertMLPOneNode runs
-        box.h13 = backend.gmm(rows, w13, layout)
+        box.h13 = gemms.fc1.gmm(rows, w13, layout)
         # re-gathered rows are not kept for FC1's backward (it gathers again, a cheap copy):
         # they would sit beside FC2's [M, H] gradient, the backward's largest buffers
         box.rows = None if src_M is not None else rows
@@ -114,7 +115,7 @@ class _FC1SwiGLU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_in, w13, row_w, src_M, dest_Nk, layout, backend, recompute_fc1, box, wgrad):
-        h13 = backend.gmm(_landed(x_in, src_M, dest_Nk), w13, layout)
+        h13 = backend.fc1.gmm(_landed(x_in, src_M, dest_Nk), w13, layout)
         h = swiglu_fwd(h13, layout, row_w=row_w)
         ctx.layout, ctx.backend, ctx.recompute_fc1, ctx.box, ctx.wgrad = layout, backend, recompute_fc1, box, wgrad
         ctx.has_w, ctx.gather = row_w is not None, src_M is not None
@@ -178,10 +179,10 @@ def _fc1_swiglu_backward(dh_MI, own: list, x_in, w13, row_w, src_M, dest_Nk, lay
         # the rows only now, after h13 is freed: they never sit beside h13, dh and dh13 at once
         if x is None:
             x = _landed(x_in, src_M, dest_Nk, after=dh13)
-        dw13 = weight_grad(x, dh13, layout, be, w13.dtype, (wgrad, "w13") if wgrad is not None else None)
+        dw13 = weight_grad(x, dh13, layout, be.wgrad, w13.dtype, (wgrad, "w13") if wgrad is not None else None)
     del x
     if want_x:
-        dx = be.gmm(dh13, w13.transpose(1, 2), layout)
+        dx = be.fc1_dgrad.gmm(dh13, w13.transpose(1, 2), layout)
         del dh13
         if src_M is not None:
             dx = gather_sum(dx, dest_Nk, None)  # Σ over the k landed copies of each token, fp32
@@ -193,10 +194,10 @@ def _fc2_backward(dy_MH, h13, w2, row_w, layout, be, want_h: bool, want_w2: bool
     dw2 = dh = None
     if want_w2:
         h = swiglu_fwd(h13, layout, row_w=row_w)
-        dw2 = weight_grad(h, dy_MH, layout, be, w2.dtype, (wgrad, "w2") if wgrad is not None else None)
+        dw2 = weight_grad(h, dy_MH, layout, be.wgrad, w2.dtype, (wgrad, "w2") if wgrad is not None else None)
         del h
     if want_h:
-        dh = be.gmm(dy_MH, w2.transpose(1, 2), layout)
+        dh = be.fc2_dgrad.gmm(dy_MH, w2.transpose(1, 2), layout)
     return dh, dw2
 
 
@@ -216,7 +217,7 @@ class _FC2Recompute(torch.autograd.Function):
         empty = x_in.new_empty(0)
         ctx.save_for_backward(w2, x_in, w13, row_w if row_w is not None else empty,
                               h13 if h13 is not None else empty, src_M if src_M is not None else empty)
-        return backend.gmm(h_MI, w2, layout)
+        return backend.fc2.gmm(h_MI, w2, layout)
 
     @staticmethod
     @first_order_only
@@ -270,7 +271,7 @@ class _ExpertMLPOneNode(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_in, w13, w2, row_w, src_M, dest_Nk, layout, backend, recompute_fc1):
-        h13 = backend.gmm(_landed(x_in, src_M, dest_Nk), w13, layout)
+        h13 = backend.fc1.gmm(_landed(x_in, src_M, dest_Nk), w13, layout)
         h = swiglu_fwd(h13, layout, row_w=row_w)
         ctx.layout, ctx.backend, ctx.recompute_fc1 = layout, backend, recompute_fc1
         ctx.has_w, ctx.gather = row_w is not None, src_M is not None
@@ -278,7 +279,7 @@ class _ExpertMLPOneNode(torch.autograd.Function):
         ctx.save_for_backward(x_in, w13, w2, row_w if row_w is not None else empty,
                               empty if recompute_fc1 else h13,
                               src_M if src_M is not None else empty, dest_Nk if dest_Nk is not None else empty)
-        return backend.gmm(h, w2, layout)
+        return backend.fc2.gmm(h, w2, layout)
 
     @staticmethod
     @first_order_only
@@ -293,7 +294,7 @@ class _ExpertMLPOneNode(torch.autograd.Function):
         x = None
         if ctx.recompute_fc1:
             x = _landed(x_in, src, dest_Nk if ctx.gather else None, after=dy_MH)
-            h13 = be.gmm(x, w13, layout)
+            h13 = be.fc1.gmm(x, w13, layout)
             if src is not None:  # re-gathered rows are not kept (as in the two-node version)
                 x = None
         dh, dw2 = _fc2_backward(dy_MH.contiguous(), h13, w2, rw, layout, be, want_h, want_w2, None)
@@ -315,7 +316,8 @@ def expert_mlp_recompute(x_in, w13, w2, row_w, layout, backend, recompute_fc1: b
         x_in: ``[M, H]`` landed rows, or None with ``source`` (re-gathered in backward).
         w13: ``[e, H, 2I]``, w2: ``[e, I, H]``, in ``x_in``'s dtype.
         row_w: ``[M]`` routing weight of each row (``fold_routing_weights``), or None.
-        layout: the rows' :class:`ExpertLayout`. backend: a grouped GEMM backend instance.
+        layout: the rows' :class:`ExpertLayout`. backend: a grouped GEMM backend instance, or an
+            :class:`~dropless.ops.backends.ExpertGemms` naming one per GEMM (e.g. an FP8 plan's).
         recompute_fc1: do not save ``h13``; FC2's backward reruns the FC1 GEMM.
         source: :class:`~dropless.permute.RowSource` of the rows (``recompute_gather``).
         wgrad: accumulator for ``dW13``/``dW2`` (chunked layer calls), or None to return them.
@@ -330,6 +332,7 @@ def expert_mlp_recompute(x_in, w13, w2, row_w, layout, backend, recompute_fc1: b
     Raises:
         ValueError: ``wgrad`` given while compiling.
     """
+    backend = ExpertGemms.of(backend)
     src_M = dest_Nk = None
     if source is not None:
         x_in, src_M, dest_Nk = source.x_NH, source.src_M, source.dest_Nk

@@ -93,6 +93,10 @@ class Fp8Backend:
             the same codes and scales). Off by default (a separate quantisation pass over each,
             ``quant_act``): on an H100 the fused kernels made the seed shape's experts slower
             (docs/performance.md#fp8-experts; benchmarks/fp8_fused.py measures both).
+        plan_gemms: let the MoE layer run in bf16 each GEMM that the measured crossover says FP8 does
+            not pay for at the layer's shape (:mod:`dropless.ops.fp8_policy`; said once). None (the
+            default): on, unless ``emulate`` (an emulation has no speed to plan for: every GEMM in FP8).
+            False: every GEMM in FP8.
         wgrad: one of :data:`WGRAD_MODES`. The FP8 modes quantise both operands of each weight
             gradient along the rows (:func:`~dropless.ops.fp8_quant.quant_token_blocks` /
             :func:`~dropless.ops.fp8_quant.quant_expert_columns`) and run
@@ -108,11 +112,12 @@ class Fp8Backend:
     act_group = 0
 
     def __init__(self, emulate: bool = False, fast_accum: bool = True, ue8m0: bool = False, wgrad: str = "bf16",
-                 fused_quant: bool = False):
+                 fused_quant: bool = False, plan_gemms: bool | None = None):
         if wgrad not in WGRAD_MODES:
             raise ValueError(f"Fp8Backend: wgrad={wgrad!r}; choose one of {WGRAD_MODES}")
         self.emulate, self.fast_accum, self.ue8m0, self.wgrad = emulate, fast_accum, ue8m0, wgrad
         self.fused_quant = fused_quant
+        self.plan_gemms = not emulate if plan_gemms is None else plan_gemms
         self._wgrad = TorchBackend()
         # owner tensor -> {operand geometry: ((owner's _version, data_ptr), fp8 operand, scales)}
         self._cache: WeakIdKeyDictionary = WeakIdKeyDictionary()
