@@ -98,8 +98,7 @@ def param_counts(args: ModelArgs) -> ParamCounts:
     """
     H, V = args.hidden_size, args.vocab_size
     L = args.num_hidden_layers
-    moe_ids = args.moe_layer_ids()
-    n_moe = len(moe_ids)
+    n_moe = args.num_moe_layers
     n_dense = L - n_moe
     attn_mm, attn_norm = _attention_params(args)
     expert = 3 * H * args.moe_intermediate_size

@@ -85,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return _main(argv)
-    except KeyboardInterrupt:  # Ctrl-C before the trainer's handler is installed (importing torch, ...)
+    except KeyboardInterrupt:  # Ctrl-C before the trainer's handler is installed (imports, config, data, model)
         print("dropless-train: interrupted during start-up, before the first step: nothing was trained or saved",
               file=sys.stderr, flush=True)
         return 130
@@ -111,15 +111,11 @@ def _parse_args(argv: list[str]) -> tuple[list[str], bool] | int:
     show_cfg = "--cfg" in argv
     if show_cfg:  # Hydra apps spell it --cfg job|hydra|all: job and all are the one config there is here
         i = argv.index("--cfg")
-        if i + 1 < len(argv) and argv[i + 1] in ("job", "hydra", "all"):
-            if argv[i + 1] == "hydra":
-                print("dropless-train: --cfg hydra: dropless composes its config with Hydra's compose API and "
-                      "has no hydra: section; --cfg (or --cfg job) prints the run's config", file=sys.stderr)
-                return 2
+        if i + 1 < len(argv) and argv[i + 1] in ("job", "all"):
             del argv[i + 1]
         elif i + 1 < len(argv) and "=" not in argv[i + 1] and not argv[i + 1].startswith(("-", "~")):
-            print(f"dropless-train: --cfg {argv[i + 1]}: unknown; --cfg takes job, all or nothing (the run's "
-                  "config) and is followed by overrides key=value", file=sys.stderr)
+            print(f"dropless-train: --cfg {argv[i + 1]}: unknown; --cfg takes job, all or nothing (the run's config; "
+                  "there is no hydra: section) and is followed by overrides key=value", file=sys.stderr)
             return 2
     bad = [a for a in argv if a.startswith("-") and a != "--cfg"]
     if bad:
@@ -168,10 +164,6 @@ def _start(overrides: list[str], show_cfg: bool) -> tuple[Any, Any] | int:
         print(f"dropless-train: error: {_out_of_memory(cfg, 'during start-up', e)}{_restarts_note()}",
               file=sys.stderr, flush=True)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C while composing, loading data or building the model
-        print("dropless-train: interrupted during start-up, before the first step: nothing was trained or saved",
-              file=sys.stderr, flush=True)
-        return 130
 
 
 def _train(cfg: Any, trainer: Any) -> int:

@@ -72,7 +72,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from dropless.config import ConfigError
 
 __all__ = ["MARKER", "Checkpointer", "PendingSave", "SaveError", "SaveNote", "checkpoint_dir", "finish_save",
-           "host_stager", "saved_world_size",
+           "host_stager", "saved_world_size", "world_size_note",
            "incomplete_checkpoints", "is_complete", "latest_checkpoint", "list_checkpoints", "load", "prune", "save",
            "start_save"]
 
@@ -145,17 +145,33 @@ def saved_world_size(path: Path) -> int | None:
     return None
 
 
+def world_size_note(path: Path, world_size: int) -> str | None:
+    """A warning when the checkpoint at ``path`` was saved by another number of ranks than ``world_size``
+    (:func:`saved_world_size`): it loads, but the data position no longer continues the run's. Else None."""
+    saved = saved_world_size(path)
+    if saved is None or saved == world_size:
+        return None
+    return (f"resume: {Path(path).name} was saved by {saved} rank(s), this run has {world_size}: the weights and "
+            "optimizer state carry over, but each rank's shard of the training windows changes with the rank "
+            "count, so the rest of this data epoch is not the uninterrupted run's (some windows seen again, some "
+            "left to the next epoch), and the tokens per step scale with the ranks (the learning-rate schedule "
+            "counts optimizer steps)")
+
+
 def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
     """The newest complete checkpoint ``(step, path)`` in ``run_dir``, or None."""
     ck = list_checkpoints(run_dir)
     return ck[-1] if ck else None
 
 
+#: DCP's note that it saves or loads in one process (no process group), which a one-process run silences
+_SINGLE_PROCESS_NOTE = r"torch\.distributed is .*, assuming the intent is to (save|load) in a single process"
+
+
 def _quiet():
     ctx = warnings.catch_warnings()
     ctx.__enter__()
-    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-    warnings.filterwarnings("ignore", message=".*assuming the intent.*")
+    warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_NOTE)
     return ctx
 
 
@@ -188,10 +204,9 @@ def _publish(partial: Path, path: Path, step: int, env: Any) -> None:
 
 
 def _writer(partial: Path, threads: int) -> dcp.FileSystemWriter:
-    """DCP's file writer into ``partial`` with ``threads`` writing threads (each writes its own file;
+    """DCP's file writer into ``partial`` with ``threads`` (>= 1: :meth:`~dropless.train.schema.TrainConfig.validate`)
+    writing threads (each writes its own file;
     one thread wrote about 0.8 GB/s, see docs/performance.md#checkpoints)."""
-    if int(threads) < 1:
-        raise ValueError(f"threads={threads}: a checkpoint needs at least one writing thread")
     return dcp.FileSystemWriter(str(partial), thread_count=int(threads))
 
 
@@ -300,8 +315,7 @@ def start_save(path: Path, app_state: dict[str, Stateful], env: Any, step: int, 
     path = Path(path)
     partial = _begin(path, env)
     if not env.distributed:  # DCP's note, from the writer thread (catch_warnings cannot reach it there)
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized, "
-                                "assuming the intent is to save in a single process")
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_NOTE)
     _writing.add(partial.resolve())
     try:
         # with no stager of ours DCP stages through the writer (a BlockingAsyncStager: a new host copy)

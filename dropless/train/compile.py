@@ -59,29 +59,36 @@ def check_compile_moe(kind: type[Dispatcher]) -> None:
 
 
 def check_compile(device: torch.device, backend: str) -> None:
-    """Raise ConfigError if ``torch.compile(backend=backend)`` cannot run on ``device``."""
+    """Raise ConfigError if ``torch.compile(backend=backend)`` cannot run on ``device``: what is missing,
+    its fix, and ``train.compile=false``."""
+    why = _compile_problem(device, backend)
+    if why:
+        raise ConfigError(f"train.compile=true{why}, or set train.compile=false")
+
+
+def _compile_problem(device: torch.device, backend: str) -> str | None:
+    """Why ``torch.compile(backend=backend)`` cannot run on ``device`` (the message's middle), or None."""
     import torch._dynamo
 
     if not torch._dynamo.is_dynamo_supported():
-        raise ConfigError("train.compile=true: torch.compile (Dynamo) is not supported on this Python/platform; "
-                          "set train.compile=false")
+        return ": torch.compile (Dynamo) is not supported on this Python/platform"
     if backend != "inductor":
-        return
+        return None
+    inductor = " with train.compile_backend=inductor"
     if device.type == "cuda":
         try:
             import triton  # noqa: F401
-        except ImportError as e:
-            raise ConfigError("train.compile=true with train.compile_backend=inductor needs triton on CUDA "
-                              "(pip install triton), or set train.compile=false") from e
-    elif os.environ.get("CXX"):  # inductor compiles with $CXX when it is set
-        if not shutil.which(os.environ["CXX"]):
-            raise ConfigError(f"train.compile=true with train.compile_backend=inductor on CPU compiles with "
-                              f"CXX={os.environ['CXX']!r}, which is not an executable; fix or unset CXX, use "
-                              "train.compile_backend=aot_eager, or set train.compile=false")
-    elif not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
-        raise ConfigError("train.compile=true with train.compile_backend=inductor on CPU needs a C++ compiler "
-                          "(g++/clang++, or CXX=...); install one, use train.compile_backend=aot_eager, "
-                          "or set train.compile=false")
+        except ImportError:
+            return f"{inductor} needs triton on CUDA (pip install triton)"
+        return None
+    cxx = os.environ.get("CXX")  # inductor compiles with $CXX when it is set
+    if cxx and not shutil.which(cxx):
+        return (f"{inductor} on CPU compiles with CXX={cxx!r}, which is not an executable; fix or unset CXX, use "
+                "train.compile_backend=aot_eager")
+    if not cxx and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        return (f"{inductor} on CPU needs a C++ compiler (g++/clang++, or CXX=...); install one, use "
+                "train.compile_backend=aot_eager")
+    return None
 
 
 def compile_blocks(model: nn.Module, backend: str = "inductor", moe: bool = False) -> nn.Module:

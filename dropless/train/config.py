@@ -40,6 +40,9 @@ __all__ = ["compose", "model_args", "repo_root", "config_dir", "recipe_dir", "li
            "ConfigError"]
 
 _RESOLVER = "dropless_root"
+#: why an override cannot add a key, and where to look instead (both errors of an unknown key say it)
+_KEYS_EXIST = ("Every key dropless reads already exists in configs/ (a '+key' would be read by nobody); check the "
+               "spelling (`dropless-train --cfg` prints the resolved config).")
 
 
 def repo_root() -> Path:
@@ -156,10 +159,7 @@ def _check_overrides(ov: list[str], cdir: Path) -> None:
     ``configs/``) or picks a group's typed schema as an option (``optim=schema``)."""
     added = [o for o in ov if o.startswith("+") and not o.lstrip("+").startswith("recipes=")]
     if added:
-        raise ConfigError(
-            f"overrides {added} add new keys: every key dropless reads already exists in configs/, "
-            "so a '+key=value' would be ignored. Drop the '+' and check the spelling "
-            "(`dropless-train --cfg` prints the resolved config).")
+        raise ConfigError(f"overrides {added} add new keys: drop the '+'. {_KEYS_EXIST}")
     for o in ov:  # each group's typed schema is registered beside its options, so Hydra lists it as one
         key, _, value = o.partition("=")
         if key in _GROUPS and value == "schema":
@@ -261,8 +261,7 @@ def _composition_message(err: Exception, overrides: Sequence[str]) -> str:
     hint = ""
     unknown = re.search(r"Could not override '([^']+)'", msg)
     if unknown or "not in struct" in msg.lower():
-        hint = ("\nEvery key dropless reads already exists in configs/ (a '+key' would be read by nobody); check the "
-                "spelling (`dropless-train --cfg` prints the resolved config).")
+        hint = "\n" + _KEYS_EXIST
         if unknown:
             key = unknown.group(1)
             value = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == key), "...")

@@ -112,9 +112,8 @@ class Console:
         if not self.main or tr.interrupted:
             return
         metrics = tr.run_dir / "metrics.jsonl"
-        if tr.step == tr.resumed_from:
-            self.print(f"[dropless] done: nothing to train, the run's newest checkpoint is at step {tr.step} and "
-                       f"train.steps={tr.steps}; metrics {metrics}")
+        if tr.step == tr.resumed_from:  # (opening said why)
+            self.print(f"[dropless] done: nothing to train; metrics {metrics}")
             return
         if last_val is None:
             v = "not measured (train.val_every=0)"
@@ -129,13 +128,11 @@ class Console:
     def saved(self, path: Path, paused: float, waited: tuple[Path, float] | None, in_background: bool,
               periodic: bool, ckpt_every: int) -> None:
         """A checkpoint's note: how long training paused, and a wait for the write before it."""
-        if waited is not None and waited[1] >= 1.0 and periodic:  # a periodic save caught up with the write
+        if waited is not None and waited[1] >= 1.0:  # the last save (or a signal's): part of its pause
+            why = (f" (saves {ckpt_every} steps apart come faster than one is written): raise train.ckpt_every, "
+                   "or set train.ckpt_async=false" if periodic else " first")  # a periodic save caught up with it
             self.print(f"[dropless] checkpoint {path.name}: waited {waited[1]:.1f} s for {waited[0].name}'s "
-                       f"background write to finish (saves {ckpt_every} steps apart come faster than one is "
-                       "written): raise train.ckpt_every, or set train.ckpt_async=false")
-        elif waited is not None and waited[1] >= 1.0:  # the last save (or a signal's): part of its pause
-            self.print(f"[dropless] checkpoint {path.name}: waited {waited[1]:.1f} s for {waited[0].name}'s "
-                       "background write to finish first")
+                       f"background write to finish{why}")
         if in_background:
             self.print(f"[dropless] checkpoint {path.name}: training paused {paused:.1f} s (staged in host memory "
                        "and written in the background; complete at the next save)")
@@ -164,12 +161,11 @@ def divergence(step: int, trained: int, skipped: int, last_skipped: bool, valida
     (``validates`` false: ``train.val_every=0``), so nothing shows the final weights give a finite loss."""
     if trained == 0:
         return None
-    why = []
+    why, cause = [], "skipped for a non-finite loss or gradient norm"
     if skipped == trained:
-        why.append(f"every optimizer step of the run ({trained}) was skipped for a non-finite loss or gradient "
-                   "norm: nothing was trained")
+        why.append(f"every optimizer step of the run ({trained}) was {cause}: nothing was trained")
     elif nonfinite_val_steps or (last_skipped and not validates):
-        why.append(f"{skipped} of {trained} optimizer steps were skipped for a non-finite loss or gradient norm")
+        why.append(f"{skipped} of {trained} optimizer steps were {cause}")
         if last_skipped and not validates:
             why.append(f"the last step ({step}) among them, with no validation (train.val_every=0) to show "
                        "that the final weights give a finite loss")

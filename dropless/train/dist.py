@@ -179,12 +179,12 @@ def _device(device_cfg: str, local_rank: int, recipe: str | None = None) -> torc
     if want == "auto":
         want = "cuda" if torch.cuda.is_available() else "cpu"
     if want == "cuda":
-        if not torch.cuda.is_available():
-            if recipe:  # a recipe that asks for CUDA (cpu_default leaves device=auto): its model is sized for GPUs
-                raise ConfigError(f"device=cuda (recipe={recipe}) but torch sees no CUDA device; recipe={recipe} is "
-                                  "sized for GPUs: on a CPU use the default recipe (cpu_default), or device=cpu "
-                                  "with a smaller model (e.g. model=tiny)")
-            raise ConfigError("device=cuda but torch sees no CUDA device; set device=cpu (or auto)")
+        if not torch.cuda.is_available():  # a recipe that asks for CUDA (cpu_default leaves device=auto) is sized
+            # for GPUs: device=cpu alone would meet the memory check with its model
+            fix = (f"recipe={recipe} is sized for GPUs: on a CPU use the default recipe (cpu_default), or device=cpu "
+                   "with a smaller model (e.g. model=tiny)" if recipe else "set device=cpu (or auto)")
+            asked = f"device=cuda (recipe={recipe})" if recipe else "device=cuda"
+            raise ConfigError(f"{asked} but torch sees no CUDA device; {fix}")
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -71,7 +71,7 @@ import torch.distributed as dist
 from dropless.ops.grouped_gemm import GradSink
 from dropless.train.optim import is_dtensor
 
-__all__ = ["GradBuckets", "grad_norm", "clip_", "clip_scale", "folds_clip", "clipped_step", "guarded_step",
+__all__ = ["GradBuckets", "grad_norm", "clip_", "clip_scale", "clip_note", "folds_clip", "clipped_step", "guarded_step",
            "BUCKET_ELEMS"]
 
 #: default elements per bucket (25 MiB of fp32, DDP's default bucket size)
@@ -377,6 +377,14 @@ def folds_clip(optimizer: torch.optim.Optimizer) -> bool:
     """
     return (isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and bool(optimizer.param_groups)
             and all(g.get("fused") for g in optimizer.param_groups))
+
+
+def clip_note(folded: bool) -> str:
+    """Where ``optim.grad_clip`` scales the gradients: inside the fused AdamW kernel (``folded``:
+    :func:`folds_clip` of the optimizer) or in a separate pass (:func:`clipped_step`)."""
+    return ("inside the fused AdamW kernel (optimizer.grad_scale)" if folded else
+            "scaled in a separate pass over the gradients (only the fused AdamW, the default on CUDA or with "
+            "optim.fused=true, folds it in)")
 
 
 @torch.no_grad()

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from typing import Any, Callable, Iterable
 
 import torch
@@ -83,6 +84,14 @@ def build_scheduler(optimizer: torch.optim.Optimizer, optim_cfg: Any, total_step
     """
     lr = float(optim_cfg.lr)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, optim_cfg, total_steps) / lr)
+
+
+def schedule_step(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+    """``scheduler.step()`` where the optimizer may not have stepped (a skipped step still counts in the
+    schedule; a resume sets the step's rate), without torch's warning about that order."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+        scheduler.step()
 
 
 # ----------------------------------------------------------------------------- AdamW
@@ -189,12 +198,11 @@ def _mirror(model: nn.Module, replace: dict[int, nn.Parameter]) -> nn.Module:
             made[name] = nn.Module()
             made[parent].add_module(leaf, made[name])
         dst = made[name]
-        for pn, p in mod._parameters.items():
-            if p is not None:
-                dst.register_parameter(pn, replace.get(id(p), p))
-        for bn, b in mod._buffers.items():
-            if b is not None:
-                dst.register_buffer(bn, b, persistent=bn not in mod._non_persistent_buffers_set)
+        for pn, p in mod.named_parameters(recurse=False, remove_duplicate=False):
+            dst.register_parameter(pn, replace.get(id(p), p))
+        for bn, b in mod.named_buffers(recurse=False, remove_duplicate=False):
+            # whether a buffer is saved: no public accessor (state_dict() would run the modules' hooks)
+            dst.register_buffer(bn, b, persistent=bn not in mod._non_persistent_buffers_set)
     return root
 
 

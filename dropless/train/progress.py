@@ -15,12 +15,12 @@ under ``fsdp`` with more groups), and every group's rate is a function of the st
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 from torch.distributed.checkpoint.stateful import Stateful
 
 from dropless.train.data import ShardedLoader
+from dropless.train.optim import schedule_step
 
 __all__ = ["Progress"]
 
@@ -46,6 +46,4 @@ class Progress(Stateful):
         self.loop.skipped_steps = int(state_dict["skipped_steps"])
         self.loader.load_state_dict({"epoch": state_dict["data_epoch"], "offset": state_dict["data_offset"]})
         self.scheduler.load_state_dict({**self.scheduler.state_dict(), "last_epoch": int(state_dict["lr_step"]) - 1})
-        with warnings.catch_warnings():  # the optimizer has not stepped in this process
-            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
-            self.scheduler.step()
+        schedule_step(self.scheduler)  # the optimizer has not stepped in this process

@@ -127,6 +127,11 @@ class RunDirLock:
                 entry[0].close()  # closing the file drops its flock
 
 
+def _no_lock(why: str) -> str:
+    """The warning of a run directory that cannot be locked (``why``): runs are not kept apart."""
+    return f"no run-directory lock ({why}): two runs given the same run_dir would overwrite each other"
+
+
 def _in_use(run_dir: Path, holder: str) -> str:
     return (f"run_dir={str(run_dir)!r} is in use by another run ({holder}): two runs in one directory overwrite "
             "each other's checkpoints and metrics; wait for that run to end or stop it, or give another run_dir "
@@ -175,8 +180,7 @@ def lock_run_dir(run_dir: Path, made: bool = False) -> RunDirLock:
             entry[1] += 1
             return RunDirLock(run_dir, made=made)
         if fcntl is None:
-            return RunDirLock(run_dir, "no run-directory lock (fcntl is not available on this system): two runs "
-                                       "given the same run_dir would overwrite each other", made=made)
+            return RunDirLock(run_dir, _no_lock("fcntl is not available on this system"), made=made)
         f = open(path, "a+", encoding="utf-8")  # noqa: SIM115 -- held open for the run's life
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -184,9 +188,8 @@ def lock_run_dir(run_dir: Path, made: bool = False) -> RunDirLock:
             f.close()
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise ConfigError(_in_use(run_dir, _holder(path))) from None
-            return RunDirLock(run_dir, f"no run-directory lock ({path}: {e.strerror or e}, e.g. a network "
-                                       "filesystem without flock): two runs given the same run_dir would "
-                                       "overwrite each other", made=made)
+            return RunDirLock(run_dir, _no_lock(f"{path}: {e.strerror or e}, e.g. a network filesystem without "
+                                                "flock"), made=made)
         f.seek(0)
         f.truncate()
         f.write(f"host {socket.gethostname()}, pid {os.getpid()}, started "

@@ -42,8 +42,8 @@ from dropless.dispatch.registry import dispatcher_class
 from dropless.model.loss import check_loss_impl
 
 __all__ = ["BIN_ID_BITS", "BinDataConfig", "DispatcherConfig", "FIELD_DOCS", "GemmConfig", "LoggingConfig",
-           "OptimConfig", "RunConfig", "SCHEMAS", "TextDataConfig", "TrainConfig", "need", "need_val_fraction",
-           "validate_model"]
+           "OptimConfig", "RunConfig", "SCHEMAS", "TextDataConfig", "TrainConfig", "need", "need_one_of",
+           "need_val_fraction", "validate_model"]
 
 # OmegaConf reads these annotations at runtime: keep typing.List / Optional (not PEP 604) for Python 3.10.
 
@@ -51,6 +51,12 @@ __all__ = ["BIN_ID_BITS", "BinDataConfig", "DispatcherConfig", "FIELD_DOCS", "Ge
 DEVICES = ("auto", "cpu", "cuda")
 #: the values ``train.dist_backend`` takes (``auto``: ``nccl`` on CUDA, ``gloo`` on the CPU)
 DIST_BACKENDS = ("auto", "nccl", "gloo")
+#: the values ``train.dtype`` takes (``auto``: bf16 on CUDA, fp32 on the CPU)
+DTYPES = ("auto", "bf16", "fp32")
+#: the values ``train.compile_backend`` takes
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+#: the values ``logging.mode`` takes (wandb's modes)
+LOGGING_MODES = ("offline", "online", "disabled")
 #: ``data.dtype`` of a ``.bin`` -> bits of one token id (``data.vocab_size`` is at most 2**bits)
 BIN_ID_BITS = {"uint16": 16, "uint32": 32}
 _F32_MAX = 3.4028234663852886e38  # float32's largest finite value: the fused AdamW takes the hyperparameters as fp32
@@ -61,6 +67,11 @@ def need(ok: bool, field: str, value: Any, why: str) -> None:
     if not ok:
         shown = str(value).lower() if isinstance(value, bool) else repr(value)
         raise ConfigError(f"{field}={shown}: {why}")
+
+
+def need_one_of(field: str, value: Any, choices: tuple[str, ...]) -> None:
+    """:func:`need` for a field that takes one of ``choices``: ``"field=value: must be a, b or c"``."""
+    need(value in choices, field, value, f"must be {', '.join(choices[:-1])} or {choices[-1]}")
 
 
 def need_val_fraction(value: float) -> None:
@@ -115,19 +126,17 @@ class TrainConfig:
              "must be >= 0 (the newest N checkpoints kept; 0: all)")
         need(1 <= self.ckpt_threads <= 64, "train.ckpt_threads", self.ckpt_threads,
              "must lie in [1, 64] (threads writing each rank's checkpoint files, one file each)")
-        need(self.dtype in ("auto", "bf16", "fp32"), "train.dtype", self.dtype, "must be auto, bf16 or fp32")
+        need_one_of("train.dtype", self.dtype, DTYPES)
         need(self.nonfinite in ("error", "skip"), "train.nonfinite", self.nonfinite,
              "must be error (stop, naming the step) or skip (skip the optimizer step)")
-        need(self.compile_backend in ("inductor", "aot_eager", "eager"), "train.compile_backend",
-             self.compile_backend, "must be inductor, aot_eager or eager")
+        need_one_of("train.compile_backend", self.compile_backend, COMPILE_BACKENDS)
         need(not self.compile_moe or self.compile, "train.compile_moe", self.compile_moe,
              "compiles the MoE part of each block compiled by train.compile; set train.compile=true as well")
         need(not (self.compile_moe and self.activation_checkpointing), "train.compile_moe", True,
              "with train.activation_checkpointing=true would count each checkpoint recompute's tokens into the "
              "router's balancing load again; set one of them to false")
         check_loss_impl(self.loss_impl)
-        need(self.dist_backend in DIST_BACKENDS, "train.dist_backend", self.dist_backend,
-             "must be auto, nccl or gloo")
+        need_one_of("train.dist_backend", self.dist_backend, DIST_BACKENDS)
         need(0 < self.dist_timeout_s < math.inf, "train.dist_timeout_s", self.dist_timeout_s,
              "must be a finite number > 0 (seconds a collective may wait for the other ranks)")
 
@@ -227,8 +236,7 @@ class LoggingConfig:
              "must be > 0 (the CPU's assumed FLOP/s per process, for MFU)")
         need(self.log_every > 0, "logging.log_every", self.log_every, "must be >= 1")
         need(self.histogram_every >= 0, "logging.histogram_every", self.histogram_every, "must be >= 0 (0: never)")
-        need(self.mode in ("offline", "online", "disabled"), "logging.mode", self.mode,
-             "must be offline, online or disabled")
+        need_one_of("logging.mode", self.mode, LOGGING_MODES)
 
 
 @dataclass
@@ -288,7 +296,7 @@ class RunConfig:
         validate_model(self.model)
         need(not self.resume or self.run_dir, "resume", True, "needs run_dir=PATH: the run directory to continue")
         need(0 <= self.seed < 2**63, "seed", self.seed, "must be an integer in [0, 2^63) (it seeds torch and numpy)")
-        need(self.device in DEVICES, "device", self.device, "must be auto, cpu or cuda")
+        need_one_of("device", self.device, DEVICES)
         need(self.num_threads is None or self.num_threads >= 1, "num_threads", self.num_threads,
              "must be >= 1 (CPU threads per process), or null for the cores divided by the local processes")
 

@@ -111,8 +111,13 @@ def _sum_reductions_on_gloo_cuda(modules: list[nn.Module], mesh: DeviceMesh) -> 
             m.set_force_sum_reduction_for_comms(True)
 
 
-def _moe_layers(module: nn.Module) -> list[MoE]:
-    return [m for m in module.modules() if isinstance(m, MoE)]
+def _moe_layers(module: nn.Module, caller: str) -> list[MoE]:
+    """The MoE layers in ``module``; ValueError naming ``caller`` where there is none to shard."""
+    layers = [m for m in module.modules() if isinstance(m, MoE)]
+    if not layers:
+        raise ValueError(f"{caller}: no dropless.moe.MoE layer in the module; pass the model (or MoE layer) "
+                         "whose experts are to be sharded")
+    return layers
 
 
 def apply_fsdp(module: nn.Module, mesh: Any, *, reshard_after_forward: bool = True,
@@ -142,10 +147,7 @@ def apply_fsdp(module: nn.Module, mesh: Any, *, reshard_after_forward: bool = Tr
         before building the optimizer (the parameters become DTensors).
     """
     dp_mesh = _dp_mesh(mesh)
-    layers = _moe_layers(module)
-    if not layers:
-        raise ValueError("apply_fsdp: no dropless.moe.MoE layer in the module; pass the model (or MoE layer) "
-                         "whose experts are to be sharded")
+    layers = _moe_layers(module, "apply_fsdp")
     dp = dp_mesh.size()
     kwargs: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
@@ -269,9 +271,7 @@ def shard_experts(module: nn.Module, mesh: DeviceMesh, *, reshard_after_forward:
     """
     dp_mesh, ep_size = mesh["dp"], mesh["ep"].size()
     dp = dp_mesh.size()
-    layers = _moe_layers(module)
-    if not layers:
-        raise ValueError("shard_experts: no dropless.moe.MoE layer in the module")
+    layers = _moe_layers(module, "shard_experts")
     dims = [expert_shard_dim(type(moe.dispatcher), dp, ep_size, moe.args.n_routed_experts, moe.args.hidden_size,
                              moe.args.moe_intermediate_size) for moe in layers]  # every layer checked first
     if dp <= 1:

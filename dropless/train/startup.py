@@ -24,7 +24,6 @@ from dropless.config import ConfigError, ModelArgs
 from dropless.convert.start import resolve_source
 from dropless.dispatch import build_dispatcher
 from dropless.dispatch.base import Dispatcher
-from dropless.dispatch.mesh import local_expert_count
 from dropless.layout import aligned_capacity
 from dropless.model import Transformer
 from dropless.model.rope import check_positions
@@ -118,13 +117,14 @@ def alignment_note(args: ModelArgs, tokens: int, ep_size: int = 1) -> str | None
 
     Each local expert's segment of the landed buffer starts on a multiple of ``A``, so a
     chunk's buffer of ``R = T·k / chunks`` routed rows (``tokens`` = ``T``, a rank's tokens per
-    micro-batch) has room for ``(e − 1)·(A − 1)`` padding rows beside them (``e`` = local
-    experts; :func:`dropless.layout.aligned_capacity`). Padding is never computed on the Triton
+    micro-batch) has room for ``(e − 1)·(A − 1)`` padding rows beside them (``e = E / ep_size`` local
+    experts, ``ep_size`` dividing ``E`` as :func:`~dropless.train.dist.mesh_shape` checked;
+    :func:`dropless.layout.aligned_capacity`). Padding is never computed on the Triton
     paths but costs memory everywhere, and compute on the torch (CPU) path: a valid but almost
     surely unintended setting when it exceeds ``R``.
     """
     a = int(args.expert_alignment)
-    local = local_expert_count(args.n_routed_experts, ep_size)
+    local = args.n_routed_experts // ep_size
     rows = tokens * args.num_experts_per_tok // max(1, args.num_token_chunks)
     pad = aligned_capacity(rows, local, a) - rows
     if pad <= rows:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -46,6 +45,7 @@ from torch.profiler import record_function
 from dropless.model.params import moe_flops_per_token
 from dropless.train.grads import clipped_step, grad_norm, guarded_step
 from dropless.train.metrics import counts_metrics, peak_memory_gib
+from dropless.train.optim import schedule_step
 
 __all__ = ["NonFiniteError", "StepLoop"]
 
@@ -257,9 +257,7 @@ class StepLoop:
         self._apply(pending, red[0], gnorm, fsdp_grads)
         for p in self.fsdp_params:
             p.grad = None
-        with warnings.catch_warnings():  # a skipped step (train.nonfinite=skip) still counts in the schedule
-            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
-            self.scheduler.step()
+        schedule_step(self.scheduler)  # a skipped step (train.nonfinite=skip) still counts in the schedule
         self.step = pending.step
         return pending
 
@@ -270,7 +268,7 @@ class StepLoop:
         :attr:`device_guarded`: decided on the device (the fused AdamW's ``found_inf`` skips a non-finite
         step, its ``grad_scale`` clips) and the metrics go to pinned host memory without a sync.
         Otherwise the metrics are read here (the step's one host sync) and the host decides: a
-        non-finite step raises (``train.nonfinite=error``) or moves nothing, a norm above
+        non-finite step moves nothing (as on the device; :meth:`_finish` raises or counts it), a norm above
         ``optim.grad_clip`` is clipped in a separate pass.
         """
         clip = self.run.optim.grad_clip or None
@@ -287,9 +285,7 @@ class StepLoop:
         with record_function("dropless.metrics_read"):
             p.host = self._read_metrics(p)
         loss_v, gnorm_v = p.host[0], p.host[4]
-        if not (math.isfinite(loss_v) and math.isfinite(gnorm_v)):
-            if self.run.train.nonfinite == "error":
-                raise self._nonfinite_error(p.step, loss_v, gnorm_v)
+        if not (math.isfinite(loss_v) and math.isfinite(gnorm_v)):  # moves nothing; _finish raises or counts it
             self.balancer.discard()
             return
         with record_function("dropless.optimizer"):
@@ -310,12 +306,13 @@ class StepLoop:
         loss_v, aux_v, dropped_v, stop_v, gnorm_v = host[:5]
         self._stop_agreed = stop_v > 0
         if not (math.isfinite(loss_v) and math.isfinite(gnorm_v)):
+            what = f"step {p.step}: non-finite training loss ({loss_v}) or gradient norm ({gnorm_v})"
             if self.run.train.nonfinite == "error":
-                raise self._nonfinite_error(p.step, loss_v, gnorm_v)
+                raise NonFiniteError(f"{what}; the weights are those after step {p.step - 1}. Lower optim.lr, "
+                                     "check the data, or set train.nonfinite=skip to skip such steps")
             self.skipped_steps += 1
-            self.console.print(f"[dropless] step {p.step}: non-finite loss ({loss_v}) or gradient norm "
-                               f"({gnorm_v}); optimizer step skipped (train.nonfinite=skip; {self.skipped_steps} "
-                               "skipped so far)")
+            self.console.print(f"[dropless] {what}; optimizer step skipped (train.nonfinite=skip; "
+                               f"{self.skipped_steps} skipped so far)")
         now = time.perf_counter()
         dt = now - (self._t_mark if self._t_mark is not None else p.t0)
         self._t_mark = now
@@ -350,11 +347,6 @@ class StepLoop:
         self.loader.load_state_dict(fb.loader_state)
         for p in self.fsdp_params:
             p.grad = None
-
-    def _nonfinite_error(self, step: int, loss_v: float, gnorm_v: float) -> NonFiniteError:
-        return NonFiniteError(f"step {step}: non-finite training loss ({loss_v}) or gradient norm ({gnorm_v}); the "
-                              f"weights are those after step {step - 1}. Lower optim.lr, check the data, or set "
-                              "train.nonfinite=skip to skip such steps")
 
     def _comms(self) -> list[Any]:
         """The dispatchers' byte counters (EP dispatchers only)."""

@@ -40,7 +40,7 @@ from dropless.train.compile import compile_blocks
 from dropless.train.console import Console, StopSignals, divergence
 from dropless.train.data import ShardedLoader, load_tokens, run_val_windows
 from dropless.train.dist import init_distributed
-from dropless.train.grads import GradBuckets, folds_clip
+from dropless.train.grads import GradBuckets, clip_note, folds_clip
 from dropless.train.graph import MicroBatchGraphs
 from dropless.train.metrics import MetricsLogger, peak_flops
 from dropless.train.optim import MasterWeights, RouterBiasUpdate, build_optimizer, build_scheduler, is_dtensor, lr_at
@@ -130,12 +130,13 @@ class Trainer(StepLoop):
         self.console = Console(self.main, self.run.logging.progress)
         self.warnings = self.console.warnings
         self.signals = StopSignals(self.console)
+        # what the config asks of this machine, resolved and checked (ConfigError for what it cannot get)
         self.dtype = compute_dtype(t, env.device)
         self.param_counts = param_counts(self.args)
+        self.loss_impl, loss_note = resolve_loss_impl(t.loss_impl, env.device, t.cuda_graph)
         check_machine(self.run, self.args, env, self.dtype, self.param_counts.total)
         for note in start_notes(self.run, self.args, env):
             self.console.warn(note)
-        self.loss_impl, loss_note = resolve_loss_impl(t.loss_impl, env.device, t.cuda_graph)
         self.print(f"[dropless] loss: {loss_note}")
 
     def _load_data(self, cfg: DictConfig) -> None:
@@ -197,11 +198,7 @@ class Trainer(StepLoop):
         #: found_inf), so a step's metrics can be read after the next step is launched (iter_steps)
         self.device_guarded = folds_clip(self.optimizer)
         if self.run.optim.grad_clip:
-            self.print("[dropless] grad clip: " + ("inside the fused AdamW kernel (optimizer.grad_scale)"
-                                                   if self.device_guarded else
-                                                   "scaled in a separate pass over the gradients (only the "
-                                                   "fused AdamW, the default on CUDA or with optim.fused=true, "
-                                                   "folds it in)"))
+            self.print(f"[dropless] grad clip: {clip_note(self.device_guarded)}")
         self.peak_flops = peak_flops(env.device, self.run.logging)
         self.tokens_per_step = env.world_size * self.accum * self.batch * self.seq_len
 
@@ -228,14 +225,9 @@ class Trainer(StepLoop):
         self.checkpoints.load(found[1])
         self.masters.refresh()
         self.resumed_from = self.step
-        saved_world = ckpt.saved_world_size(found[1])
-        if saved_world is not None and saved_world != env.world_size and self.step < self.steps:
-            self.console.warn(f"resume: {found[1].name} was saved by {saved_world} rank(s), this run has "
-                              f"{env.world_size}: the weights and optimizer state carry over, but each rank's "
-                              "shard of the training windows changes with the rank count, so the rest of this "
-                              "data epoch is not the uninterrupted run's (some windows seen again, some left "
-                              "to the next epoch), and the tokens per step scale with the ranks (the learning-"
-                              "rate schedule counts optimizer steps)")
+        note = ckpt.world_size_note(found[1], env.world_size) if self.step < self.steps else None
+        if note:
+            self.console.warn(note)
 
     def print(self, *a: Any) -> None:
         """Print on rank 0 (:meth:`dropless.train.console.Console.print`)."""
@@ -366,12 +358,12 @@ class Trainer(StepLoop):
             return v
         weights = (f"the weights after step {self.step}" if self.step else
                    "the starting weights (initialised, or loaded by init_from)")
+        what = f"step {self.step}: non-finite validation loss ({v}): {weights} give NaN/Inf on the validation data"
         if self.run.train.nonfinite == "error":
-            raise NonFiniteError(f"step {self.step}: non-finite validation loss ({v}): {weights} give NaN/Inf on the "
-                                 "validation data. Lower optim.lr or check the data")
+            raise NonFiniteError(f"{what}. Lower optim.lr or check the data")
         self.nonfinite_val_steps.append(self.step)
-        self.print(f"[dropless] WARNING: step {self.step}: non-finite validation loss ({v}): {weights} give NaN/Inf "
-                   "on the validation data; train.nonfinite=skip trains on, but the run will end with exit status 3")
+        self.print(f"[dropless] WARNING: {what}; train.nonfinite=skip trains on, but the run will end with exit "
+                   "status 3")
         return v
 
     def close(self) -> None:
@@ -383,28 +375,19 @@ class Trainer(StepLoop):
         see the cycle: removed here, or a closed trainer's parameters and fp32 gradient buckets stay
         allocated for the life of the process (as does ``train.ckpt_async``'s pinned host copy).
         """
-        checkpoints = getattr(self, "checkpoints", None)
         try:
-            if checkpoints is not None:
-                checkpoints.finish()  # a save_checkpoint(wait=False) outside train(): complete it
+            self.checkpoints.finish()  # a save_checkpoint(wait=False) outside train(): complete it
         finally:
             self._release()
 
     def _release(self) -> None:
-        metrics = getattr(self, "metrics", None)
-        if metrics is not None:
-            metrics.close()
-        grads = getattr(self, "grads", None)
-        if grads is not None:
-            grads.remove()
-        if getattr(self, "graphs", None) is not None:
+        self.metrics.close()
+        self.grads.remove()
+        if self.graphs is not None:
             self.graphs.reset()  # the graphs' memory pool goes with them
-        checkpoints = getattr(self, "checkpoints", None)
-        if checkpoints is not None:
-            checkpoints.stager = None  # train.ckpt_async on CUDA: its pinned host copy of the state
-        lock = getattr(self, "_run_dir_lock", None)
-        if lock is not None:
-            lock.release()  # another run may now use the directory
+        self.checkpoints.stager = None  # train.ckpt_async on CUDA: its pinned host copy of the state
+        if self._run_dir_lock is not None:
+            self._run_dir_lock.release()  # another run may now use the directory
         self._closed = True
         if self.env.distributed and dist.is_initialized():
             dist.barrier()
