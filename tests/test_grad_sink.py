@@ -18,6 +18,9 @@ import torch
 from dropless.experts import GroupedExperts
 from dropless.layout import ExpertLayout
 from dropless.ops import select
+from dropless.ops.fp8_backend import Fp8Backend
+from dropless.ops.grouped_gemm import GradSink
+from dropless.ops.torch_backend import TorchBackend
 from dropless.train.grads import GradBuckets
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -203,3 +206,17 @@ def test_any_second_grad_buckets_on_the_same_parameters_is_refused(fp32):
         make()
     first.remove()
     make().remove()
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_fp8_backends_bf16_weight_gradient_is_written_as_the_torch_backends(monkeypatch, path):
+    """gemm=fp8 keeps the weight gradient in bf16: into the sink it goes through the torch backend's writer
+    (the Triton kernel's fp32 sums), bit for bit, not rounded to 16 bits first and copied."""
+    _force(monkeypatch, path)
+    lay, [(x, dy)] = _batches(1)
+    got, want = (GradSink(torch.full((len(COUNTS), H, H), 7.0, device=DEV)) for _ in range(2))
+    got.write(Fp8Backend(emulate=True), x, dy, lay)
+    want.write(TorchBackend(), x, dy, lay)
+    assert torch.equal(got.buf, want.buf) and torch.equal(got.buf[1], torch.zeros_like(got.buf[1]))
+    if path == "triton":  # the kernel's fp32 sums: rounding them to 16 bits would change them
+        assert not torch.equal(want.buf, want.buf.to(DT).float())

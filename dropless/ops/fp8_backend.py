@@ -253,6 +253,16 @@ class Fp8Backend:
         self._fp8_wgrad(dw, x_MK, dy_MN, layout, accumulate=False)
         return dw
 
+    def gmm_wgrad_into_(self, dw_eKN: torch.Tensor, x_MK: torch.Tensor, dy_MN: torch.Tensor,
+                        layout: ExpertLayout) -> None:
+        """``dw[i] = x[live_i]ᵀ @ dy[live_i]`` written in place in ``dw``'s dtype: bf16 through the ``torch``
+        backend's writer (fp32 main gradients summed in fp32, never rounded to bf16 first); FP8 (``wgrad``)
+        computed in ``x``'s dtype and copied."""
+        if self.wgrad == "bf16":
+            self._wgrad.gmm_wgrad_into_(dw_eKN, x_MK, dy_MN, layout)
+        else:
+            dw_eKN.copy_(self.gmm_wgrad(x_MK, dy_MN, layout))
+
     def gmm_wgrad_acc_(self, dw_eKN: torch.Tensor, x_MK: torch.Tensor, dy_MN: torch.Tensor,
                        layout: ExpertLayout) -> None:
         """``dw[i] += x[live_i]ᵀ @ dy[live_i]`` in place (bf16: the ``torch`` backend's; FP8: ``wgrad``)."""
