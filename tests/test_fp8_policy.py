@@ -19,8 +19,10 @@ from dropless import permute
 from dropless.dispatch import build_dispatcher
 from dropless.moe import MoE
 from dropless.ops import fp8_policy as fp
+from dropless.ops.deep_gemm_backend import DeepGemmBackend
 from dropless.ops.fp8_backend import Fp8Backend
 from tests import dist_harness as H
+from tests import fake_deep_gemm
 from tests.conftest import assert_scaled
 
 HUGE = 10**9  # rows per expert no layer reaches: that GEMM runs in bf16
@@ -194,6 +196,9 @@ def test_recompute_path_runs_each_gemm_where_the_plan_says(fresh):
 def test_without_plan_gemms_every_gemm_is_fp8(fresh):
     """plan_gemms False (and the emulated backend's default): no plan, nothing said, every GEMM in FP8."""
     assert not Fp8Backend(emulate=True).plan_gemms and Fp8Backend().plan_gemms
+    # the table is measured for gemm=fp8's GEMM: DeepGEMM's backend leaves the plan off unless asked
+    assert not DeepGemmBackend(module=fake_deep_gemm, emulate=True).plan_gemms
+    assert DeepGemmBackend(module=fake_deep_gemm, emulate=True, plan_gemms=True).plan_gemms
     fresh(**dict.fromkeys(fp.GEMMS, HUGE))
     m = _moe(plan_gemms=False)
     with warnings.catch_warnings():

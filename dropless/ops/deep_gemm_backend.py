@@ -72,7 +72,9 @@ class DeepGemmBackend(Fp8Backend):
             pass a CPU stand-in with the same functions.
         emulate: with a stand-in module: no CUDA device check, fp32 operands accepted.
         ue8m0: power-of-two scales (DeepGEMM then skips its own UE8M0 cast).
-        fused_quant, plan_gemms: as :class:`~dropless.ops.fp8_backend.Fp8Backend`'s.
+        fused_quant: as :class:`~dropless.ops.fp8_backend.Fp8Backend`'s.
+        plan_gemms: as :class:`~dropless.ops.fp8_backend.Fp8Backend`'s, but off by default: the crossover
+            table (:mod:`dropless.ops.fp8_policy`) is measured for ``gemm=fp8``'s GEMM, not DeepGEMM's.
         wgrad: the weight gradient, as :class:`~dropless.ops.fp8_backend.Fp8Backend`'s.
     Raises:
         ConfigError: the package is missing or too old.
@@ -82,7 +84,7 @@ class DeepGemmBackend(Fp8Backend):
     act_group = BLOCK  # live rows in e4m3, scale [M, K/128] (quant_act, swiglu_quant_act)
 
     def __init__(self, module: ModuleType | None = None, emulate: bool = False, ue8m0: bool = False,
-                 wgrad: str = "bf16", fused_quant: bool = False, plan_gemms: bool | None = None):
+                 wgrad: str = "bf16", fused_quant: bool = False, plan_gemms: bool = False):
         super().__init__(emulate=emulate, ue8m0=ue8m0, wgrad=wgrad, fused_quant=fused_quant, plan_gemms=plan_gemms)
         self.dg = module if module is not None else import_deep_gemm()
         self.alignment = int(getattr(self.dg, ALIGN_FN)())

@@ -34,9 +34,10 @@ GEMM in FP8 when the layer's expected rows per local expert reach its entry, els
 and why: the MoE layer says it once, at its first forward (dropless/moe.py), never silently.
 
 The table is measured by ``benchmarks/fp8_fused.py --only crossover --crossover-shapes ...`` on
-an H100 (benchmarks/results/fp8_fused.jsonl, ``bench: crossover``; the H200 has the same tensor
-cores and more memory bandwidth, which moves the ``separate`` entries in FP8's favour). A shape
-far from every measured one takes the nearest one's entries; measure it to be sure.
+an H100 for ``gemm=fp8``'s GEMM (``torch._scaled_grouped_mm``, one scale per row;
+benchmarks/results/fp8_fused.jsonl, ``bench: crossover``); not on an H200, nor for DeepGEMM (whose
+backend leaves the plan off by default). A shape far from every measured one takes the nearest
+one's entries; measure it to be sure.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ GEMMS = ("fc1", "fc2", "fc1_dgrad", "fc2_dgrad", "wgrad")
 QUANTS = ("separate", "in_kernel")
 
 #: ``(H, I, local experts)`` -> ``quant`` -> GEMM -> smallest rows per expert for FP8 (None: never up to
-#: 16,384). Measured on one H100 (torch 2.11, 2026-12-07, 64 … 16,384 rows per expert, alignment 128;
-#: benchmarks/results/fp8_fused.jsonl, ``bench: crossover``). FC1's data gradient and the FP8 weight
+#: 16,384). Measured on one H100 (torch 2.11, 2026-12-07, commit f438d37, 64 … 16,384 rows per expert,
+#: alignment 128; benchmarks/results/fp8_fused.jsonl, ``bench: crossover``). FC1's data gradient and the FP8 weight
 #: gradient are always ``separate``.
 CROSSOVERS: dict[tuple[int, int, int], dict[str, dict[str, int | None]]] = {
     (1024, 512, 64): {
