@@ -262,7 +262,8 @@ class MoE(nn.Module):
             self._fp8_plan = plan
             msg = describe(plan, f"layer {self.layer_id} (and every MoE layer of this shape)", rows,
                            a.hidden_size, a.moe_intermediate_size, table, measured_at)
-            key = (tuple(plan.bf16_gemms()), round(rows), a.hidden_size, a.moe_intermediate_size)
+            key = (tuple(plan.bf16_gemms()), round(rows), a.hidden_size, a.moe_intermediate_size, measured_at,
+                   tuple(quant.values()))
             if msg is not None and key not in _FP8_PLANS_SAID:
                 _FP8_PLANS_SAID.add(key)
                 warnings.warn(msg, stacklevel=2)
