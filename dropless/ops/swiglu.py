@@ -46,6 +46,7 @@ if select.HAS_TRITON:
     import triton.language as tl
 
     from dropless.ops.flat_tiles import flat_unit as _flat_unit
+    from dropless.ops.flat_tiles import live_tiles as _live_tiles
     from dropless.ops.ue8m0 import pow2_ceil_bits
 
     @triton.jit
@@ -111,13 +112,7 @@ if select.HAS_TRITON:
         elif SCHED == 1:
             # flat: every program reads the e end points and numbers the live tiles itself (cumsum in
             # registers): tiles of expert i are cum[i] - nt[i] … cum[i] - 1; program p takes p, p + G, …
-            ar = tl.arange(0, EP)
-            em = ar < E
-            start_v = tl.load(start_ptr + ar, mask=em, other=0)
-            end_v = tl.minimum(tl.load(end_ptr + ar, mask=em, other=0), M)
-            nb_v = tl.where(em, (tl.maximum(end_v - start_v, 0) + BLOCK_M - 1) // BLOCK_M, 0) * NUM_NB
-            cum_v = tl.cumsum(nb_v, 0)
-            total = tl.sum(nb_v, 0)
+            ar, nb_v, cum_v, start_v, end_v, total = _live_tiles(start_ptr, end_ptr, M, E, EP, NUM_NB, BLOCK_M)
             if INTERPRET:  # the interpreter's scalars are 1-element arrays, which range() rejects
                 b = pid
                 while b < total:
