@@ -31,12 +31,11 @@ from typing import Any
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from dropless.config import ConfigError
 from dropless.convert import init_from
 from dropless.train import checkpoint as ckpt
 from dropless.train.compile import compile_blocks
 from dropless.train.console import Console, StopSignals, divergence
-from dropless.train.data import ShardedLoader, load_tokens, run_val_windows
+from dropless.train.data import ShardedLoader, load_tokens, run_val_windows, val_windows
 from dropless.train.dist import init_distributed, launch_rank
 from dropless.train.grads import GradBuckets, clip_note, folds_clip
 from dropless.train.graph import MicroBatchGraphs
@@ -328,12 +327,12 @@ class Trainer(StepLoop):
         judges it).
 
         Raises:
-            ConfigError: the run has no validation micro-batches (``train.val_every=0`` with
-                ``data.val_fraction=0`` or a split smaller than one micro-batch per rank)."""
-        if not self.val_batches:
-            raise ConfigError("no validation micro-batches: this run has train.val_every=0 and a validation split "
-                              "too small for one micro-batch per rank (or data.val_fraction=0); raise "
-                              "data.val_fraction or give data.val_path")
+            ConfigError: the validation split holds less than one micro-batch per rank
+                (:func:`~dropless.train.data.val_windows`; a run with ``train.val_every=0`` makes its
+                micro-batches here, at the first call, so ``data.val_fraction=0`` says so here too)."""
+        if not self.val_batches:  # train.val_every=0: none made at the start
+            self.val_batches = val_windows(self.tokens.val, self.seq_len, self.batch, self.run.train.val_batches,
+                                           self.env.rank, self.env.world_size)
         v = validation_loss(self.model, self.val_batches, self.balancer.routers, self.env, self._loss)
         self._t_mark = None
         return v
