@@ -137,8 +137,7 @@ class Trainer(StepLoop):
                                     self.run.seed, pin_memory=env.device.type == "cuda")
         self.val_batches, note = run_val_windows(self.tokens.val, self.seq_len, self.batch, t.val_batches,
                                                  env.rank, env.world_size, validates)
-        if note:
-            self.console.warn(note)
+        self.console.warn(note)
         #: rank 0's lock on the run directory (one run at a time in it), released by close()
         self.run_dir, self._run_dir_lock = claim_run_dir(self.run_dir, env, fresh=not cfg.run_dir)
         if self._run_dir_lock is not None and self._run_dir_lock.note:
@@ -213,9 +212,8 @@ class Trainer(StepLoop):
         self.checkpoints.load(found[1])
         self.masters.refresh()
         self.resumed_from = self.step
-        note = ckpt.world_size_note(found[1], env.world_size) if self.step < self.steps else None
-        if note:
-            self.console.warn(note)
+        if self.step < self.steps:
+            self.console.warn(ckpt.world_size_note(found[1], env.world_size))
 
     def print(self, *a: Any) -> None:
         """Print on rank 0 (:meth:`dropless.train.console.Console.print`)."""
