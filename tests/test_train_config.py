@@ -385,7 +385,8 @@ def test_a_dict_override_sets_a_field_that_is_null_and_merges_into_one_that_is_n
     # these four passed --cfg and failed only when the run started
     ("device=tpu", "device='tpu'"),
     ("train.loss_impl=foo", "train.loss_impl='foo'"),
-    ("dispatcher.ep_size=0", "dispatcher.ep_size=0"),
+    ("dispatcher=a2a dispatcher.ep_size=0", "dispatcher.ep_size=0"),
+    ("dispatcher.ep_size=0", "dispatcher=local with EP = 0"),  # local takes EP = 1 only: the message says so
     ("dispatcher.ep_size=3", "dispatcher=local with EP = 3"),
     ("model.recompute_gather=true dispatcher=a2a", "model.recompute_gather=true"),
     # cpu_peak_flops is no Optional: its message offered null, which the schema refuses
