@@ -6,7 +6,7 @@ run in the same process on the same inputs:
 * ``bf16``: ``gemm=torch``;
 * ``fp8_separate``: ``gemm=fp8`` with ``Fp8Backend(fused_quant=False)``: FC1's landed rows and
   FC2's output gradient each quantised in a pass of their own;
-* ``fp8_fused``: ``gemm=fp8`` (``fused_quant=True``, the default): the local gather writes FC1's
+* ``fp8_fused``: ``gemm=fp8`` with ``Fp8Backend(fused_quant=True)`` (off by default): the local gather writes FC1's
   codes as it lands the rows, the combine's backward writes FC2's output-gradient codes
   (dropless/ops/fp8_fused_rows.py).
 
@@ -40,7 +40,8 @@ Measurements:
   move on live rows (bf16 in/out 2 bytes, codes 1 byte, a 4-byte scale per row or per 128 columns, the
   combined rows ``y`` read once for the weight gradient). ``--sweep`` adds ``quant_sweep`` lines: launch
   variants of the row quantiser over live rows (``row_block``: rows, warps, programs per SM of
-  ``fp8_quant.ROW_BLOCK_WIDE``) and of the combine's tile without a weight gradient (``combine_tile``:
+  ``fp8_quant.ROW_BLOCK_WIDE``; of the 1x128 one, ``group_block``: rows, columns, warps, programs per SM
+  of ``fp8_quant.GROUP_BLOCK``) and of the combine's tile without a weight gradient (``combine_tile``:
   ``fp8_fused_rows.COMBINE_QUANT_TILE``). On the CPU under ``TRITON_INTERPRET=1`` the kernels run
   in Triton's interpreter (``--smoke``).
 
@@ -244,6 +245,9 @@ def load_kernels(folder: str) -> tuple:
 SWEEP_ROW_BLOCK = [(1, 8, 32), (1, 8, 16), (1, 8, 8), (1, 8, 4), (1, 8, 2), (1, 4, 32), (1, 4, 8), (1, 4, 4),
                    (1, 16, 8), (1, 16, 2), (2, 8, 16), (2, 8, 4)]
 SWEEP_COMBINE_TILE = [1024, 2048, 4096]
+#: quant_kernels --sweep: the 1x128 launch (fp8_quant.GROUP_BLOCK: rows, columns, warps, programs per SM)
+SWEEP_GROUP_BLOCK = [(4, 1024, 4, 32), (8, 1024, 8, 16), (2, 2048, 8, 16), (1, 8192, 8, 8), (16, 128, 4, 32),
+                     (32, 128, 4, 16), (64, 128, 8, 8), (16, 256, 4, 16), (8, 512, 4, 16), (32, 256, 8, 8)]
 
 
 def quant_kernels(M, live_counts, H, A, device, ue8m0, k=8, old=None, sweep=False) -> None:
@@ -324,8 +328,14 @@ def quant_kernels(M, live_counts, H, A, device, ue8m0, k=8, old=None, sweep=Fals
 def _sweep(x_MH, x_NH, dest, w_N1, layout, M, H, device, ue8m0, common) -> None:
     """Launch variants of this checkout's kernels (bench ``quant_sweep``); the module constants are restored."""
     n = common["rows_live"]
-    row_b, saved = H * 2, (fq.ROW_BLOCK_WIDE, ff.COMBINE_QUANT_TILE)
+    row_b, saved = H * 2, (fq.ROW_BLOCK_WIDE, ff.COMBINE_QUANT_TILE, fq.GROUP_BLOCK)
     try:
+        for cfg in SWEEP_GROUP_BLOCK:
+            fq.GROUP_BLOCK = cfg
+            ms = bench(lambda: fq.quant_rows(x_MH, layout, ue8m0, group=128), device, warmup=3, iters=20)
+            emit(device=device.type, bench="quant_sweep", op="quant_rows_live", group=128, group_block=list(cfg),
+                 **common, us=round(ms * 1e3, 1), gbps=round(n * (row_b + H + 4 * (H // 128)) / ms / 1e6, 1))
+        fq.GROUP_BLOCK = saved[2]
         for cfg in SWEEP_ROW_BLOCK:
             fq.ROW_BLOCK_WIDE = cfg
             ms = bench(lambda: fq.quant_rows(x_MH, layout, ue8m0), device, warmup=3, iters=20)
@@ -342,7 +352,7 @@ def _sweep(x_MH, x_NH, dest, w_N1, layout, M, H, device, ue8m0, common) -> None:
                      combine_tile=tile, **common, us=round(ms * 1e3, 1),
                      gbps=round(n * (2 * row_b + H + sb) / ms / 1e6, 1))
     finally:
-        fq.ROW_BLOCK_WIDE, ff.COMBINE_QUANT_TILE = saved
+        fq.ROW_BLOCK_WIDE, ff.COMBINE_QUANT_TILE, fq.GROUP_BLOCK = saved
 
 
 #: The experts' GEMMs as fp8_policy names them: (K, N) of ``[m, K] @ [K, N]`` in terms of H, I, and whether

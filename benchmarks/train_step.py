@@ -49,6 +49,7 @@ Usage::
     python -m benchmarks.train_step --variants eager --steps 50      # e.g. the first 50 losses
     python -m benchmarks.train_step --set model.recompute_fc1=true --set train.activation_checkpointing=true
     python -m benchmarks.train_step --recipe cpu_default --set train.seq_len=32 --warmup 1 --steps 2
+    python -m benchmarks.train_step --variants eager --set gemm=fp8 --fp8-fused-quant
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import contextlib
+import functools
 import gc
 import json
 import re
@@ -66,6 +68,9 @@ import time
 from typing import Any
 
 import torch
+
+from dropless.ops.backends import register_backend
+from dropless.ops.fp8_backend import Fp8Backend
 
 CATEGORIES = ("casts_copies", "optimizer", "dense_gemm", "grouped_gemm", "softmax_ce", "attention",
               "sort_index_topk", "other")
@@ -459,7 +464,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="after the profiled steps, one more step with shapes and stacks: write every copy-like "
                         "operator (count, shapes, dtypes, the dropless line that issued it) to FILE "
                         "(FILE.<variant> with several variants)")
+    p.add_argument("--fp8-fused-quant", action="store_true",
+                   help="gemm=fp8 as Fp8Backend(fused_quant=True): FC1's rows quantised by the gather that lands "
+                        "them, FC2's output gradient by the combine's backward (field fp8_fused_quant)")
     a = p.parse_args(argv)
+    if a.fp8_fused_quant:
+        register_backend("fp8", functools.partial(Fp8Backend, fused_quant=True))
     for variant in a.variants:
         copies = None if not a.copies else (a.copies if len(a.variants) == 1 else f"{a.copies}.{variant}")
         with contextlib.redirect_stdout(sys.stderr):  # the trainer's own lines: stdout carries only JSON
@@ -467,6 +477,8 @@ def main(argv: list[str] | None = None) -> int:
                               copies)
         if a.label:
             rec = {"label": a.label, **rec}
+        if a.fp8_fused_quant:
+            rec["fp8_fused_quant"] = True
         emit(rec, a.out)
     return 0
 
