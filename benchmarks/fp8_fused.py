@@ -42,8 +42,9 @@ Measurements:
   variants of the row quantiser over live rows (``row_block``: rows, warps, programs per SM of
   ``fp8_quant.ROW_BLOCK_WIDE``; of the 1x128 one, ``group_block``: rows, columns, warps, programs per SM
   of ``fp8_quant.GROUP_BLOCK``) and of the combine's tile without a weight gradient (``combine_tile``:
-  ``fp8_fused_rows.COMBINE_QUANT_TILE``). On the CPU under ``TRITON_INTERPRET=1`` the kernels run
-  in Triton's interpreter (``--smoke``).
+  ``fp8_fused_rows.COMBINE_QUANT_TILE``). ``copy_rows`` (a copy of the live rows, ``x.clone()``) gives the
+  copy bandwidth at this size, the yardstick of the others' ``gbps``. On the CPU under
+  ``TRITON_INTERPRET=1`` the kernels run in Triton's interpreter (``--smoke``).
 
 Expert weights are drawn on the device; their FP8 copies are made once and cached for every
 timed step, as for the micro-batches of one optimizer step. Times: median of CUDA-event timings
@@ -282,6 +283,8 @@ def quant_kernels(M, live_counts, H, A, device, ue8m0, k=8, old=None, sweep=Fals
             emit(device=device.type, bench="quant_kernels", op=op, group=group, impl=impl, **common, **kw,
                  us=round(ms * 1e3, 1), gbps=round(nbytes / ms / 1e6, 1))
 
+        # the copy bandwidth at this size: the live rows read and written once (torch's copy kernel)
+        timed("copy_rows", lambda: x_NH.clone(), n * 2 * row_b, None)
         # the kernels without codes (rows.py's), timed once
         timed("scatter_rows", lambda: scatter_rows(x_NH, dest, M), n * 2 * row_b, None)
         timed("combine_bwd", lambda: combine_bwd(x_NH, None, dest, w_N1, M, False), n * 2 * row_b, None, k=1,
