@@ -11,11 +11,12 @@ import torch
 from omegaconf import OmegaConf
 
 from dropless.config import ConfigError, ModelArgs
+from dropless.layout import aligned_capacity
 from dropless.train.config import compose, config_dir, list_recipes, model_args
 from dropless.train.dist import default_num_threads, mesh_shape, resolve_ep_size
 from dropless.train.optim import lr_at
 from dropless.train.schema import DispatcherConfig
-from dropless.train.startup import alignment_note, check_train_config
+from dropless.train.startup import alignment_note, check_train_config, chunk_rows
 
 V3_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
              "first_k_dense_replace", "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
@@ -154,6 +155,12 @@ def test_cuda_graph_config_errors(tmp_path):
     assert not (tmp_path / "run").exists()  # refused before the run dir is made
 
 
+def _alignment_note(args, tokens, ep_size=1):
+    """The alignment note as start_up composes it: the chunk's rows, the layout's capacity, the judgement."""
+    rows, local = chunk_rows(args, tokens, ep_size)
+    return alignment_note(args.expert_alignment, local, rows, aligned_capacity(rows, local, args.expert_alignment))
+
+
 def test_alignment_note_warns_when_padding_outgrows_the_routed_rows():
     """A huge model.expert_alignment is valid but pads each expert's segment far beyond its rows (a user saw
     the CPU recipe run 4x slower at A = 100000): the note names the alignment and both row counts; the
@@ -161,19 +168,22 @@ def test_alignment_note_warns_when_padding_outgrows_the_routed_rows():
     for recipe in list_recipes():
         cfg = compose([f"recipe={recipe}"])
         ep = cfg.dispatcher.get("ep_size") or 1
-        assert alignment_note(model_args(cfg), cfg.train.micro_batch_size * cfg.train.seq_len, ep) is None, recipe
+        assert _alignment_note(model_args(cfg), cfg.train.micro_batch_size * cfg.train.seq_len, ep) is None, recipe
     args = model_args(compose(["model.expert_alignment=100000"]))
     cfg = compose([])
     tokens = cfg.train.micro_batch_size * cfg.train.seq_len
-    note = alignment_note(args, tokens)
+    note = _alignment_note(args, tokens)
     rows = tokens * args.num_experts_per_tok
+    assert chunk_rows(args, tokens) == (rows, args.n_routed_experts)
     pad = (args.n_routed_experts - 1) * 99999  # the layout's capacity bound: the last segment is not padded
     assert note is not None and "model.expert_alignment=100000" in note and f"{pad:,}" in note and f"{rows:,}" in note
     # the bound is per chunk and per rank's local experts
     a = dataclasses.replace(args, expert_alignment=rows // args.n_routed_experts + 1)
-    assert alignment_note(a, tokens) is None
-    assert alignment_note(dataclasses.replace(a, num_token_chunks=2), tokens) is not None
-    assert alignment_note(dataclasses.replace(a, num_token_chunks=2), tokens, ep_size=2) is None
+    assert _alignment_note(a, tokens) is None
+    assert _alignment_note(dataclasses.replace(a, num_token_chunks=2), tokens) is not None
+    assert _alignment_note(dataclasses.replace(a, num_token_chunks=2), tokens, ep_size=2) is None
+    assert chunk_rows(dataclasses.replace(a, num_token_chunks=2), tokens, ep_size=2) == (rows // 2,
+                                                                                          args.n_routed_experts // 2)
 
 
 def test_mesh_checks(monkeypatch):
@@ -375,7 +385,8 @@ def test_a_dict_override_sets_a_field_that_is_null_and_merges_into_one_that_is_n
     # these four passed --cfg and failed only when the run started
     ("device=tpu", "device='tpu'"),
     ("train.loss_impl=foo", "train.loss_impl='foo'"),
-    ("dispatcher.ep_size=0", "dispatcher.ep_size=0"),
+    ("dispatcher=a2a dispatcher.ep_size=0", "dispatcher.ep_size=0"),
+    ("dispatcher.ep_size=0", "dispatcher=local with EP = 0"),  # local takes EP = 1 only: the message says so
     ("dispatcher.ep_size=3", "dispatcher=local with EP = 3"),
     ("model.recompute_gather=true dispatcher=a2a", "model.recompute_gather=true"),
     # cpu_peak_flops is no Optional: its message offered null, which the schema refuses

@@ -31,6 +31,7 @@ from torch import nn
 
 from dropless.config import ConfigError
 from dropless.dispatch.base import Dispatcher
+from dropless.model import Transformer
 
 __all__ = ["compile_blocks", "check_compile", "check_compile_moe", "eager_regions"]
 
@@ -91,20 +92,16 @@ def _compile_problem(device: torch.device, backend: str) -> str | None:
     return None
 
 
-def compile_blocks(model: nn.Module, backend: str = "inductor", moe: bool = False) -> nn.Module:
+def compile_blocks(model: Transformer, backend: str = "inductor", moe: bool = False) -> Transformer:
     """Compile every decoder block of ``model`` in place.
 
     Args:
-        model: a :class:`~dropless.model.Transformer` (its ``layers``).
+        model: the Transformer (its ``layers``).
         backend: the ``torch.compile`` backend (``inductor``; ``aot_eager`` for CPU tests).
         moe: also compile the MoE router and routed part (``local`` dispatcher, no activation
             checkpointing: :func:`check_compile_moe`); False keeps them eager.
     Returns: ``model``.
-    Raises:
-        ValueError: ``model`` has no ``layers``.
     """
-    if not hasattr(model, "layers"):
-        raise ValueError(f"compile_blocks: expected a dropless Transformer with .layers, got {type(model).__name__}")
     for block in model.layers.values():
         if getattr(block, "moe_enabled", False) and not moe:
             layer = block.moe

@@ -76,8 +76,11 @@ class Console:
         if self.main:
             tqdm.write(" ".join(str(x) for x in a), file=sys.stdout)
 
-    def warn(self, note: str) -> None:
-        """Print a start-up warning (rank 0) and keep it in :attr:`warnings`."""
+    def warn(self, note: str | None) -> None:
+        """Print a start-up warning (rank 0) and keep it in :attr:`warnings`; None (the start-up notes'
+        "nothing to say") does neither."""
+        if note is None:
+            return
         self.warnings.append(note)
         self.print(f"[dropless] warning: {note}")
 

@@ -324,14 +324,12 @@ def run_val_windows(ids: np.ndarray, seq_len: int, batch_size: int, num_batches:
                     validates: bool) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], str | None]:
     """A run's validation micro-batches (:func:`val_windows`) and a warning when there are fewer than
     ``num_batches`` (``train.val_batches``), else None. A run that never validates (``validates`` false:
-    ``train.val_every=0``) gets none instead of the error for a split too small for one micro-batch."""
-    try:
-        batches = val_windows(ids, seq_len, batch_size, num_batches, rank, world_size)
-    except ConfigError:
-        if validates:
-            raise
+    ``train.val_every=0``) gets none: :meth:`~dropless.train.trainer.Trainer.validate` makes them when
+    asked (then the error for a split too small for one micro-batch comes)."""
+    if not validates:
         return [], None
-    if len(batches) >= num_batches or not validates:
+    batches = val_windows(ids, seq_len, batch_size, num_batches, rank, world_size)
+    if len(batches) >= num_batches:
         return batches, None
     return batches, (f"train.val_batches={num_batches}: the validation split holds {len(batches)} micro-batch(es) "
                      "per rank; validating on those (more: data.val_fraction, or a longer data.val_path)")

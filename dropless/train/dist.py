@@ -36,7 +36,7 @@ from dropless.dispatch.mesh import build_mesh, check_ep_size, start_process_grou
 from dropless.train.schema import DispatcherConfig, RunConfig
 
 __all__ = ["resolve_dist_backend", "DistEnv", "resolve_ep_size", "mesh_shape", "init_distributed",
-           "default_num_threads", "usable_cores", "collective_failure", "elastic_restart"]
+           "default_num_threads", "usable_cores", "launch_rank", "collective_failure", "elastic_restart"]
 
 
 def resolve_dist_backend(want: Any, device: torch.device, local_world_size: int, gpus: int | None = None) -> str:
@@ -190,12 +190,17 @@ def _device(device_cfg: str, local_rank: int, recipe: str | None = None) -> torc
     return torch.device("cpu")
 
 
+def launch_rank() -> int:
+    """This process's rank from torchrun's environment (``RANK``; 0 alone): known before the process group."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def init_distributed(cfg: RunConfig) -> DistEnv:
     """Set up the process group (under torchrun), the device and the mesh, for the checked config
     (:func:`~dropless.train.startup.check_train_config`'s typed :class:`RunConfig`, whose mesh shape
     :func:`mesh_shape` checked before any collective)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
+    rank = launch_rank()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     device = _device(cfg.device, local_rank, cfg.recipe)

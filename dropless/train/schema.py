@@ -253,10 +253,11 @@ class DispatcherConfig:
         return dispatcher_class(self.name)
 
     def validate(self) -> None:
-        """A known ``name``; ``ep_size`` null or >= 1, and 1 where the dispatcher keeps every expert on every rank."""
+        """A known ``name``, and ``ep_size`` 1 (or null) where the dispatcher keeps every expert on every rank
+        (:meth:`~dropless.dispatch.base.Dispatcher.check_ep`). That ``ep_size`` is >= 1 and fits the world and
+        the experts is the library's rule (:func:`~dropless.dispatch.mesh.check_ep_size`), which
+        :func:`~dropless.train.dist.mesh_shape` asks next."""
         kind = self.kind  # an unknown name raises here
-        need(self.ep_size is None or self.ep_size >= 1, "dispatcher.ep_size", self.ep_size,
-             "must be a positive integer (or null: the world size for an expert-parallel dispatcher)")
         if self.ep_size is not None:
             kind.check_ep(self.ep_size)
 

@@ -50,6 +50,7 @@ from dropless.config import ConfigError
 from dropless.dispatch.base import Dispatcher
 from dropless.dispatch.fsdp import FSDPDispatcher
 from dropless.expert_dtensor import ep_dp_mesh
+from dropless.model import Transformer
 from dropless.moe import MoE
 
 __all__ = ["apply_fsdp", "ep_dp_mesh", "expert_shard_dim", "shard_dense_params", "shard_experts", "world_mesh"]
@@ -64,13 +65,13 @@ def world_mesh(device_type: str) -> DeviceMesh:
     return DeviceMesh.from_group(dist.group.WORLD, device_type, mesh_dim_names=("world",))
 
 
-def shard_dense_params(model: nn.Module, world_size: int, device_type: str,
+def shard_dense_params(model: Transformer, world_size: int, device_type: str,
                        reshard_after_forward: bool = True, mp_policy: Any = None) -> Any:
     """FSDP2-shard every non-expert parameter of ``model`` over all ``world_size`` ranks.
 
     Args:
-        model: a :class:`~dropless.model.Transformer` (its ``layers`` are the blocks; its
-            ``expert_parameters()`` the routed experts, which are not sharded here).
+        model: the Transformer (its ``layers`` are the blocks; its ``expert_parameters()`` the
+            routed experts, which are not sharded here).
         world_size: ranks in the default process group.
         device_type: ``"cuda"`` or ``"cpu"``.
         reshard_after_forward: free each block's gathered parameters after its forward
@@ -79,14 +80,9 @@ def shard_dense_params(model: nn.Module, world_size: int, device_type: str,
             (the trainer's bf16: ``param_dtype=bf16, reduce_dtype=fp32``).
     Returns:
         the 1-D ``("world",)`` DeviceMesh used, or None in one process.
-    Raises:
-        ValueError: ``model`` has no ``layers`` (not a dropless Transformer).
     """
     if world_size <= 1:
         return None
-    if not hasattr(model, "layers") or not hasattr(model, "expert_parameters"):
-        raise ValueError("shard_dense_params: expected a dropless.model.Transformer (with .layers and "
-                         f".expert_parameters()), got {type(model).__name__}")
     mesh = world_mesh(device_type)
     # experts that FSDP2 already manages (the fsdp dispatcher) are skipped by fully_shard as
     # nested FSDP modules; the others (EP shards) must be named as ignored

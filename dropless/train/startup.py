@@ -1,17 +1,20 @@
-"""What a run does before its first step: the config checks, determinism, the model.
+"""What a run does before its first step: the config checks, the machine checks, determinism, the model.
 
 :func:`check_train_config` raises every error that the config alone can show, before any work
-(``dropless-train`` calls it before printing the resolved config); :func:`check_logging` refuses a
-``logging.mode`` that wandb cannot start (no login for ``online``); :func:`alignment_note` warns
-about a padding-heavy ``model.expert_alignment``; :func:`set_deterministic` applies ``deterministic=true``;
-:func:`compute_dtype` reads ``train.dtype``; :func:`build_model` makes the initialised model
-with its dispatcher and FSDP2 sharding. :class:`dropless.train.trainer.Trainer` calls them in
-this order (the run directory, picked and locked, is :mod:`dropless.train.run_dir`).
+(``dropless-train`` calls it before printing the resolved config); :func:`set_deterministic` applies
+``deterministic=true``; :func:`start_up`, once the process group stands, checks what the config asks of
+this machine (:func:`check_logging` refuses a ``logging.mode`` that wandb cannot start, no login for
+``online``; :func:`check_state_fits` the training state in memory) and gathers the start-up warnings
+(:func:`alignment_note` warns about a padding-heavy ``model.expert_alignment``); :func:`build_model`
+makes the initialised model with its dispatcher and FSDP2 sharding.
+:class:`dropless.train.trainer.Trainer` calls them in this order (the run directory, picked and locked,
+is :mod:`dropless.train.run_dir`).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +29,8 @@ from dropless.dispatch import build_dispatcher
 from dropless.dispatch.base import Dispatcher
 from dropless.layout import aligned_capacity
 from dropless.model import Transformer
+from dropless.model.loss import resolve_loss_impl
+from dropless.model.params import ParamCounts, param_counts
 from dropless.model.rope import check_positions
 from dropless.ops.backends import check_backend_device, check_backend_name, check_backend_shapes
 from dropless.train.compile import check_compile, check_compile_moe
@@ -85,54 +90,88 @@ def check_train_config(cfg: DictConfig) -> RunConfig:
     return run
 
 
-def check_machine(cfg: RunConfig, args: ModelArgs, env: DistEnv, dtype: torch.dtype, total_params: int) -> None:
-    """ConfigError for what the config asks of this machine and cannot get, before the data is read and
-    the run directory made: the GEMM backend on this device (e.g. gemm=fp8 without FP8 tensor cores) and
-    its row sizes, the dispatcher's package (e.g. deepep's), the training state in memory
-    (:func:`check_state_fits`; else an OOM kill while building), ``torch.compile``'s backend, CUDA
-    graphs on a CUDA device, and the wandb login (:func:`check_logging`)."""
-    t = cfg.train
-    check_state_fits(total_params, dtype, env, async_staging=t.ckpt_async)
+@dataclass
+class StartUp:
+    """What :func:`start_up` resolved for this machine, and what it has to say.
+
+    Attributes:
+        dtype: the compute dtype (:func:`compute_dtype`).
+        param_counts: the model's parameter counts (:func:`~dropless.model.params.param_counts`).
+        loss_impl, loss_note: ``train.loss_impl`` resolved, and the line that says what was picked and why
+            (:func:`~dropless.model.loss.resolve_loss_impl`).
+        warnings: the start-up warnings, in the order they are printed.
+    """
+
+    dtype: torch.dtype
+    param_counts: ParamCounts
+    loss_impl: str
+    loss_note: str
+    warnings: list[str]
+
+
+def start_up(cfg: RunConfig, env: DistEnv) -> StartUp:
+    """What the config asks of this machine, resolved and checked, and the start-up warnings: the step
+    between the process group (:func:`~dropless.train.dist.init_distributed`) and the data.
+
+    ConfigError for what the machine cannot give, before the data is read and the run directory made:
+    the trainer's own parts first (``torch.compile``'s backend, CUDA graphs on a CUDA device, the wandb
+    login: :func:`check_logging`, a collective that every rank reaches), then the library's, from the
+    model down (``train.loss_impl``, e.g. liger off CUDA; the dispatcher's package, e.g. deepep's; the
+    GEMM backend on this device, e.g. gemm=fp8 without FP8 tensor cores, and its row sizes; the
+    experts' row layout), then the training state in memory (:func:`check_state_fits`; else an OOM
+    kill while building).
+
+    Warnings (valid settings, rarely meant): :func:`alignment_note`, :func:`schedule_note`,
+    :func:`threads_note`, :func:`dispatcher_note`, :func:`shard_experts_note`.
+    """
+    t, args = cfg.train, cfg.model
+    dtype = compute_dtype(t, env.device)
+    rows, local = chunk_rows(args, t.micro_batch_size * t.seq_len, env.ep_size)
+    # the trainer's own parts
     if t.compile:
         check_compile(env.device, t.compile_backend)
     if t.cuda_graph:  # (loss_impl=liger: resolve_loss_impl refuses it)
         check_graph_device(env.device)
     check_logging(cfg, env)  # (a collective: every rank reaches it)
+    # the library's, from the model down to the experts' row layout
+    counts = param_counts(args)
+    loss_impl, loss_note = resolve_loss_impl(t.loss_impl, env.device, t.cuda_graph)
     cfg.dispatcher.kind.check_available()
     check_backend_device(args.gemm, env.device)
     check_backend_shapes(args.gemm, env.device, dtype, args.hidden_size, args.moe_intermediate_size)
+    capacity = aligned_capacity(rows, local, args.expert_alignment)
+    # what they add up to: the training state in memory, and the warnings
+    check_state_fits(counts.total, dtype, env, async_staging=t.ckpt_async)
+    notes = (alignment_note(args.expert_alignment, local, rows, capacity), schedule_note(cfg),
+             threads_note(cfg, env), dispatcher_note(cfg.dispatcher.kind, env), shard_experts_note(cfg, args, env))
+    return StartUp(dtype, counts, loss_impl, loss_note, [n for n in notes if n])
 
 
-def start_notes(cfg: RunConfig, args: ModelArgs, env: DistEnv) -> list[str]:
-    """The start-up warnings that the config and the world give: :func:`alignment_note`,
-    :func:`schedule_note`, :func:`threads_note`, :func:`dispatcher_note`, :func:`shard_experts_note`."""
-    tokens = cfg.train.micro_batch_size * cfg.train.seq_len
-    notes = (alignment_note(args, tokens, env.ep_size), schedule_note(cfg), threads_note(cfg, env),
-             dispatcher_note(cfg.dispatcher.kind, env), shard_experts_note(cfg, args, env))
-    return [n for n in notes if n]
+def chunk_rows(args: ModelArgs, tokens: int, ep_size: int = 1) -> tuple[int, int]:
+    """``(R, e)``: the routed rows of one token chunk on a rank, ``R = T·k / chunks`` (``tokens`` = ``T``, a
+    rank's tokens per micro-batch), and the rank's local experts, ``e = E / ep_size`` (``ep_size``
+    dividing ``E`` as :func:`~dropless.train.dist.mesh_shape` checked): what one chunk's landed buffer
+    holds before alignment."""
+    return tokens * args.num_experts_per_tok // max(1, args.num_token_chunks), args.n_routed_experts // ep_size
 
 
-def alignment_note(args: ModelArgs, tokens: int, ep_size: int = 1) -> str | None:
-    """A warning when ``model.expert_alignment`` lets padding outgrow the routed rows, else None.
+def alignment_note(alignment: int, local: int, rows: int, capacity: int) -> str | None:
+    """A warning when ``model.expert_alignment`` (``alignment`` = ``A``) lets padding outgrow the routed rows,
+    else None.
 
-    Each local expert's segment of the landed buffer starts on a multiple of ``A``, so a
-    chunk's buffer of ``R = T·k / chunks`` routed rows (``tokens`` = ``T``, a rank's tokens per
-    micro-batch) has room for ``(e − 1)·(A − 1)`` padding rows beside them (``e = E / ep_size`` local
-    experts, ``ep_size`` dividing ``E`` as :func:`~dropless.train.dist.mesh_shape` checked;
-    :func:`dropless.layout.aligned_capacity`). Padding is never computed on the Triton
-    paths but costs memory everywhere, and compute on the torch (CPU) path: a valid but almost
-    surely unintended setting when it exceeds ``R``.
+    Each of the ``local`` experts' segments of the landed buffer starts on a multiple of ``A``, so a
+    chunk's buffer of ``rows`` routed rows (:func:`chunk_rows`) holds ``capacity`` rows
+    (:func:`dropless.layout.aligned_capacity`: room for ``(e − 1)·(A − 1)`` padding rows beside them).
+    Padding is never computed on the Triton paths but costs memory everywhere, and compute on the
+    torch (CPU) path: a valid but almost surely unintended setting when it exceeds ``rows``.
     """
-    a = int(args.expert_alignment)
-    local = args.n_routed_experts // ep_size
-    rows = tokens * args.num_experts_per_tok // max(1, args.num_token_chunks)
-    pad = aligned_capacity(rows, local, a) - rows
+    pad = capacity - rows
     if pad <= rows:
         return None
-    return (f"model.expert_alignment={a}: each of the {local} local experts' row segments starts on a multiple "
-            f"of {a}, so a chunk's landed buffer can hold {pad:,} padding rows beside its {rows:,} routed rows "
-            "(memory on every path, compute on the torch/CPU path); lower it: 1 (the default) unless a "
-            "backend needs more, e.g. 128 for gemm=deep_gemm; 8 or 16 are common")
+    return (f"model.expert_alignment={alignment}: each of the {local} local experts' row segments starts on a "
+            f"multiple of {alignment}, so a chunk's landed buffer can hold {pad:,} padding rows beside its "
+            f"{rows:,} routed rows (memory on every path, compute on the torch/CPU path); lower it: 1 (the "
+            "default) unless a backend needs more, e.g. 128 for gemm=deep_gemm; 8 or 16 are common")
 
 
 #: Bytes of training state per parameter, by compute dtype: bf16 weights + fp32 masters + two fp32 AdamW

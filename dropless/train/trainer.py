@@ -31,29 +31,19 @@ from typing import Any
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from dropless.config import ConfigError
 from dropless.convert import init_from
-from dropless.model.loss import resolve_loss_impl
-from dropless.model.params import param_counts
 from dropless.train import checkpoint as ckpt
 from dropless.train.compile import compile_blocks
 from dropless.train.console import Console, StopSignals, divergence
-from dropless.train.data import ShardedLoader, load_tokens, run_val_windows
-from dropless.train.dist import init_distributed
+from dropless.train.data import ShardedLoader, load_tokens, run_val_windows, val_windows
+from dropless.train.dist import init_distributed, launch_rank
 from dropless.train.grads import GradBuckets, clip_note, folds_clip
 from dropless.train.graph import MicroBatchGraphs
 from dropless.train.metrics import MetricsLogger, peak_flops
 from dropless.train.optim import MasterWeights, RouterBiasUpdate, build_optimizer, build_scheduler, is_dtensor, lr_at
 from dropless.train.progress import Progress
 from dropless.train.run_dir import claim_run_dir, resolve_run_dir, save_config
-from dropless.train.startup import (
-    build_model,
-    check_machine,
-    check_train_config,
-    compute_dtype,
-    set_deterministic,
-    start_notes,
-)
+from dropless.train.startup import build_model, check_train_config, set_deterministic, start_up
 from dropless.train.state import ModelState, OptimizerState, RngState
 from dropless.train.step import NonFiniteError, StepLoop
 from dropless.train.validation import validation_loss
@@ -117,7 +107,7 @@ class Trainer(StepLoop):
             self.print(f"[dropless] {self.metrics.note}")
 
     def _check(self, cfg: DictConfig) -> None:
-        """The config, the world and the device: every check before the data is read and the run dir made."""
+        """The config, the world and the machine: every check before the data is read and the run dir made."""
         #: the config as composed (Hydra's DictConfig), and as checked typed objects (the schema's dataclasses)
         self.cfg, self.run = cfg, check_train_config(cfg)
         t = self.run.train
@@ -125,19 +115,17 @@ class Trainer(StepLoop):
             set_deterministic(self.run.seed)
         self.args = self.run.model  # the validated ModelArgs
         self.seq_len, self.batch, self.accum, self.steps = t.seq_len, t.micro_batch_size, t.grad_accum, t.steps
-        self.env = env = init_distributed(self.run)
-        self.main = env.is_main
+        self.main = launch_rank() == 0  # rank 0 prints and logs (torchrun's RANK: known before the process group)
         self.console = Console(self.main, self.run.logging.progress)
         self.warnings = self.console.warnings
         self.signals = StopSignals(self.console)
+        self.env = env = init_distributed(self.run)
         # what the config asks of this machine, resolved and checked (ConfigError for what it cannot get)
-        self.dtype = compute_dtype(t, env.device)
-        self.param_counts = param_counts(self.args)
-        self.loss_impl, loss_note = resolve_loss_impl(t.loss_impl, env.device, t.cuda_graph)
-        check_machine(self.run, self.args, env, self.dtype, self.param_counts.total)
-        for note in start_notes(self.run, self.args, env):
+        start = start_up(self.run, env)
+        self.dtype, self.param_counts, self.loss_impl = start.dtype, start.param_counts, start.loss_impl
+        for note in start.warnings:
             self.console.warn(note)
-        self.print(f"[dropless] loss: {loss_note}")
+        self.print(f"[dropless] loss: {start.loss_note}")
 
     def _load_data(self, cfg: DictConfig) -> None:
         """The tokens, the training loader and the validation batches; then the run directory, claimed."""
@@ -149,8 +137,7 @@ class Trainer(StepLoop):
                                     self.run.seed, pin_memory=env.device.type == "cuda")
         self.val_batches, note = run_val_windows(self.tokens.val, self.seq_len, self.batch, t.val_batches,
                                                  env.rank, env.world_size, validates)
-        if note:
-            self.console.warn(note)
+        self.console.warn(note)
         #: rank 0's lock on the run directory (one run at a time in it), released by close()
         self.run_dir, self._run_dir_lock = claim_run_dir(self.run_dir, env, fresh=not cfg.run_dir)
         if self._run_dir_lock is not None and self._run_dir_lock.note:
@@ -225,9 +212,8 @@ class Trainer(StepLoop):
         self.checkpoints.load(found[1])
         self.masters.refresh()
         self.resumed_from = self.step
-        note = ckpt.world_size_note(found[1], env.world_size) if self.step < self.steps else None
-        if note:
-            self.console.warn(note)
+        if self.step < self.steps:
+            self.console.warn(ckpt.world_size_note(found[1], env.world_size))
 
     def print(self, *a: Any) -> None:
         """Print on rank 0 (:meth:`dropless.train.console.Console.print`)."""
@@ -339,12 +325,12 @@ class Trainer(StepLoop):
         judges it).
 
         Raises:
-            ConfigError: the run has no validation micro-batches (``train.val_every=0`` with
-                ``data.val_fraction=0`` or a split smaller than one micro-batch per rank)."""
-        if not self.val_batches:
-            raise ConfigError("no validation micro-batches: this run has train.val_every=0 and a validation split "
-                              "too small for one micro-batch per rank (or data.val_fraction=0); raise "
-                              "data.val_fraction or give data.val_path")
+            ConfigError: the validation split holds less than one micro-batch per rank
+                (:func:`~dropless.train.data.val_windows`; a run with ``train.val_every=0`` makes its
+                micro-batches here, at the first call, so ``data.val_fraction=0`` says so here too)."""
+        if not self.val_batches:  # train.val_every=0: none made at the start
+            self.val_batches = val_windows(self.tokens.val, self.seq_len, self.batch, self.run.train.val_batches,
+                                           self.env.rank, self.env.world_size)
         v = validation_loss(self.model, self.val_batches, self.balancer.routers, self.env, self._loss)
         self._t_mark = None
         return v
