@@ -135,7 +135,8 @@ if select.HAS_TRITON:
                                   GROUP: tl.constexpr, UE8M0: tl.constexpr, NUM_HB: tl.constexpr,
                                   BLOCK_H: tl.constexpr, NUM_AB: tl.constexpr, BLOCK_A: tl.constexpr):
         """rows.py's combine-backward kernel (all ``k`` choices of token ``n`` as one ``[KP, BLOCK_H]`` tile,
-        the same loop: equal rows and weight gradient) plus the codes and scales of each gradient row.
+        the same loop: equal rows, and the weight gradient's sums in the same blocks, equal up to the fp32
+        rounding of the compiled sum) plus the codes and scales of each gradient row.
 
         The scales come from the token's ``|g|`` maxima, not from the ``k`` rows (:func:`_row_scales`):
         ``GROUP`` 0, a first pass over ``g`` alone (``BLOCK_A`` columns a step, one read of the token's
@@ -195,13 +196,14 @@ if select.HAS_TRITON:
             if NEED_GW:
                 y = tl.load(rows_ptr + d64[:, None] * stride_r + cols[None, :], mask=m2, other=0.0).to(tl.float32)
                 dot += tl.sum(g[None, :] * y, axis=1)
-        if NEED_GW:
-            tl.store(grad_w_ptr + n * K + js, dot, mask=jmask)
+        if NEED_GW:  # 0 for a choice landed nowhere, whatever the token's gradient (NaN · 0 is NaN)
+            tl.store(grad_w_ptr + n * K + js, tl.where(live, dot, 0.0), mask=jmask)
         tl.atomic_max(flag_ptr, nbad, mask=nbad > 0)
 
 
 #: Columns per block and warps of the fused kernels (a block holds whole 1x128 groups). The combine's
-#: are rows.py's (its weight gradient sums each block's products in the same order: equal bit for bit).
+#: are rows.py's (its weight gradient sums the same blocks of products; on a GPU the compiled sums may round
+#: differently in the last bits).
 FUSED_BLOCK_H, FUSED_WARPS = 1024, 4
 #: Columns a step of the combine's amax pass over a token's gradient (one scale per row): 16 bf16 a thread
 #: at COMBINE_BWD_WARPS warps, two 16-byte loads.
@@ -258,7 +260,7 @@ def _combine_quant_launch(g: torch.Tensor, y: torch.Tensor | None, dest: torch.T
     need_gw = grad_w is not None
     y = y if need_gw else grad_y
     kp = triton.next_power_of_2(k)
-    # with the weight gradient, rows.py's blocks (its dot products summed in the same order); without, blocks
+    # with the weight gradient, rows.py's blocks (its dot products summed over the same blocks); without, blocks
     # of COMBINE_QUANT_TILE elements (one choice, as the a2a dispatcher's combine: 2,048 columns, not 256)
     bh = COMBINE_BWD_BLOCK_H if need_gw else max(COMBINE_BWD_BLOCK_H, COMBINE_QUANT_TILE // kp)
     bh = min(bh, triton.next_power_of_2(h))

@@ -102,8 +102,8 @@ if select.HAS_TRITON:
             if NEED_GW:
                 y = tl.load(rows_ptr + d64[:, None] * stride_r + cols[None, :], mask=m2, other=0.0).to(tl.float32)
                 dot += tl.sum(g[None, :] * y, axis=1)
-        if NEED_GW:
-            tl.store(grad_w_ptr + n * K + js, dot, mask=jmask)
+        if NEED_GW:  # 0 for a choice landed nowhere, whatever the token's gradient (NaN · 0 is NaN)
+            tl.store(grad_w_ptr + n * K + js, tl.where(live, dot, 0.0), mask=jmask)
 
 
 @dataclass
