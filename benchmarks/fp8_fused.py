@@ -6,7 +6,7 @@ run in the same process on the same inputs:
 * ``bf16``: ``gemm=torch``;
 * ``fp8_separate``: ``gemm=fp8`` with ``Fp8Backend(fused_quant=False)``: FC1's landed rows and
   FC2's output gradient each quantised in a pass of their own;
-* ``fp8_fused``: ``gemm=fp8`` with ``Fp8Backend(fused_quant=True)`` (off by default): the local gather writes FC1's
+* ``fp8_fused``: ``gemm=fp8`` (``Fp8Backend(fused_quant=True)``, the default): the local gather writes FC1's
   codes as it lands the rows, the combine's backward writes FC2's output-gradient codes
   (dropless/ops/fp8_fused_rows.py).
 

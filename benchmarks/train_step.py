@@ -49,7 +49,7 @@ Usage::
     python -m benchmarks.train_step --variants eager --steps 50      # e.g. the first 50 losses
     python -m benchmarks.train_step --set model.recompute_fc1=true --set train.activation_checkpointing=true
     python -m benchmarks.train_step --recipe cpu_default --set train.seq_len=32 --warmup 1 --steps 2
-    python -m benchmarks.train_step --variants eager --set gemm=fp8 --fp8-fused-quant
+    python -m benchmarks.train_step --variants eager --set gemm=fp8 --fp8-separate-quant
 """
 
 from __future__ import annotations
@@ -464,12 +464,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="after the profiled steps, one more step with shapes and stacks: write every copy-like "
                         "operator (count, shapes, dtypes, the dropless line that issued it) to FILE "
                         "(FILE.<variant> with several variants)")
-    p.add_argument("--fp8-fused-quant", action="store_true",
-                   help="gemm=fp8 as Fp8Backend(fused_quant=True): FC1's rows quantised by the gather that lands "
-                        "them, FC2's output gradient by the combine's backward (field fp8_fused_quant)")
+    p.add_argument("--fp8-separate-quant", action="store_true",
+                   help="gemm=fp8 as Fp8Backend(fused_quant=False): FC1's rows and FC2's output gradient each "
+                        "quantised in a pass of its own, not by the kernels that write them (field "
+                        "fp8_separate_quant)")
     a = p.parse_args(argv)
-    if a.fp8_fused_quant:
-        register_backend("fp8", functools.partial(Fp8Backend, fused_quant=True))
+    if a.fp8_separate_quant:
+        register_backend("fp8", functools.partial(Fp8Backend, fused_quant=False))
     for variant in a.variants:
         copies = None if not a.copies else (a.copies if len(a.variants) == 1 else f"{a.copies}.{variant}")
         with contextlib.redirect_stdout(sys.stderr):  # the trainer's own lines: stdout carries only JSON
@@ -477,8 +478,8 @@ def main(argv: list[str] | None = None) -> int:
                               copies)
         if a.label:
             rec = {"label": a.label, **rec}
-        if a.fp8_fused_quant:
-            rec["fp8_fused_quant"] = True
+        if a.fp8_separate_quant:
+            rec["fp8_separate_quant"] = True
         emit(rec, a.out)
     return 0
 

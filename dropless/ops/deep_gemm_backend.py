@@ -72,7 +72,8 @@ class DeepGemmBackend(Fp8Backend):
             pass a CPU stand-in with the same functions.
         emulate: with a stand-in module: no CUDA device check, fp32 operands accepted.
         ue8m0: power-of-two scales (DeepGEMM then skips its own UE8M0 cast).
-        fused_quant: as :class:`~dropless.ops.fp8_backend.Fp8Backend`'s.
+        fused_quant: as :class:`~dropless.ops.fp8_backend.Fp8Backend`'s, but off by default: the 1x128
+            kernels are measured for this backend only one by one (docs/performance.md#fp8-experts).
         plan_gemms: as :class:`~dropless.ops.fp8_backend.Fp8Backend`'s, but off by default: the crossover
             table (:mod:`dropless.ops.fp8_policy`) is measured for ``gemm=fp8``'s GEMM, not DeepGEMM's.
         wgrad: the weight gradient, as :class:`~dropless.ops.fp8_backend.Fp8Backend`'s.

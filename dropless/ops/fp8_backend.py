@@ -90,8 +90,8 @@ class Fp8Backend:
         ue8m0: power-of-two scales.
         fused_quant: quantise FC1's rows in the local gather that lands them and FC2's output
             gradient in the combine's backward that writes it (:mod:`dropless.ops.fp8_fused_rows`;
-            the same codes and scales). Off by default (a separate quantisation pass over each,
-            ``quant_act``): on an H100 the fused kernels made the seed shape's experts slower
+            the same codes and scales). On by default: on an H100 it makes the seed shape's experts and
+            whole layer faster than a separate quantisation pass over each (``quant_act``)
             (docs/performance.md#fp8-experts; benchmarks/fp8_fused.py measures both).
         plan_gemms: let the MoE layer run in bf16 each GEMM that the measured crossover says FP8 does
             not pay for at the layer's shape (:mod:`dropless.ops.fp8_policy`; said once). None (the
@@ -112,7 +112,7 @@ class Fp8Backend:
     act_group = 0
 
     def __init__(self, emulate: bool = False, fast_accum: bool = True, ue8m0: bool = False, wgrad: str = "bf16",
-                 fused_quant: bool = False, plan_gemms: bool | None = None):
+                 fused_quant: bool = True, plan_gemms: bool | None = None):
         if wgrad not in WGRAD_MODES:
             raise ValueError(f"Fp8Backend: wgrad={wgrad!r}; choose one of {WGRAD_MODES}")
         self.emulate, self.fast_accum, self.ue8m0, self.wgrad = emulate, fast_accum, ue8m0, wgrad

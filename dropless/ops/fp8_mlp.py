@@ -14,8 +14,8 @@ rebuilt from it), plus the row weights if folded and the weights (their FP8 copi
 backend's per-step cache). This is what the bf16 path saves minus its ``[M, I]`` SwiGLU output;
 FC2's gradients are released before FC1's backward runs.
 
-Fused quantisation (``backend.fused_quant``, off by default: on an H100 it measured slower than the
-separate passes, docs/performance.md#fp8-experts): FC2's output gradient is quantised
+Fused quantisation (``backend.fused_quant``, on by default for ``gemm=fp8``,
+docs/performance.md#fp8-experts): FC2's output gradient is quantised
 by the combine's backward that writes it (:mod:`dropless.ops.fp8_grad_rows`), and the ``local``
 dispatcher lands FC1's codes in the gather that lands the rows
 (:func:`~dropless.ops.fp8_rows.permute_fp8`): FC1 then saves the landed rows (``dW13`` reads
