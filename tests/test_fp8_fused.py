@@ -166,7 +166,8 @@ def test_row_amax_is_the_token_amax_times_the_weight():
 @pytest.mark.parametrize("ue8m0", [False, True], ids=["fp32-scales", "ue8m0"])
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float32])
 def test_combine_bwd_quant_equals_quantising_the_gradient_rows(path, group, weighted, need_gw, ue8m0, dt):
-    """``grad_y`` and ``grad_w`` as ``combine_bwd``'s; codes and scales as ``quant_rows`` of ``grad_y`` on live
+    """``grad_y`` as ``combine_bwd``'s, bit for bit; ``grad_w`` and ``combine_bwd``'s each the float64 dot within
+    the fp32 sum's bound (0 for a choice landed nowhere); codes and scales as ``quant_rows`` of ``grad_y`` on live
     rows, bit for bit (quantised from the rows as rounded to their dtype), with weights of both signs and zero,
     a zero token, a token of subnormal magnitudes, one whose columns tie for the amax, an empty expert."""
     n, k, e, h = 40, 3, 6, 384
