@@ -4,10 +4,13 @@
   autograd composes them; with ``poison`` NaN goes into the padding rows of every intermediate
   and of its gradient (``poison_padding``, a debug setting).
 * :class:`Fp8FusedPath` — the fused FP8 node (:mod:`dropless.ops.fp8_mlp`); the one path that
-  takes rows landed as e4m3 codes (:mod:`dropless.ops.fp8_rows`).
+  takes rows landed as e4m3 codes (:mod:`dropless.ops.fp8_rows`). It never saves the SwiGLU
+  output, so it serves ``recompute_swiglu`` as it is, and with ``gathers`` (``recompute_gather``)
+  it takes a :class:`~dropless.permute.RowSource` and lands the rows' codes itself.
 * :class:`RecomputePath` — the selective-recompute nodes (:mod:`dropless.ops.expert_mlp`):
   ``recompute_swiglu``, ``recompute_fc1`` and ``recompute_gather`` (rows given as a
-  :class:`~dropless.permute.RowSource`, gathered inside FC1 and again in backward).
+  :class:`~dropless.permute.RowSource`, gathered inside FC1 and again in backward); with an FP8
+  backend only for ``recompute_fc1`` (each FP8 GEMM there quantises its operand in a pass of its own).
 
 Every path takes rows already in the compute dtype, weights from
 :meth:`~dropless.experts.GroupedExperts.weights` and returns the ``[M, H]`` outputs in that
@@ -92,24 +95,31 @@ class GemmPath(ExpertPath):
 class Fp8FusedPath(ExpertPath):
     """The fused FP8 node (:func:`~dropless.ops.fp8_mlp.fp8_expert_mlp`); FC1 takes landed FP8 rows as they are.
 
+    With ``gathers`` (``recompute_gather``) the rows may come as their
+    :class:`~dropless.permute.RowSource`: FC1 then lands their codes itself and they are never saved;
+    such a path takes no dispatched FP8 rows.
+
     Attributes:
         plan: which of its GEMMs run in FP8 (:mod:`dropless.ops.fp8_policy`; the MoE layer sets it at
             its first forward); FC1 in bf16 takes no FP8 rows.
     """
 
-    def __init__(self, backend: GemmBackend, plan: Fp8Plan = ALL_FP8):
+    def __init__(self, backend: GemmBackend, plan: Fp8Plan = ALL_FP8, gathers: bool = False):
         super().__init__(backend)
-        self.plan = plan
+        self.plan, self.gathers = plan, gathers
 
     @property
     def takes_fp8_rows(self) -> bool:
-        return self.plan.fc1
+        return self.plan.fc1 and not self.gathers
 
     def __call__(self, rows, layout, row_weight_M, w, fp8_rows):
-        check_operands(rows, w.w13, layout, self.backend)
-        check_operands(rows.new_empty(layout.capacity, w.w2.shape[1]), w.w2, layout, self.backend)
-        return fp8_expert_mlp(rows, w.w13, w.w2, row_weight_M, layout, self.backend, w.wgrad, landed=fp8_rows,
-                              plan=self.plan)
+        source = rows if isinstance(rows, RowSource) else None
+        ref = source.x_NH if source is not None else rows
+        check_operands(ref.new_empty(layout.capacity, w.w13.shape[1]) if source is not None else rows, w.w13,
+                       layout, self.backend)
+        check_operands(ref.new_empty(layout.capacity, w.w2.shape[1]), w.w2, layout, self.backend)
+        return fp8_expert_mlp(None if source is not None else rows, w.w13, w.w2, row_weight_M, layout, self.backend,
+                              w.wgrad, landed=fp8_rows, plan=self.plan, source=source)
 
 
 class RecomputePath(ExpertPath):
@@ -144,11 +154,12 @@ class RecomputePath(ExpertPath):
 def choose_path(backend: GemmBackend, *, recompute_swiglu: bool = False, recompute_fc1: bool = False,
                 recompute_gather: bool = False, poison: bool = False) -> ExpertPath:
     """The path for these settings: ``poison`` (a debug setting) overrides the others and lands the rows;
-    any recompute option takes the recompute nodes; else an FP8 backend its fused node; else plain GEMMs."""
+    an FP8 backend takes its fused node unless ``recompute_fc1`` (the node saves FC1's output);
+    any recompute option takes the recompute nodes; else plain GEMMs."""
     if poison:
         return GemmPath(backend, poison=True)
+    if isinstance(backend, Fp8Backend) and not recompute_fc1:
+        return Fp8FusedPath(backend, gathers=recompute_gather)
     if recompute_fc1 or recompute_swiglu or recompute_gather:
         return RecomputePath(backend, recompute_fc1, gathers=recompute_gather)
-    if isinstance(backend, Fp8Backend):
-        return Fp8FusedPath(backend)
     return GemmPath(backend)

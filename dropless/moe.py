@@ -162,9 +162,9 @@ class MoE(nn.Module):
         if (isinstance(self.experts.backend, Fp8Backend) and self.dispatcher.lands_fp8  # shown once per process
                 and self.dispatcher.expert_parallel and not self.experts.takes_fp8_rows):
             warnings.warn(f"gemm={args.gemm} with dispatcher={self.dispatcher.name}: the rows are dispatched in the "
-                          "compute dtype, not as FP8 codes + scales, because recompute_fc1, recompute_swiglu or "
-                          "poison_padding is on (those paths quantise the landed rows themselves); turn them off "
-                          "for FP8 dispatch (docs/design.md#fp8-dispatch)", stacklevel=1)
+                          "compute dtype, not as FP8 codes + scales, because recompute_fc1 or poison_padding is on "
+                          "(those paths quantise the landed rows themselves); turn them off for FP8 dispatch "
+                          "(docs/design.md#fp8-dispatch)", stacklevel=1)
         self.shared_experts = (FeedForward(args.hidden_size, args.n_shared_experts * args.moe_intermediate_size)
                                if args.n_shared_experts > 0 else None)
         self._fp8_plan: Fp8Plan | None = None  # decided at the first forward (_apply_fp8_plan)

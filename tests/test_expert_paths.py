@@ -26,6 +26,10 @@ H, I, E = 16, 8, 4
     (dict(recompute_gather=True), RecomputePath, False, True),
     (dict(fp8=True), Fp8FusedPath, True, False),
     (dict(fp8=True, recompute_fc1=True), RecomputePath, False, False),
+    (dict(fp8=True, recompute_fc1=True, recompute_gather=True), RecomputePath, False, True),
+    (dict(fp8=True, recompute_swiglu=True), Fp8FusedPath, True, False),
+    (dict(fp8=True, recompute_gather=True), Fp8FusedPath, False, True),
+    (dict(fp8=True, recompute_gather=True, recompute_swiglu=True), Fp8FusedPath, False, True),
     (dict(fp8=True, poison=True), GemmPath, False, False),
 ])
 def test_the_path_follows_the_options(opts, path, takes_fp8, gathers):

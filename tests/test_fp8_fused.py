@@ -19,16 +19,19 @@ import pytest
 import torch
 
 from dropless.dispatch import build_dispatcher
+from dropless.dispatch.local import LocalDispatcher
+from dropless.experts import GroupedExperts
 from dropless.moe import MoE
 from dropless.ops import fp8_fused_rows as ff
+from dropless.ops import fp8_mlp, select
 from dropless.ops import rows as rw
-from dropless.ops import select
 from dropless.ops.deep_gemm_backend import DeepGemmBackend
 from dropless.ops.fp8_backend import Fp8Backend
 from dropless.ops.fp8_mlp import fp8_expert_mlp
 from dropless.ops.fp8_quant import _quant_torch, quant_rows
 from dropless.ops.fp8_rows import RowQuantiser, permute_fp8
 from dropless.permute import sort_by_expert
+from dropless.saved_bytes import SavedBytes
 from tests import dist_harness as H
 from tests import fake_deep_gemm
 
@@ -373,14 +376,68 @@ def test_moe_layer_fused_deep_gemm_1x128_and_no_grad():
 
 
 def test_recompute_paths_quantise_themselves():
-    """recompute_gather / recompute_fc1: the local gather lands no codes (those paths quantise the rows they
-    rebuild), with no warning, and the values equal the separate passes'."""
+    """recompute_gather / recompute_fc1: the local gather lands no codes (the fused node lands the codes from the
+    rows' source itself; the recompute nodes quantise the rows they rebuild)."""
     for over in (dict(recompute_gather=True), dict(recompute_fc1=True)):
         m = _moe("local", Fp8Backend(emulate=True, fused_quant=True), **over)
         assert m._row_quantiser(torch.float32) is None
     m = _moe("local", Fp8Backend(emulate=True, fused_quant=True))
     assert m._row_quantiser(torch.float32).group == 0
     assert _moe("local", Fp8Backend(emulate=True, fused_quant=False))._row_quantiser(torch.float32).group is None
+
+
+@pytest.mark.parametrize("over", SCENARIOS, ids=["A1", "A8-fold", "A8-3chunks"])
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
+def test_recompute_gather_equals_the_landed_rows(over, fused, monkeypatch):
+    """gemm=fp8 (emulated) with recompute_gather: FC1 lands the codes from the tokens itself and lands the rows
+    again for dW13; output and every gradient bit for bit those of the same layer with the rows landed and
+    saved. Fused, the landing kernel writes the codes (no quantisation pass over FC1's rows: quant_act runs
+    for FC1's output gradient only, once per chunk), and no compute-dtype copy of the rows is landed in forward."""
+    calls = {"quant": 0, "land": 0}
+    real_quant, real_land = Fp8Backend.quant_act, fp8_mlp.land_rows
+
+    def counting(self, x, layout):
+        calls["quant"] += 1
+        return real_quant(self, x, layout)
+
+    def landing(*a):
+        calls["land"] += 1
+        return real_land(*a)
+
+    monkeypatch.setattr(Fp8Backend, "quant_act", counting)
+    monkeypatch.setattr(fp8_mlp, "land_rows", landing)
+    res = {}
+    for gather in (False, True):
+        calls.update(quant=0, land=0)
+        m = _moe("local", Fp8Backend(emulate=True, fused_quant=fused), recompute_gather=gather, **over)
+        assert m.experts.gathers is gather
+        res[gather] = _run(m)
+        res[gather, "calls"] = dict(calls)
+    chunks = over.get("num_token_chunks", 1)
+    assert res[True, "calls"] == dict(quant=(1 if fused else 3) * chunks, land=(1 if fused else 2) * chunks)
+    assert len(res[True]) == len(res[False]) >= 6
+    for a, b in zip(res[True], res[False]):
+        assert torch.equal(a, b)
+
+
+def test_recompute_gather_saves_what_the_bf16_recompute_nodes_save():
+    """The FP8 node with recompute_gather saves the recompute nodes' tensors (h13, the indices; no landed rows,
+    no SwiGLU output): the same bytes as gemm=torch with recompute_gather."""
+    t, h, i, e, k = 64, 32, 16, 8, 2
+    got, m = {}, t * k
+    for name, gemm in (("torch", "torch"), ("fp8", Fp8Backend(emulate=True))):
+        ex = GroupedExperts(h, i, e, gemm=gemm, recompute_gather=True)
+        ex.init_weights(0, 0)
+        x = torch.randn(t, h, requires_grad=True)
+        idx = torch.randint(0, e, (t, k), generator=torch.Generator().manual_seed(1))
+        d = LocalDispatcher(e).dispatch_source(x, idx, torch.rand(t, k))
+        with SavedBytes([*ex.parameters(), x]) as sb:
+            y = ex(None, d.layout, source=d.source)
+        y.sum().backward()
+        assert x.grad is not None and torch.isfinite(x.grad).all()
+        got[name] = sb.total()
+    # fp32 h13 [M, 2I], int64 src_M (M + 1 slots) and dest_Nk [T, k]
+    assert got["fp8"] == got["torch"] == 4 * m * 2 * i + 8 * (m + 1) + 8 * t * k
 
 
 @pytest.mark.parametrize("path", PATHS, indirect=True)

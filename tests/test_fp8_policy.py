@@ -172,25 +172,31 @@ def test_no_tokens_decides_nothing(fresh):
     assert m._fp8_plan is None
 
 
-def test_recompute_path_runs_each_gemm_where_the_plan_says(fresh):
-    """recompute_gather with gemm=fp8: every GEMM in bf16 equals gemm=torch (same recompute nodes); one GEMM in
-    bf16 runs on the backend's bf16 twin and the others on the FP8 backend."""
+@pytest.mark.parametrize("over", [dict(recompute_gather=True), dict(recompute_fc1=True, recompute_gather=True)],
+                         ids=["fused-node-gathers", "recompute-nodes"])
+def test_recompute_options_run_each_gemm_where_the_plan_says(fresh, over):
+    """gemm=fp8 with recompute_gather (the fused node, landing the rows itself) or recompute_fc1 (the recompute
+    nodes): every GEMM in bf16 equals gemm=torch with the same options; one GEMM in bf16 runs on the backend's
+    bf16 twin and the others on the FP8 backend."""
     fresh(**dict.fromkeys(fp.GEMMS, HUGE))
     with pytest.warns(UserWarning, match=r"fc1 .*fc2 .*fc1_dgrad .*fc2_dgrad .*run in bf16"):
-        got = _run(_moe(recompute_gather=True))
-    ref = MoE(H.model_args(moe_intermediate_size=16, expert_alignment=8, gemm="torch", recompute_gather=True),
-              H.LAYER_ID)
+        got = _run(_moe(**over))
+    ref = MoE(H.model_args(moe_intermediate_size=16, expert_alignment=8, gemm="torch", **over), H.LAYER_ID)
     ref.init_weights()
     want = _run(ref)
     assert len(got) == len(want) >= 6
     for i, (a, b) in enumerate(zip(got, want)):
         assert_scaled(a, b.double(), 1e-5, f"value {i}")
     fresh(fc1_dgrad=HUGE)
-    m = _moe(recompute_gather=True)
+    m = _moe(**over)
     with pytest.warns(UserWarning, match="fc1_dgrad"):
         _run(m)
-    be, gemms = m.experts.backend, m.experts.path.gemms
-    assert gemms.fc1_dgrad is be.bf16 and gemms.fc1 is be and gemms.fc2 is be and gemms.fc2_dgrad is be
+    be, path = m.experts.backend, m.experts.path
+    if over.get("recompute_fc1"):
+        gemms = path.gemms
+        assert gemms.fc1_dgrad is be.bf16 and gemms.fc1 is be and gemms.fc2 is be and gemms.fc2_dgrad is be
+    else:
+        assert path.plan.bf16_gemms() == ["fc1_dgrad"] and path.gathers
 
 
 def test_without_plan_gemms_every_gemm_is_fp8(fresh):

@@ -29,6 +29,13 @@ reads the dequantised codes ``q · s`` (the rows FC1 multiplied; the compute-dty
 reach this rank), its data gradient is the same FP8 ``q(dY) @ q(W13ᵀ)`` as without FP8 dispatch,
 returned for the stand-in input :func:`~dropless.ops.fp8_rows.grad_port`.
 
+Rows given by their source (``recompute_gather``, a :class:`~dropless.ops.rows.RowSource`): FC1
+lands them itself, with ``fused_quant`` as codes and scales only (each token quantised once and
+its codes written to its ``k`` rows), saves the tokens and indices instead of the rows and lands
+them again for ``dW13``. The SwiGLU output is never saved on any of these paths, so this node
+keeps ``recompute_swiglu``'s and ``recompute_gather``'s memory with every quantisation in a kernel
+that runs anyway.
+
 Per-GEMM plan (:class:`~dropless.ops.fp8_policy.Fp8Plan`): a GEMM the plan keeps in bf16 runs
 through the backend's bf16 ``torch`` backend (:attr:`~dropless.ops.fp8_backend.Fp8Backend.bf16`)
 on the unquantised operand: FC1 on the rows (so no FP8-only landed rows), FC2 on the SwiGLU
@@ -43,10 +50,12 @@ from dropless.layout import ExpertLayout
 from dropless.ops import fp8_grad_rows
 from dropless.ops.backward import first_order_only, grad_wanted
 from dropless.ops.fp8_backend import Fp8Backend
+from dropless.ops.fp8_fused_rows import scatter_quant_rows
 from dropless.ops.fp8_policy import ALL_FP8, Fp8Plan
 from dropless.ops.fp8_quant import dequant_rows
 from dropless.ops.fp8_rows import Fp8Rows
 from dropless.ops.grouped_gemm import WgradAccumulator, weight_grad
+from dropless.ops.rows import RowSource, gather_sum, land_rows
 from dropless.ops.swiglu import swiglu_bwd, swiglu_fwd
 
 
@@ -96,6 +105,52 @@ class _Fp8FC1(torch.autograd.Function):
             dw = weight_grad(x_MH, dh13, layout, be if plan.wgrad else be.bf16, w13.dtype,
                              (ctx.wgrad, "w13") if ctx.wgrad is not None else None)
         return dx, dw, None, None, None, None, None, None, None
+
+
+class _Fp8GatherFC1(torch.autograd.Function):
+    """Gather -> FC1 ``x[src] @ W13`` without saving the landed rows (``recompute_gather``); as :class:`_Fp8FC1`
+    otherwise.
+
+    Input: the source tokens ``x_NH [N, H]``. Forward, FC1 in FP8: with ``backend.fused_quant``
+    the landing kernel writes only the codes and scales (each token read and quantised once,
+    :func:`~dropless.ops.fp8_fused_rows.scatter_quant_rows`; no compute-dtype rows), else the
+    rows are landed and quantised by ``quant_act``; FC1 in bf16: the rows are landed. Saves the
+    tokens and the indices. Backward: ``dW13`` from the rows landed again (after the GEMM that
+    needs them is the only one left), then ``dX`` on the rows summed over each token's ``k`` copies
+    (:func:`~dropless.ops.rows.gather_sum`, fp32), ``[N, H]``.
+    """
+
+    @staticmethod
+    def forward(ctx, x_NH, w13, src_M, dest_Nk, layout, backend, wgrad, plan=ALL_FP8):
+        be: Fp8Backend = backend
+        be.check_layout(layout)
+        if plan.fc1 and be.fused_quant:
+            _, codes_MH, scales = scatter_quant_rows(x_NH, src_M, dest_Nk, be.act_group, be.ue8m0, keep_rows=False)
+            h13 = be.scaled_gmm(codes_MH, scales, *be.weight(w13), layout, x_NH.dtype)
+        elif plan.fc1:
+            codes_MH, scales = be.quant_act(land_rows(x_NH, src_M, dest_Nk), layout)
+            h13 = be.scaled_gmm(codes_MH, scales, *be.weight(w13), layout, x_NH.dtype)
+        else:
+            h13 = be.bf16.gmm(land_rows(x_NH, src_M, dest_Nk), w13, layout)
+        ctx.layout, ctx.backend, ctx.wgrad, ctx.plan = layout, be, wgrad, plan
+        ctx.save_for_backward(x_NH, w13, src_M, dest_Nk)
+        return h13
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, dh13):
+        x_NH, w13, src_M, dest_Nk = ctx.saved_tensors
+        be, layout, plan = ctx.backend, ctx.layout, ctx.plan
+        dh13 = dh13.contiguous()
+        dx = dw = None
+        if grad_wanted(ctx, 1):  # first: the landed rows never sit beside dX's [M, H] rows
+            dw = weight_grad(land_rows(x_NH, src_M, dest_Nk), dh13, layout, be if plan.wgrad else be.bf16,
+                             w13.dtype, (ctx.wgrad, "w13") if ctx.wgrad is not None else None)
+        if grad_wanted(ctx, 0):
+            dx_MH = (be if plan.fc1_dgrad else be.bf16).gmm(dh13, w13.transpose(1, 2), layout)
+            del dh13
+            dx = gather_sum(dx_MH, dest_Nk, None)
+        return dx, dw, None, None, None, None, None, None
 
 
 class _Fp8SwiGLUFC2(torch.autograd.Function):
@@ -158,7 +213,8 @@ class _Fp8SwiGLUFC2(torch.autograd.Function):
 @torch.compiler.disable  # the weight cache (identity, _version) is host logic: run eagerly inside a compiled graph
 def fp8_expert_mlp(x_MH: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, row_w: torch.Tensor | None,
                    layout: ExpertLayout, backend: Fp8Backend, wgrad: WgradAccumulator | None = None,
-                   landed: Fp8Rows | None = None, plan: Fp8Plan = ALL_FP8) -> torch.Tensor:
+                   landed: Fp8Rows | None = None, plan: Fp8Plan = ALL_FP8,
+                   source: RowSource | None = None) -> torch.Tensor:
     """FC1 -> SwiGLU (× row weight) -> FC2 of the live rows with FP8 GEMMs.
 
     Two autograd nodes: FC1 (saves the rows, or the landed codes) and SwiGLU-quant + FC2 (saves
@@ -166,7 +222,8 @@ def fp8_expert_mlp(x_MH: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, row_
 
     Args:
         x_MH: ``[M, H]`` landed rows (bf16; padding rows may hold anything, NaN included); with
-            ``landed``, the dispatcher's :func:`~dropless.ops.fp8_rows.grad_port` (values unused).
+            ``landed``, the dispatcher's :func:`~dropless.ops.fp8_rows.grad_port` (values unused);
+            with ``source``, None.
         w13: ``[e, H, 2I]``, w2: ``[e, I, H]`` in ``x_MH``'s dtype (their FP8 copies come from
             ``backend``'s cache: made once per optimizer step).
         row_w: ``[M]`` routing weight per row (``fold_routing_weights``), or None.
@@ -178,14 +235,23 @@ def fp8_expert_mlp(x_MH: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, row_
             (``local``'s :func:`~dropless.ops.fp8_rows.permute_fp8`) ``x_MH`` holds the rows.
         plan: which GEMMs run in FP8 (:func:`~dropless.ops.fp8_policy.plan_fp8`); the others run
             in bf16 through the ``torch`` backend. FC1 in bf16 needs the rows (not FP8-only ``landed``).
+        source: the rows' :class:`~dropless.ops.rows.RowSource` (``recompute_gather``): FC1 lands them
+            itself (as codes only, with ``backend.fused_quant``) and lands them again for ``dW13``
+            in backward; nothing ``[M, H]`` is saved, and ``dX`` is per source token (``[N, H]``).
     Returns:
         ``[M, H]`` in ``x_MH``'s dtype; live rows per expert, padding rows unspecified. Backward:
         ``dX`` on live rows (FP8 data gradients), ``dW`` from live rows only in bf16 (exactly 0
         for an empty expert), ``d row_w``.
     Raises:
+        ValueError: both ``source`` and ``landed``.
         RuntimeError: (device-side, asynchronous on CUDA) a live row of an FP8 operand is not finite.
     Under ``torch.compile`` it runs eagerly (a graph break; ``fullgraph=True`` refuses it).
     """
+    if source is not None:
+        if landed is not None:
+            raise ValueError("fp8_expert_mlp: give the rows' source or their FP8 landing, not both")
+        h13 = _Fp8GatherFC1.apply(source.x_NH, w13, source.src_M, source.dest_Nk, layout, backend, wgrad, plan)
+        return _Fp8SwiGLUFC2.apply(h13, w2, row_w, layout, backend, wgrad, plan)
     codes, scales, kept = landed.release() if landed is not None else (None, None, False)
     h13 = _Fp8FC1.apply(x_MH, w13, codes, scales, layout, backend, wgrad, kept, plan)
     del codes, scales  # with rows_kept nothing holds the codes any more: freed before FC2 runs
