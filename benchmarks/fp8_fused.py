@@ -366,13 +366,60 @@ CROSSOVER_GEMMS = {"fc1": (("H", "2I"), True), "fc2": (("I", "H"), True), "fc2_d
                    "fc1_dgrad": (("2I", "H"), False), "wgrad": (("H", "2I"), False)}
 
 
-def crossover(H, I, e, A, sizes, device, ue8m0) -> None:
+def _routing_onto(layout: ExpertLayout, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(src_M, dest_Nk)`` of ``live // k`` tokens of ``k`` choices each onto ``layout``'s live rows, in a random
+    order (the rows left over are live with no token: the GEMM reads them, no row kernel writes them)."""
+    live = torch.nonzero(layout.live_mask()).flatten()
+    n = live.numel() // k
+    g = torch.Generator(device="cpu").manual_seed(0)
+    dest = live[torch.randperm(live.numel(), generator=g).to(live.device)[: n * k]].view(n, k).to(device)
+    src = torch.full((layout.capacity,), -1, dtype=torch.int64, device=device)
+    src[dest.flatten()] = torch.arange(n, device=device).repeat_interleave(k)
+    return src, dest
+
+
+def _producers(name, layout, K, k, fp8, device):
+    """``(bf16, fp8)`` callables making the GEMM's left operand ``[M, K]`` as the fused FP8 path makes it: the
+    unfused row kernel (bf16 rows) and the kernel that writes the codes and scales too (``(rows or None,
+    codes, scales)``): FC1, the ``local`` landing with the rows kept (FC1's weight gradient reads them); FC2,
+    the SwiGLU of ``h13 [M, 2K]``; FC2's data gradient, the combine's backward with the routing weights'
+    gradient (weights not folded)."""
+    from dropless.ops.rows import land_rows
+    from dropless.ops.swiglu import swiglu_fwd
+
+    M, bf = layout.capacity, torch.bfloat16
+    src, dest = _routing_onto(layout, k, device)
+    n = dest.shape[0]
+    if name == "fc1":
+        x = torch.randn(n, K, device=device, dtype=bf)
+        return (lambda: land_rows(x, src, dest),
+                lambda: ff.scatter_quant_rows(x, src, dest, fp8.act_group, fp8.ue8m0, keep_rows=True))
+    if name == "fc2":
+        h13 = torch.randn(M, 2 * K, device=device, dtype=bf)
+        return lambda: swiglu_fwd(h13, layout), lambda: (None, *fp8.swiglu_quant_act(h13, layout))
+    g = torch.randn(n, K, device=device, dtype=bf)
+    y = torch.randn(M, K, device=device, dtype=bf)
+    w = torch.rand(n, k, device=device, dtype=torch.float32)
+    return (lambda: combine_bwd(g, y, dest, w, M, True)[0],
+            lambda: _drop_grad_w(ff.combine_bwd_quant(g, y, dest, w, M, True, fp8.act_group, fp8.ue8m0)))
+
+
+def _drop_grad_w(out):
+    grad_y, _, codes, scales = out
+    return grad_y, codes, scales
+
+
+def crossover(H, I, e, A, sizes, device, ue8m0, k=8) -> None:
     """Per GEMM of fp8_policy, bf16 vs FP8 over rows per expert; one line per size and one ``crossover`` line
     per GEMM and ``quant``: ``min_rows`` = the smallest size from which FP8 is at least as fast at every larger
-    size tried (None: never), the value for fp8_policy's table. ``quant``: ``separate`` times the FP8 GEMM
-    with the quantisation pass of its left operand (what ``gemm=fp8`` runs with ``fused_quant=False`` and on
-    the recompute paths); ``in_kernel`` without it (the operand quantised by the kernel that makes it, where
-    the fused path can). The FP8 weight gradient (``wgrad="fp8"``) counts both operands' passes."""
+    size tried (None: never), the value for fp8_policy's table.
+
+    What is timed is the GEMM with the kernel that makes its left operand, the same kernel on both sides
+    where there is one: ``separate``, bf16 against the FP8 GEMM plus the quantisation pass of that operand
+    (what ``gemm=fp8`` runs with ``fused_quant=False`` and on the recompute nodes); ``in_kernel``, the bf16
+    row kernel (landing gather, SwiGLU, combine backward; ``k`` choices per token) + bf16 GEMM against the
+    fused row kernel that writes the codes too + FP8 GEMM, so a fused kernel slower than the plain one counts
+    against FP8. The FP8 weight gradient (``wgrad="fp8"``) counts both operands' passes."""
     from dropless.ops.torch_backend import TorchBackend
 
     dims = {"H": H, "I": I, "2I": 2 * I}
@@ -391,22 +438,28 @@ def crossover(H, I, e, A, sizes, device, ue8m0) -> None:
                 ms_b = bench(lambda: bf16.gmm_wgrad(x, dy, layout), device, warmup=3, iters=10)
                 times = {"separate": bench(lambda: fp8.gmm_wgrad(x, dy, layout), device, warmup=3, iters=10)}
             else:
-                q, qs = fp8.quant_act(x, layout)
                 b, bs = fp8.weight(w)
                 ms_b = bench(lambda: bf16.gmm(x, w, layout), device, warmup=3, iters=10)
                 times = {"separate": bench(lambda: fp8.gmm(x, w, layout), device, warmup=3, iters=10)}
                 if in_kernel:
-                    times["in_kernel"] = bench(lambda: fp8.scaled_gmm(q, qs, b, bs, layout), device, warmup=3,
-                                               iters=10)
+                    make_b, make_q = _producers(name, layout, K, k, fp8, device)
+                    ms_b = bench(lambda: bf16.gmm(make_b(), w, layout), device, warmup=3, iters=10)
+                    times["separate"] += bench(make_b, device, warmup=3, iters=10)
+
+                    def fused():
+                        _, q, qs = make_q()
+                        return fp8.scaled_gmm(q, qs, b, bs, layout)
+
+                    times["in_kernel"] = bench(fused, device, warmup=3, iters=10)
             for qn, ms_f in times.items():
                 faster[qn].append(ms_f <= ms_b)
                 emit(device=device.type, bench="crossover_point", gemm=name, quant=qn, rows_per_expert=m, experts=e,
-                     K=K, N=N, alignment=A, bf16_us=round(ms_b * 1e3, 1), fp8_us=round(ms_f * 1e3, 1),
+                     K=K, N=N, k=k, alignment=A, bf16_us=round(ms_b * 1e3, 1), fp8_us=round(ms_f * 1e3, 1),
                      speedup=round(ms_b / ms_f, 3))
         for qn, fast in faster.items():
             min_rows = next((sizes[i] for i in range(len(sizes)) if all(fast[i:])), None)
-            emit(device=device.type, bench="crossover", gemm=name, quant=qn, H=H, I=I, experts=e, alignment=A,
-                 ue8m0=ue8m0, sizes=sizes, min_rows=min_rows)
+            emit(device=device.type, bench="crossover", gemm=name, quant=qn, H=H, I=I, experts=e, k=k,
+                 alignment=A, ue8m0=ue8m0, sizes=sizes, min_rows=min_rows)
 
 
 def _fill(M: int, e: int, A: int) -> list[int]:
@@ -425,8 +478,8 @@ def main(argv=None) -> int:
                    "in DIR (another revision's copies) on the same inputs")
     p.add_argument("--sweep", action="store_true", help="quant_kernels: also time launch variants (quant_sweep)")
     p.add_argument("--crossover-shapes", default="7168x2048x4",
-                   help="comma-separated HxI or HxIxE (hidden x moe_intermediate x local experts, E default 4) "
-                        "shapes for the crossover measurement")
+                   help="comma-separated HxI, HxIxE or HxIxExk (hidden x moe_intermediate x local experts x "
+                        "choices per token; E default 4, k 8) shapes for the crossover measurement")
     a = p.parse_args(argv)
     only = a.only.split(",")
     unknown = sorted(set(only) - set(MEASUREMENTS))
@@ -469,10 +522,11 @@ def main(argv=None) -> int:
             select.FORCE_TRITON = forced
     if "crossover" in only:
         sizes = [16, 64] if a.smoke else [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
-        shapes = ([(H, I, len(counts))] if a.smoke else
-                  [(*(int(v) for v in s.split("x")), 4)[:3] for s in a.crossover_shapes.split(",")])
-        for ch, ci, ce in shapes:
-            crossover(ch, ci, ce, 128, sizes, device, a.ue8m0)
+        shapes = ([(H, I, len(counts), k)] if a.smoke else
+                  [(*(int(v) for v in s.split("x")), 4, 8)[:4] if s.count("x") == 1 else
+                   (*(int(v) for v in s.split("x")), 8)[:4] for s in a.crossover_shapes.split(",")])
+        for ch, ci, ce, ck in shapes:
+            crossover(ch, ci, ce, 128, sizes, device, a.ue8m0, ck)
     emit(device=device.type, bench="wall", only=only, seconds=round(time.perf_counter() - t0, 1))
     return 0
 

@@ -468,9 +468,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="gemm=fp8 as Fp8Backend(fused_quant=False): FC1's rows and FC2's output gradient each "
                         "quantised in a pass of its own, not by the kernels that write them (field "
                         "fp8_separate_quant)")
+    p.add_argument("--fp8-gemms", default=None, metavar="LIST",
+                   help="gemm=fp8 with exactly these expert GEMMs in FP8 (comma-separated names of "
+                        "dropless.ops.fp8_policy.GEMMS, or 'none'), the others in bf16, in place of the plan the "
+                        "crossover table gives (field fp8_gemms): to measure a plan before the table says it")
     a = p.parse_args(argv)
     if a.fp8_separate_quant:
         register_backend("fp8", functools.partial(Fp8Backend, fused_quant=False))
+    if a.fp8_gemms is not None:
+        force_fp8_plan(a.fp8_gemms)
     for variant in a.variants:
         copies = None if not a.copies else (a.copies if len(a.variants) == 1 else f"{a.copies}.{variant}")
         with contextlib.redirect_stdout(sys.stderr):  # the trainer's own lines: stdout carries only JSON
@@ -480,8 +486,23 @@ def main(argv: list[str] | None = None) -> int:
             rec = {"label": a.label, **rec}
         if a.fp8_separate_quant:
             rec["fp8_separate_quant"] = True
+        if a.fp8_gemms is not None:
+            rec["fp8_gemms"] = a.fp8_gemms
         emit(rec, a.out)
     return 0
+
+
+def force_fp8_plan(names: str) -> None:
+    """Make every MoE layer of this process plan ``names`` (comma-separated GEMMs of ``fp8_policy.GEMMS``, or
+    ``none``) in FP8 and the other GEMMs in bf16, whatever the crossover table says (the layer still says
+    which run in bf16). Raises SystemExit naming an unknown GEMM."""
+    from dropless import moe
+    from dropless.ops.fp8_policy import GEMMS, Fp8Plan
+
+    chosen = set() if names == "none" else set(names.split(","))
+    if chosen - set(GEMMS):
+        raise SystemExit(f"--fp8-gemms: unknown {sorted(chosen - set(GEMMS))}; choose from {GEMMS} or 'none'")
+    moe.plan_fp8 = lambda rows, table: Fp8Plan(**{g: g in chosen for g in GEMMS})
 
 
 def emit(rec: dict[str, Any], out: str | None = None) -> None:
