@@ -65,10 +65,12 @@ def test_crossover_table_takes_the_nearest_measured_shape_and_each_gemms_quant()
     table, at = fp.crossover_table(7168, 2048, 8, fp.quant_of(True, True, False), cross)  # DeepSeek-V3 at EP 32
     assert at == (7168, 2048, 4) and table == dict(fc1=512, fc2=512, fc2_dgrad=512, fc1_dgrad=512, wgrad=None)
     assert fp.crossover_table(1280, 640, 48, q, cross)[1] == (1024, 512, 64)
-    # the shipped table: h200_single's experts (H 1024, I 512, 64 experts, 3,072 rows each) on the fused path
-    table, at = fp.crossover_table(1024, 512, 64, q)
-    assert at == (1024, 512, 64) and fp.plan_fp8(3072, table).bf16_gemms() == ["fc1", "fc1_dgrad", "fc2_dgrad",
+    # the shipped table: h200_single's experts (H 1024, I 512, 64 experts, 3,072 rows each) on the fused path,
+    # its codes written by the landing kernel and the combine's backward (fused_quant) or not
+    table, at = fp.crossover_table(1024, 512, 64, fp.quant_of(True, True, False))
+    assert at == (1024, 512, 64) and fp.plan_fp8(3072, table).bf16_gemms() == ["fc2", "fc1_dgrad", "fc2_dgrad",
                                                                                 "wgrad"]
+    assert fp.plan_fp8(3072, fp.crossover_table(1024, 512, 64, q)[0]).bf16_gemms() == list(fp.GEMMS)
     with pytest.raises(ValueError, match="quant"):
         fp.crossover_table(1024, 512, 64, dict(q, fc1="fused"), cross)
 

@@ -36,8 +36,12 @@ and why: the MoE layer says it once, at its first forward (dropless/moe.py), nev
 The table is measured by ``benchmarks/fp8_fused.py --only crossover --crossover-shapes ...`` on
 an H100 for ``gemm=fp8``'s GEMM (``torch._scaled_grouped_mm``, one scale per row;
 benchmarks/results/fp8_fused.jsonl, ``bench: crossover``); not on an H200, nor for DeepGEMM (whose
-backend leaves the plan off by default). A shape far from every measured one takes the nearest
-one's entries; measure it to be sure.
+backend leaves the plan off by default). Each side is timed with the kernel that makes the GEMM's
+left operand: ``separate``, that kernel + the quantisation pass + the FP8 GEMM against that kernel +
+the bf16 GEMM; ``in_kernel``, the fused kernel that writes the codes too (the landing gather with the
+rows kept, the SwiGLU, the combine's backward with the routing weights' gradient) + the FP8 GEMM
+against the plain kernel + the bf16 GEMM, so that a fused kernel slower than the plain one counts
+against FP8. A shape far from every measured one takes the nearest one's entries; measure it to be sure.
 """
 
 from __future__ import annotations
@@ -51,22 +55,22 @@ GEMMS = ("fc1", "fc2", "fc1_dgrad", "fc2_dgrad", "wgrad")
 QUANTS = ("separate", "in_kernel")
 
 #: ``(H, I, local experts)`` -> ``quant`` -> GEMM -> smallest rows per expert for FP8 (None: never up to
-#: 16,384). Measured on one H100 (torch 2.11, 2026-12-07, commit f438d37, 64 … 16,384 rows per expert,
-#: alignment 128; benchmarks/results/fp8_fused.jsonl, ``bench: crossover``). FC1's data gradient and the FP8 weight
-#: gradient are always ``separate``.
+#: 16,384). Measured on one H100 (torch 2.11, 2026-12-07, commit 93b64f4, 64 … 16,384 rows per expert,
+#: alignment 128, k 6 at H 1024 and 8 elsewhere; benchmarks/results/fp8_fused.jsonl, ``bench: crossover``). FC1's
+#: data gradient and the FP8 weight gradient are always ``separate``.
 CROSSOVERS: dict[tuple[int, int, int], dict[str, dict[str, int | None]]] = {
     (1024, 512, 64): {
         "separate": dict(fc1=None, fc2=None, fc2_dgrad=None, fc1_dgrad=None, wgrad=None),
-        "in_kernel": dict(fc1=64, fc2=64, fc2_dgrad=64)},
+        "in_kernel": dict(fc1=2048, fc2=4096, fc2_dgrad=None)},
     (2048, 1024, 32): {
-        "separate": dict(fc1=1024, fc2=4096, fc2_dgrad=None, fc1_dgrad=8192, wgrad=None),
-        "in_kernel": dict(fc1=256, fc2=64, fc2_dgrad=64)},
+        "separate": dict(fc1=16384, fc2=4096, fc2_dgrad=None, fc1_dgrad=16384, wgrad=None),
+        "in_kernel": dict(fc1=512, fc2=1024, fc2_dgrad=4096)},
     (4096, 1536, 16): {
-        "separate": dict(fc1=512, fc2=2048, fc2_dgrad=2048, fc1_dgrad=512, wgrad=None),
-        "in_kernel": dict(fc1=512, fc2=64, fc2_dgrad=64)},
+        "separate": dict(fc1=1024, fc2=16384, fc2_dgrad=16384, fc1_dgrad=1024, wgrad=None),
+        "in_kernel": dict(fc1=512, fc2=256, fc2_dgrad=2048)},
     (7168, 2048, 4): {
-        "separate": dict(fc1=1024, fc2=2048, fc2_dgrad=4096, fc1_dgrad=512, wgrad=None),
-        "in_kernel": dict(fc1=512, fc2=512, fc2_dgrad=512)},
+        "separate": dict(fc1=2048, fc2=4096, fc2_dgrad=None, fc1_dgrad=2048, wgrad=None),
+        "in_kernel": dict(fc1=2048, fc2=512, fc2_dgrad=2048)},
 }
 
 
