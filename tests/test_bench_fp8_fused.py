@@ -45,6 +45,34 @@ def test_fp8_fused_benchmark_times_another_revision_and_sweeps(capsys):
     assert {r["combine_tile"] for r in sweep if "combine_tile" in r} == set(SWEEP_COMBINE_TILE)
 
 
+def test_crossover_times_each_gemm_with_its_row_kernel(capsys):
+    """``crossover`` (smoke): a point per GEMM, size and quant, and one table line per GEMM and quant; in_kernel
+    only for the GEMMs whose operand a row kernel makes (FC1, FC2, FC2's data gradient)."""
+    from dropless.ops.fp8_policy import GEMMS
+
+    assert main(["--smoke", "--only", "crossover"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    table = {(r["gemm"], r["quant"]): r for r in lines if r["bench"] == "crossover"}
+    assert set(table) == {(g, "separate") for g in GEMMS} | {(g, "in_kernel") for g in ("fc1", "fc2", "fc2_dgrad")}
+    assert all(r["k"] == 2 and r["sizes"] == [16, 64] for r in table.values())
+    points = [r for r in lines if r["bench"] == "crossover_point"]
+    assert len(points) == 2 * len(table) and all(r["bf16_us"] > 0 and r["fp8_us"] > 0 for r in points)
+
+
+def test_crossover_routing_lands_each_token_on_k_live_rows():
+    import torch
+
+    from benchmarks.fp8_fused import _routing_onto
+    from dropless.layout import ExpertLayout
+
+    lay = ExpertLayout.from_counts(torch.tensor([5, 0, 7, 4]), 8, num_rows=16)
+    src, dest = _routing_onto(lay, 3, torch.device("cpu"))
+    live = lay.live_mask()
+    assert dest.shape == (5, 3) and live[dest.flatten()].all() and dest.flatten().unique().numel() == 15
+    assert torch.equal(src[dest], torch.arange(5).unsqueeze(1).expand(5, 3))
+    assert int((src >= 0).sum()) == 15 and not (src[~live] >= 0).any()
+
+
 def test_fp8_fused_benchmark_refuses_an_unknown_measurement():
     with pytest.raises(SystemExit) as e:
         main(["--smoke", "--only", "experts"])

@@ -31,6 +31,23 @@ def test_train_step_benchmark_json_fields(capsys):
     assert r["kernel_ms_total_per_step"] == pytest.approx(sum(k.values()), abs=0.01) and r["kernels_per_step"] > 100
 
 
+def test_fp8_gemms_forces_the_plan_of_every_moe_layer(monkeypatch):
+    """--fp8-gemms: every MoE layer plans exactly the named GEMMs in FP8, whatever the table; a name that is no
+    GEMM stops the run before any build."""
+    from benchmarks.train_step import force_fp8_plan
+    from dropless import moe
+    from dropless.ops import fp8_policy as fp
+
+    monkeypatch.setattr(moe, "plan_fp8", moe.plan_fp8)  # restored after the test
+    force_fp8_plan("fc1,fc2_dgrad")
+    plan = moe.plan_fp8(10.0, dict.fromkeys(fp.GEMMS, None))  # the table says bf16 for every GEMM
+    assert plan.bf16_gemms() == ["fc2", "fc1_dgrad", "wgrad"]
+    force_fp8_plan("none")
+    assert moe.plan_fp8(1e9, dict.fromkeys(fp.GEMMS, 0)).bf16_gemms() == list(fp.GEMMS)
+    with pytest.raises(SystemExit, match="fc3"):
+        force_fp8_plan("fc1,fc3")
+
+
 def test_variant_names_are_checked_before_any_build():
     from benchmarks.train_step import run_variant
     for bad in ("eager+fast", "graph", "compile_moe+graph+graph"):
