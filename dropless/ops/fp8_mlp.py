@@ -115,9 +115,11 @@ class _Fp8GatherFC1(torch.autograd.Function):
     the landing kernel writes only the codes and scales (each token read and quantised once,
     :func:`~dropless.ops.fp8_fused_rows.scatter_quant_rows`; no compute-dtype rows), else the
     rows are landed and quantised by ``quant_act``; FC1 in bf16: the rows are landed. Saves the
-    tokens and the indices. Backward: ``dW13`` from the rows landed again (after the GEMM that
-    needs them is the only one left), then ``dX`` on the rows summed over each token's ``k`` copies
-    (:func:`~dropless.ops.rows.gather_sum`, fp32), ``[N, H]``.
+    tokens and the indices. Backward: ``dW13`` first, from the rows landed again (freed before
+    ``dX``'s ``[M, H]`` rows are made), then ``dX`` on the rows summed over each token's ``k``
+    copies (:func:`~dropless.ops.rows.gather_sum`, fp32 sum rounded once), ``[N, H]`` in the tokens'
+    dtype. Raises as :func:`fp8_expert_mlp` (a non-finite live row: device-side, through the landing
+    kernel's check).
     """
 
     @staticmethod
